@@ -1,0 +1,1 @@
+"""Tier 1: Ray Data preprocessing, raw text to a versioned parquet dataset."""

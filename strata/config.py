@@ -1,0 +1,64 @@
+"""Small CLIs over frozen dataclass configs: a preset plus overrides of its fields.
+
+Each config field gets a `--field-name` flag whose help is the field's one-line
+docstring; only the flags a user gives override the preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+import typing
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a dataclass, by field name."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body
+        for node, nxt in zip(body, body[1:], strict=False):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+                docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """A `--flag` per field of `cls`; `metadata={"flag": "--x"}` renames one."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    group = parser.add_argument_group(f"{cls.__name__} fields (override the preset)")
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        hint = hints[f.name]
+        kwargs: dict = {"dest": f.name, "default": argparse.SUPPRESS, "help": docs.get(f.name, "")}
+        if hint is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(hint) is tuple:
+            kwargs.update(action="append", type=typing.get_args(hint)[0], metavar=f.name.upper().rstrip("S"))
+        else:
+            base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+            kwargs.update(type=base, metavar=f.name.upper())
+        group.add_argument(flag, **kwargs)
+
+
+def overrides(args: argparse.Namespace, cls: type) -> dict:
+    """The config fields the user set on the command line."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    out = {k: v for k, v in vars(args).items() if k in names}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
+
+
+def build(presets: dict[str, typing.Callable], preset: str, **overrides_):
+    """A config from a named preset and overrides, with a clear error for an unknown preset."""
+    if preset not in presets:
+        raise SystemExit(f"unknown preset {preset!r}; choose from: {', '.join(presets)}")
+    return presets[preset](**overrides_)

@@ -1,0 +1,54 @@
+"""One way to get a Ray: join a cluster when `RAY_ADDRESS` is set, else start an
+embedded local Ray on loopback whose node satisfies every tier selector."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from strata import tiers
+
+# Makes every Ray process bind to and talk on 127.0.0.1. Only for the embedded
+# local Ray: in a real cluster it would cut nodes off from each other.
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def _use_loopback() -> None:
+    """Keep the embedded Ray on 127.0.0.1, even if `ray` was imported already.
+
+    Ray reads the variable when `ray._private.ray_constants` is imported; the
+    environment carries it to the raylet and workers this process starts.
+    """
+    os.environ.update(LOOPBACK_ENV)
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def connect(*, address: str | None = None, num_cpus: int | None = None,
+            temp_dir: str | None = None, log_to_driver: bool = True) -> str:
+    """Connect to Ray once per process and return a one-line description.
+
+    `address` (or `RAY_ADDRESS`) joins an existing cluster, which is how a job
+    submitted with `ray job submit` finds its cluster. Without one, an embedded
+    local Ray starts on loopback with its own temp dir and every tier label.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return "already connected"
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=log_to_driver)
+        return f"joined Ray cluster at {address}"
+    _use_loopback()
+    temp_dir = temp_dir or tempfile.mkdtemp(prefix="strata-ray-")
+    ray.init(
+        address="local",  # never attach to somebody else's cluster by accident
+        num_cpus=num_cpus,
+        labels=tiers.local_node_labels(),
+        include_dashboard=False,
+        log_to_driver=log_to_driver,
+        _temp_dir=temp_dir,
+    )
+    return f"started embedded local Ray ({ray.cluster_resources().get('CPU', 0):.0f} CPUs, temp {temp_dir})"

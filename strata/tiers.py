@@ -1,0 +1,50 @@
+"""The tiers are node labels, defined here once.
+
+A node serves a tier when it carries that tier's label with value "true". Code
+asks for a tier (`selector(Tier.CPU)`), never for an instance type. One label per
+tier (rather than one `tier` key with several values) lets the embedded local
+node serve every tier at once, so the same selectors work on a laptop.
+"""
+
+from __future__ import annotations
+
+import enum
+
+LABEL_PREFIX = "strata.io"  # our own prefix: `ray.io/` is reserved for Ray.
+LABEL_VALUE = "true"
+
+
+class Tier(enum.StrEnum):
+    CPU = "cpu"  # preprocessing: Ray Data map work
+    GPU = "gpu"  # training: TorchTrainer workers
+    SPOT = "spot"  # sweeps: Ray Tune trials on preemptible CPU nodes
+
+
+def label_key(tier: Tier | str) -> str:
+    """The node label key that marks a node as serving `tier`."""
+    return f"{LABEL_PREFIX}/{Tier(tier).value}"
+
+
+def selector(tier: Tier | str) -> dict[str, str]:
+    """The `label_selector` that places work on nodes of `tier`."""
+    return {label_key(tier): LABEL_VALUE}
+
+
+def node_labels(*tiers: Tier | str) -> dict[str, str]:
+    """Labels for a node that serves `tiers` (as `ray start --labels` or cluster.yaml)."""
+    return {label_key(t): LABEL_VALUE for t in tiers}
+
+
+def local_node_labels() -> dict[str, str]:
+    """Labels of the embedded local node: it satisfies every tier's selector."""
+    return node_labels(*Tier)
+
+
+def tiers_of(labels: dict[str, str]) -> set[Tier]:
+    """Which tiers a node with `labels` serves."""
+    return {t for t in Tier if labels.get(label_key(t)) == LABEL_VALUE}
+
+
+def format_labels(labels: dict[str, str]) -> str:
+    """`k=v,k=v`, the syntax of `ray start --labels`."""
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
