@@ -47,7 +47,8 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
         address="local",  # never attach to somebody else's cluster by accident
         num_cpus=num_cpus,
         labels=tiers.local_node_labels(),
-        include_dashboard=False,
+        include_dashboard=True,  # Ray Train's state queries need it
+        dashboard_host="127.0.0.1",
         log_to_driver=log_to_driver,
         _temp_dir=temp_dir,
     )

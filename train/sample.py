@@ -1,0 +1,90 @@
+"""Generate text from a training run's latest checkpoint (or a given one).
+
+    python -m train.sample --run NAME [--prompt TEXT] [--tokens N] [--samples K] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import pyarrow.fs as pafs
+import torch
+
+from strata.dataset import TokenizerInfo
+from strata.storage import Storage, filesystem, join
+from strata.tokenizer import from_info
+from train.model import GPT, GPTConfig
+
+
+def latest_checkpoint(run_dir: str) -> str:
+    """The checkpoint directory of a run with the highest step."""
+    fs, base = filesystem(run_dir)
+    found = []
+    for info in fs.get_file_info(pafs.FileSelector(base, allow_not_found=True)):
+        meta = join(run_dir, info.base_name, "meta.json")
+        if info.base_name.startswith("checkpoint_") and fs.get_file_info(filesystem(meta)[1]).is_file:
+            with fs.open_input_stream(filesystem(meta)[1]) as f:
+                found.append((json.loads(f.read())["step"], join(run_dir, info.base_name)))
+    if not found:
+        raise FileNotFoundError(f"no checkpoint in {run_dir}")
+    return max(found)[1]
+
+
+def load(checkpoint: str) -> tuple[GPT, object, int]:
+    """Model, tokenizer and step from a checkpoint directory."""
+    fs, path = filesystem(join(checkpoint, "state.pt"))
+    with fs.open_input_stream(path) as f:
+        state = torch.load(f, map_location="cpu", weights_only=False)
+    model = GPT(GPTConfig(**state["model_config"]))
+    model.load_state_dict(state["model"])
+    return model.eval(), from_info(TokenizerInfo(**state["tokenizer"])), state["step"]
+
+
+def sample(checkpoint: str, prompt: str, tokens: int, samples: int, temperature: float, seed: int) -> list[str]:
+    model, tok, _ = load(checkpoint)
+    torch.manual_seed(seed)
+    ids = tok.encode(prompt).astype("int64") if prompt else [tok.eot_id]
+    idx = torch.tensor(ids, dtype=torch.long).unsqueeze(0).repeat(samples, 1)  # (K, T)
+    out = model.generate(idx, tokens, temperature=temperature, vocab_limit=tok.vocab_size)
+    texts = []
+    for row in out.tolist():
+        row = row[len(ids):]
+        if tok.eot_id in row:
+            row = row[: row.index(tok.eot_id)]
+        texts.append(prompt + tok.decode(row))
+    return texts
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m train.sample", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run", help="run name under $STRATA_STORAGE/runs (uses its latest checkpoint)")
+    where.add_argument("--checkpoint", help="a checkpoint directory")
+    parser.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
+    parser.add_argument("--tokens", type=int, default=200, help="tokens to generate per sample")
+    parser.add_argument("--samples", type=int, default=1, help="number of samples")
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--storage", help="storage root (default: $STRATA_STORAGE or ~/strata-data)")
+    parser.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")
+    args = parser.parse_args(argv)
+    try:
+        ckpt = args.checkpoint or latest_checkpoint(Storage.from_env(args.storage).run(args.run))
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    texts = sample(ckpt, args.prompt, args.tokens, args.samples, args.temperature, args.seed)
+    for t in texts:
+        print(t + "\n" + "-" * 40, file=sys.stderr if args.json else sys.stdout)
+    result = {"checkpoint": ckpt, "samples": texts}
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
