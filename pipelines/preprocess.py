@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from strata import tiers
-from strata.config import add_config_arguments, build, overrides
+from strata.cli import add_config_arguments, build, finish, overrides
 from strata.connect import connect
 from strata.dataset import DocumentCounts, Shard, commit, token_dtype
 from strata.runinfo import run_info
@@ -167,9 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{d['duplicate']} duplicate + {d['rejected']} rejected {summary['reasons'] or ''}\n"
           f"[preprocess] {summary['tokens']:,} tokens -> {summary['sequences']:,} rows in "
           f"{summary['shards']} shards ({summary['seconds']} s)", file=sys.stderr)
-    if args.json:
-        print(json.dumps(summary))
-    return summary
+    return finish(summary, args.json)
 
 
 if __name__ == "__main__":

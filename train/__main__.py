@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict
 
 from strata import tiers
-from strata.config import add_config_arguments, overrides
+from strata.cli import add_config_arguments, finish, overrides
 from strata.connect import connect
 from strata.dataset import DatasetError, check_compatible, resolve
 from strata.runinfo import run_info
@@ -134,9 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[train] run {run_name}: steps {summary['start_step']} -> {summary['start_step'] + summary['steps']}, "
               f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, checkpoint {summary['checkpoint']}",
               file=sys.stderr)
-    if args.json:
-        print(json.dumps(summary))
-    return summary
+    return finish(summary, args.json)
 
 
 if __name__ == "__main__":

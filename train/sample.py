@@ -36,7 +36,7 @@ def latest_checkpoint(run_dir: str) -> str:
 def load(checkpoint: str) -> tuple[GPT, object, int]:
     """Model, tokenizer and step from a checkpoint directory."""
     fs, path = filesystem(join(checkpoint, "state.pt"))
-    with fs.open_input_stream(path) as f:
+    with fs.open_input_file(path) as f:  # torch.load needs a seekable file
         state = torch.load(f, map_location="cpu", weights_only=False)
     model = GPT(GPTConfig(**state["model_config"]))
     model.load_state_dict(state["model"])

@@ -9,14 +9,13 @@ ASHA stops weak trials early by default. The best config is written to
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from dataclasses import asdict
 
 from strata import tiers
-from strata.config import add_config_arguments, overrides
+from strata.cli import add_config_arguments, finish, overrides
 from strata.connect import connect
 from strata.dataset import DatasetError, check_compatible, resolve
 from strata.runinfo import run_info
@@ -109,9 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"[tune] sweep {name}: {summary['completed']}/{summary['trials']} trials completed, "
           f"{summary['iterations']} iterations; best {b['metric_name']} {b['metric']:.4f} with {b['config']}",
           file=sys.stderr)
-    if args.json:
-        print(json.dumps(summary))
-    return summary
+    return finish(summary, args.json)
 
 
 if __name__ == "__main__":

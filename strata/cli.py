@@ -10,6 +10,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import json
 import textwrap
 import typing
 
@@ -62,3 +63,14 @@ def build(presets: dict[str, typing.Callable], preset: str, **overrides_):
     if preset not in presets:
         raise SystemExit(f"unknown preset {preset!r}; choose from: {', '.join(presets)}")
     return presets[preset](**overrides_)
+
+
+def finish(summary: dict, as_json: bool) -> dict:
+    """Stop Ray (so no late log line follows), then print the JSON summary as the last line."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    if as_json:
+        print(json.dumps(summary), flush=True)
+    return summary

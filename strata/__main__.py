@@ -1,0 +1,22 @@
+"""strata's own commands: `python -m strata demo`."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> None:
+    commands = {"demo": "run the main job end to end on an embedded local Ray"}
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
+        print("usage: python -m strata COMMAND [args]\n\ncommands:")
+        for name, what in commands.items():
+            print(f"  {name:8} {what}")
+        sys.exit(0 if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help") else 2)
+    if sys.argv[1] == "demo":
+        from strata.demo import main as demo
+
+        demo(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    main()
