@@ -62,7 +62,7 @@ def decode_file(row: dict, *, text_field: str, min_chars: int, max_chars: int) -
     """One file's bytes to document rows (Ray Data `flat_map`). Never raises on bad data."""
     import ray
 
-    node = ray.get_runtime_context().get_node_id()
+    node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
     path, data = row["path"], row["bytes"]
     if path.endswith(".gz"):
         try:

@@ -1,0 +1,108 @@
+"""Shared fixtures: hermetic storage, a generated corpus, one local Ray per session.
+
+Every Ray here binds to 127.0.0.1 (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, set
+before Ray is imported) and gets its own short temp dir.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+
+import pytest
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+    os.environ.pop(var, None)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = ["data", "model", "token", "train", "layer", "batch", "node", "cluster", "spot", "shard", "parquet", "ray", "tune", "loss", "step", "the", "a", "of", "and", "to", "in", "is", "for", "on", "with"]
+
+
+def make_corpus(root: str, docs: int = 40, seed: int = 0) -> dict:
+    """Good text files, a JSONL file, and one of each kind of bad input.
+
+    Returns what was made, so tests derive expectations from construction.
+    """
+    rng = random.Random(seed)
+    os.makedirs(root, exist_ok=True)
+    good = []
+    for i in range(docs):
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(60, 200))) + f" doc{i}."
+        with open(os.path.join(root, f"doc{i:03d}.txt"), "w") as f:
+            f.write(text)
+        good.append(text)
+    json_good = ["first json document with plenty of words in it", "second json document, also long enough"]
+    with open(os.path.join(root, "lines.jsonl"), "w") as f:
+        f.write("\n".join([f'{{"text": "{json_good[0]}"}}', "{not json", '{"id": 3}',
+                           f'{{"text": "{json_good[1]}"}}']) + "\n")
+    with open(os.path.join(root, "bad-utf8.txt"), "wb") as f:
+        f.write(b"caf\xe9 is not utf-8 but this line is long")
+    with open(os.path.join(root, "binary.txt"), "wb") as f:
+        f.write(b"\x00\x01\x02" * 100)
+    with open(os.path.join(root, "short.txt"), "w") as f:
+        f.write("tiny")
+    return {"files": len(os.listdir(root)), "good": good + json_good, "rejected": {"malformed-json": 1, "missing-text-field": 1,
+                                                   "invalid-utf8": 1, "binary": 1},
+            "filtered": {"too-short": 1}}
+
+
+@pytest.fixture(scope="session")
+def storage_root(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("storage"))
+    os.environ["STRATA_STORAGE"] = root
+    return root
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("corpus"))
+    return {"path": root, **make_corpus(root)}
+
+
+_ray_dirs: list[str] = []
+
+
+def ensure_local_ray():
+    """The embedded local Ray, started once and shared; restarted only if a
+    multi-node test module replaced it with a cluster of its own."""
+    import ray
+
+    from strata import tiers
+    from strata.connect import connect
+
+    nodes = ray.nodes() if ray.is_initialized() else []
+    if len(nodes) == 1 and tiers.tiers_of(nodes[0].get("Labels", {})) == set(tiers.Tier):
+        return ray
+    ray.shutdown()
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    _ray_dirs.append(temp)
+    connect(num_cpus=2, temp_dir=temp)
+    return ray
+
+
+@pytest.fixture
+def local_ray(storage_root):
+    return ensure_local_ray()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_ray_at_end():
+    yield
+    import ray
+
+    ray.shutdown()
+    for d in _ray_dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def dataset(storage_root, corpus):
+    """The corpus preprocessed once into a committed version (debug preset: seq_len 128)."""
+    from pipelines.preprocess import debug, run
+    from strata.storage import Storage
+
+    ensure_local_ray()
+    return run(debug(inputs=(corpus["path"],), dataset="corpus"), Storage.from_env())

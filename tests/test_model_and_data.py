@@ -1,0 +1,94 @@
+"""The GPT model and the per-rank batch iterator, without Ray."""
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from strata.dataset import arrow_schema
+from train.data import ShardRef, TokenBatches
+from train.loop import TrainConfig, lr_at, make_optimizer, train_step
+from train.model import GPT, preset
+
+SEQ = 8
+
+
+def test_forward_shapes_and_tied_embeddings():
+    cfg = preset("debug", seq_len=SEQ, n_layer=1, n_embd=32, n_head=2)
+    model = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (3, SEQ))
+    logits, loss = model(idx, idx)
+    assert logits.shape == (3, SEQ, cfg.vocab_size)
+    assert model.head.weight is model.wte.weight
+    assert abs(loss.item() - np.log(cfg.vocab_size)) < 1.0  # near uniform at init
+    assert model.flops_per_token() > 6 * model.num_params()
+
+
+def test_a_few_steps_fit_one_batch():
+    cfg = preset("debug", seq_len=SEQ, n_layer=1, n_embd=32, n_head=2)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    tcfg = TrainConfig(lr=1e-2, warmup_steps=1, max_steps=30)
+    opt = make_optimizer(model, tcfg)
+    batch = np.random.default_rng(0).integers(0, 257, (4, SEQ + 1))
+    losses = [train_step(model, opt, batch, lr_at(s, tcfg), tcfg, torch.device("cpu")) for s in range(30)]
+    assert losses[-1] < losses[0] * 0.5
+
+
+def test_generate_never_draws_padding_ids():
+    cfg = preset("debug", seq_len=SEQ, n_layer=1, n_embd=32, n_head=2)
+    out = GPT(cfg).generate(torch.zeros(2, 1, dtype=torch.long), 20, temperature=2.0, top_k=None, vocab_limit=257)
+    assert out.shape == (2, 21) and int(out.max()) < 257
+
+
+def test_lr_schedule_warms_up_then_decays():
+    cfg = TrainConfig(lr=1.0, warmup_steps=10, max_steps=100, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(0.1)
+    assert lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(99, cfg) == pytest.approx(0.1, abs=0.01)
+    assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 99))
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """Three shards of unequal size; row r holds the value r in every position."""
+    d = tmp_path_factory.mktemp("shards")
+    refs, start = [], 0
+    for i, n in enumerate((37, 50, 13)):
+        ids = np.repeat(np.arange(start, start + n, dtype=np.uint16), SEQ + 1)
+        table = pa.Table.from_arrays([pa.FixedSizeListArray.from_arrays(pa.array(ids), SEQ + 1)],
+                                     schema=arrow_schema(SEQ, "uint16"))
+        pq.write_table(table, d / f"s{i}.parquet")
+        refs.append(ShardRef(str(d / f"s{i}.parquet"), n))
+        start += n
+    return refs
+
+
+def _epoch_rows(loader, epoch):
+    return [int(b[j, 0]) for b in loader.epoch(epoch) for j in range(len(b))]
+
+
+def test_ranks_get_equal_steps_and_disjoint_rows(shards):
+    loaders = [TokenBatches(shards, batch_size=4, rank=r, world_size=3, seed=1, shuffle_buffer=8) for r in range(3)]
+    seen = [_epoch_rows(ld, 0) for ld in loaders]
+    assert {len(s) for s in seen} == {loaders[0].steps_per_epoch * 4}
+    assert loaders[0].steps_per_epoch == 100 // 3 // 4
+    flat = [r for s in seen for r in s]
+    assert len(flat) == len(set(flat)), "a row went to two ranks"
+    assert _epoch_rows(loaders[0], 1) != seen[0], "epochs should reorder"
+
+
+def test_resume_from_a_step_replays_the_same_batches(shards):
+    loader = TokenBatches(shards, batch_size=4, seed=3, shuffle_buffer=16)
+    spe = loader.steps_per_epoch
+    it = loader.from_step(0)
+    straight = [next(it) for _ in range(spe + 5)]
+    resumed = loader.from_step(spe - 2)
+    for k in range(spe - 2, spe + 5):
+        assert np.array_equal(next(resumed), straight[k])
+
+
+def test_too_small_a_dataset_is_a_clear_error(shards):
+    with pytest.raises(ValueError, match="cannot give 8 worker"):
+        TokenBatches(shards[2:], batch_size=4, world_size=8)
