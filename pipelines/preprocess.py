@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from strata import tiers
 from strata.cli import add_config_arguments, build, finish, overrides
 from strata.connect import connect
-from strata.dataset import DocumentCounts, Shard, commit, token_dtype
+from strata.dataset import DatasetError, DocumentCounts, Shard, commit, token_dtype
 from strata.runinfo import run_info
 from strata.storage import Storage, check_name, filesystem, join, write_json_atomic
 from strata.tokenizer import load_tokenizer
@@ -101,43 +101,47 @@ def run(cfg: PreprocessConfig, storage: Storage) -> dict:
     record = run_info("preprocess", cfg)
     write_json_atomic(join(staging, "run.json"), record)
 
-    on_cpu = tiers.selector(tiers.Tier.CPU)
-    ds = ray.data.read_binary_files([f["path"] for f in files], include_paths=True,
-                                    override_num_blocks=min(len(files), 200), label_selector=on_cpu)
-    docs = ds.flat_map(functools.partial(decode_file, text_field=cfg.text_field,
-                                         min_chars=cfg.min_chars, max_chars=cfg.max_chars),
-                       label_selector=on_cpu)
-    stats = docs.map_batches(
-        PackAndWrite, batch_size=cfg.docs_per_batch, batch_format="numpy",
-        fn_constructor_kwargs=dict(staging=staging, tokenizer=cfg.tokenizer, seq_len=cfg.seq_len,
-                                   validation_fraction=cfg.validation_fraction, seed=cfg.seed),
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=_pool_size()),
-        label_selector=on_cpu,
-    ).take_all()
+    try:
+        on_cpu = tiers.selector(tiers.Tier.CPU)
+        ds = ray.data.read_binary_files([f["path"] for f in files], include_paths=True,
+                                        override_num_blocks=min(len(files), 200), label_selector=on_cpu)
+        docs = ds.flat_map(functools.partial(decode_file, text_field=cfg.text_field,
+                                             min_chars=cfg.min_chars, max_chars=cfg.max_chars),
+                           label_selector=on_cpu)
+        stats = docs.map_batches(
+            PackAndWrite, batch_size=cfg.docs_per_batch, batch_format="numpy",
+            fn_constructor_kwargs=dict(staging=staging, tokenizer=cfg.tokenizer, seq_len=cfg.seq_len,
+                                       validation_fraction=cfg.validation_fraction, seed=cfg.seed),
+            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=_pool_size()),
+            label_selector=on_cpu,
+        ).take_all()
 
-    counts = DocumentCounts()
-    reasons: Counter = Counter()
-    shards, nodes, tokens, dropped = [], set(), 0, 0
-    for s in stats:
-        counts.read += s["read"]
-        counts.kept += s["kept"]
-        counts.filtered += s["filtered"]
-        counts.rejected += s["rejected"]
-        reasons.update(json.loads(s["reasons"]))
-        shards += [Shard(**sh) for sh in json.loads(s["shards"])]
-        nodes.update(json.loads(s["nodes"]))
-        tokens += s["tokens"]
-        dropped += s["tokens_dropped"]
-    counts.reasons = dict(sorted(reasons.items()))
-    assert counts.balanced(), counts
-    if not shards:
-        raise SystemExit(f"no training rows: {counts.kept} of {counts.read} documents kept, "
-                         f"{tokens} tokens, fewer than one row of {cfg.seq_len + 1} per batch")
-    record.update(finished_at=time.time(), work_nodes=sorted(nodes), tokens_dropped=dropped)
-    version = commit(storage, cfg.dataset, staging, dict(
-        tokenizer=tok.info(), seq_len=cfg.seq_len, dtype=token_dtype(tok.vocab_size),
-        shards=sorted(shards, key=lambda s: s.path), documents=counts, tokens=tokens,
-        inputs=files, run=record))
+        counts = DocumentCounts()
+        reasons: Counter = Counter()
+        shards, nodes, tokens, dropped = [], set(), 0, 0
+        for s in stats:
+            counts.read += s["read"]
+            counts.kept += s["kept"]
+            counts.filtered += s["filtered"]
+            counts.rejected += s["rejected"]
+            reasons.update(json.loads(s["reasons"]))
+            shards += [Shard(**sh) for sh in json.loads(s["shards"])]
+            nodes.update(json.loads(s["nodes"]))
+            tokens += s["tokens"]
+            dropped += s["tokens_dropped"]
+        counts.reasons = dict(sorted(reasons.items()))
+        assert counts.balanced(), counts
+        if not shards:
+            raise SystemExit(f"no training rows: {counts.kept} of {counts.read} documents kept, "
+                             f"{tokens} tokens, fewer than one row of {cfg.seq_len + 1} per batch")
+        record.update(finished_at=time.time(), work_nodes=sorted(nodes), tokens_dropped=dropped)
+        version = commit(storage, cfg.dataset, staging, dict(
+            tokenizer=tok.info(), seq_len=cfg.seq_len, dtype=token_dtype(tok.vocab_size),
+            shards=sorted(shards, key=lambda s: s.path), documents=counts, tokens=tokens,
+            inputs=files, run=record))
+    except BaseException:
+        fs.delete_dir(staging_path)  # a failed run leaves no staging behind
+        raise
     m = version.manifest
     return {
         "dataset": m.dataset, "version": m.version, "path": version.path,
@@ -160,7 +164,10 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = build(PRESETS, args.preset, **overrides(args, PreprocessConfig))
     except ValueError as e:
         parser.error(str(e))
-    summary = run(cfg, Storage.from_env(args.storage))
+    try:
+        summary = run(cfg, Storage.from_env(args.storage))
+    except (FileNotFoundError, DatasetError) as e:
+        sys.exit(f"error: {e}")
     d = summary["documents"]
     print(f"[preprocess] committed {summary['dataset']}@{summary['version']} at {summary['path']}\n"
           f"[preprocess] documents: {d['read']} read = {d['kept']} kept + {d['filtered']} filtered + "

@@ -1,0 +1,90 @@
+"""`ray job submit` against a real local cluster (`ray start --head` on loopback, token auth on)."""
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+from conftest import REPO
+
+from strata import tiers
+from strata.dataset import list_versions
+from strata.storage import Storage
+
+BIN = os.path.dirname(sys.executable)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def head(storage_root):
+    temp = tempfile.mkdtemp(prefix="rayj-", dir="/tmp")
+    os.makedirs(os.path.join(temp, "ray"))
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_TMPDIR": temp,
+           "PATH": BIN + os.pathsep + os.environ.get("PATH", "")}
+    port, dash = _free_port(), _free_port()
+    proc = subprocess.Popen(
+        [os.path.join(BIN, "ray"), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=2", "--disable-usage-stats",
+         f"--labels={tiers.format_labels(tiers.local_node_labels())}"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    address = f"http://127.0.0.1:{dash}"
+    deadline = time.time() + 120
+    while True:
+        up = subprocess.run([os.path.join(BIN, "ray"), "job", "list", "--address", address], env=env,
+                            capture_output=True, text=True)
+        if up.returncode == 0:
+            break
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"ray start --head did not come up: {proc.stderr.read() if proc.poll() is not None else ''}"
+                        f"{up.stderr[-2000:]}")
+        time.sleep(2)
+    yield {"address": address, "env": env}
+    proc.send_signal(signal.SIGTERM)  # --block stops every process it started
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def _job(head, command, *args, env=None):
+    return subprocess.run([os.path.join(BIN, "ray"), "job", command, "--address", head["address"], *args],
+                          env=env or head["env"], capture_output=True, text=True, cwd=REPO, timeout=600)
+
+
+@pytest.mark.slow
+def test_submitted_preprocessing_job_succeeds_and_commits_a_version(head, corpus, storage_root):
+    runtime_env = {"env_vars": {"STRATA_STORAGE": storage_root}, "excludes": [".git/", "strata-data/"]}
+    out = _job(head, "submit", "--working-dir", ".", "--submission-id", "strata-test-preprocess",
+               "--runtime-env-json", json.dumps(runtime_env), "--",
+               "python", "-m", "pipelines.preprocess", "--input", corpus["path"], "--dataset", "submitted", "--json")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith("{")))
+    assert summary["dataset"] == "submitted" and summary["documents"]["kept"] == len(corpus["good"])
+    assert summary["version"] in list_versions(Storage(storage_root), "submitted")
+    status = _job(head, "status", "strata-test-preprocess")
+    assert "succeeded" in status.stdout.lower()
+
+
+@pytest.mark.slow
+def test_the_cluster_refuses_a_client_without_the_token(head):
+    env = {k: v for k, v in head["env"].items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    env["HOME"] = tempfile.mkdtemp(prefix="notoken-")  # no ~/.ray/auth_token to fall back on
+    out = _job(head, "list", env=env)
+    assert out.returncode != 0
+    assert "401" in out.stderr or "authentication" in out.stderr.lower()
