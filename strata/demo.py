@@ -49,7 +49,7 @@ def stage(title: str, module: str, *args: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m strata demo", description=__doc__)
-    parser.add_argument("--steps", type=int, default=200, help="training steps (default: 200)")
+    parser.add_argument("--steps", type=int, default=300, help="training steps (default: 300)")
     parser.add_argument("--trials", type=int, default=8, help="sweep trials (default: 8)")
     args = parser.parse_args(argv)
     storage = Storage.from_env()

@@ -33,6 +33,7 @@ def head(storage_root):
     os.makedirs(os.path.join(temp, "ray"))
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
            "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_TMPDIR": temp,
+           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
            "PATH": BIN + os.pathsep + os.environ.get("PATH", "")}
     port, dash = _free_port(), _free_port()
     proc = subprocess.Popen(
