@@ -130,7 +130,8 @@ def run(cfg: PreprocessConfig, storage: Storage) -> dict:
             tokens += s["tokens"]
             dropped += s["tokens_dropped"]
         counts.reasons = dict(sorted(reasons.items()))
-        assert counts.balanced(), counts
+        if not counts.balanced():  # a bug, never bad input: refuse to publish miscounted data
+            raise RuntimeError(f"document accounting does not balance: {counts}")
         if not shards:
             raise SystemExit(f"no training rows: {counts.kept} of {counts.read} documents kept, "
                              f"{tokens} tokens, fewer than one row of {cfg.seq_len + 1} per batch")

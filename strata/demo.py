@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -23,7 +24,8 @@ from strata.storage import Storage, join
 def demo_corpus(storage: Storage) -> list[str]:
     """Inputs that need no download: the standard library's top-level modules,
     plus a few damaged files that show the accounting of rejects."""
-    dirty = Path(storage.root) / "demo-inputs"
+    remote = "://" in storage.root
+    dirty = Path(tempfile.mkdtemp(prefix="strata-demo-") if remote else join(storage.root, "demo-inputs"))
     dirty.mkdir(parents=True, exist_ok=True)
     (dirty / "latin1.txt").write_bytes("caf\xe9 cr\xe8me br\xfbl\xe9e, written in Latin-1".encode("latin-1"))
     (dirty / "image.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)))

@@ -21,17 +21,8 @@ from strata.connect import connect
 from strata.dataset import DatasetError, check_compatible, resolve
 from strata.runinfo import run_info
 from strata.storage import Storage, check_name, exists, filesystem, join, write_json_atomic
-from train.loop import TrainConfig, train_loop_per_worker
+from train.loop import TRAIN_PRESETS, TrainConfig, train_loop_per_worker
 from train.model import GPT, PRESETS, GPTConfig, preset
-
-# Train-loop defaults per model preset; flags override them.
-TRAIN_PRESETS = {
-    "debug": TrainConfig(max_steps=200, batch_size=16, lr=3e-3, warmup_steps=20),
-    "gpt2-124m": TrainConfig(max_steps=5000, batch_size=8, lr=6e-4, warmup_steps=500, eval_every=250,
-                             checkpoint_every=500),
-    "gpt2-350m": TrainConfig(max_steps=5000, batch_size=4, lr=3e-4, warmup_steps=500, eval_every=250,
-                             checkpoint_every=500),
-}
 
 
 def _gpu_tier_gpus() -> int:
@@ -63,7 +54,10 @@ def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name:
     workers = workers or (_gpu_tier_gpus() if use_gpu else 1)
     run_dir = storage.run(run_name)
     resuming = exists(join(run_dir, "run.json"))
-    n = GPT(model_cfg)
+    import torch
+
+    with torch.device("meta"):  # count parameters without allocating them
+        n = GPT(model_cfg)
     print(f"[train] {'continuing' if resuming else 'starting'} run {run_name}: {n.num_params() / 1e6:.2f}M params, "
           f"{n.flops_per_token() / 1e6:.1f} MFLOP/token, {workers} worker(s), "
           f"{'GPU' if use_gpu else 'CPU'}, dataset {version.ref}", file=sys.stderr)

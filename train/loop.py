@@ -49,6 +49,16 @@ class TrainConfig:
     """Seed of model init and data order."""
 
 
+# Train-loop defaults per model preset; flags override them.
+TRAIN_PRESETS = {
+    "debug": TrainConfig(max_steps=200, batch_size=16, lr=3e-3, warmup_steps=20),
+    "gpt2-124m": TrainConfig(max_steps=5000, batch_size=8, lr=6e-4, warmup_steps=500, eval_every=250,
+                             checkpoint_every=500),
+    "gpt2-350m": TrainConfig(max_steps=5000, batch_size=4, lr=3e-4, warmup_steps=500, eval_every=250,
+                             checkpoint_every=500),
+}
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup, then cosine decay to lr * min_lr_ratio at max_steps."""
     if step < cfg.warmup_steps:

@@ -20,7 +20,7 @@ from strata.connect import connect
 from strata.dataset import DatasetError, check_compatible, resolve
 from strata.runinfo import run_info
 from strata.storage import Storage, check_name, join, write_json_atomic
-from train.__main__ import TRAIN_PRESETS
+from train.loop import TRAIN_PRESETS
 from train.model import preset
 from tune.sweep import SweepConfig, load_rows, search_space, trial
 
