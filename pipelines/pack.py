@@ -1,24 +1,42 @@
-"""Tokenize kept documents, pack them into fixed-length rows, write parquet shards.
+"""The three passes of tier 1, each a Ray Data map step on the cpu tier.
 
-Runs as a Ray Data `map_batches` actor so the tokenizer loads once per worker.
-Each batch writes at most one shard per split, named by a digest of its
-documents (a retried task rewrites the same file), and returns one stats row:
-the accounting of every document in the batch and the shards it wrote.
+1. `read_clean_sign`: a work unit's files -> records -> cleaned, filtered
+   documents in a work parquet file; each kept document's dedup keys go to the
+   index. Returns the unit's accounting.
+2. `DedupTokenizePack` (actor: the tokenizer loads once per worker): a work
+   file's documents -> drop duplicates -> tokenize -> split by document ->
+   pack into rows of seq_len + 1 ids, each with a random sort key.
+3. `write_shard`: one group of rows (a shard) sorted by key -> a parquet shard.
+   Rows reach shards by key, so every shard is a random sample of the whole
+   version in random order, the same for the same seed.
+
+Work files are named by a digest of what they hold, so a retried task rewrites
+the same file instead of adding one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections import Counter
+from collections import Counter, defaultdict
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from strata.dataset import SPLITS, arrow_schema, token_dtype
+from pipelines.clean import CleanConfig, normalize, quality_reason
+from pipelines.dedup import DedupConfig, MinHasher, exact_key, hash64, shard_of
+from pipelines.sources import ReadConfig, read_file
+from strata.dataset import arrow_schema, token_dtype
 from strata.storage import filesystem, join
-from strata.tokenizer import load_tokenizer
+
+SPLIT_IDS = {"train": 0, "validation": 1}
+SAMPLES_PER_REASON = 3
+REGISTER_EVERY = 2000
+
+
+def digest(obj) -> str:
+    return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def validation_split(doc_id: str, seed: int, fraction: float) -> bool:
@@ -27,53 +45,210 @@ def validation_split(doc_id: str, seed: int, fraction: float) -> bool:
     return int.from_bytes(h, "big") / 2**64 < fraction
 
 
-class PackAndWrite:
-    def __init__(self, *, staging: str, tokenizer: str, seq_len: int, validation_fraction: float, seed: int):
-        self.tok = load_tokenizer(tokenizer)
-        self.staging, self.row_len = staging, seq_len + 1
-        self.fraction, self.seed = validation_fraction, seed
-        self.dtype = token_dtype(self.tok.vocab_size)
-        self.schema = arrow_schema(seq_len, self.dtype)
+def _node() -> str:
+    import ray
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+
+
+# ---------------------------------------------------------------- pass 1
+
+DOCS_SCHEMA = pa.schema([("doc_id", pa.string()), ("doc", pa.uint64()), ("text", pa.large_string())])
+
+
+class _Registrar:
+    """Buffers dedup keys and sends them to the index shards that own them."""
+
+    def __init__(self, index: list, dedup: DedupConfig):
+        self.index, self.dedup = index, dedup
+        self.hasher = MinHasher(dedup) if dedup.near_dedup else None
+        self.exact, self.docs, self.bands = [], [], []
+
+    def add(self, doc: int, text: str) -> None:
+        self.docs.append(doc)
+        self.exact.append(exact_key(text))
+        if self.hasher:
+            self.bands.append(self.hasher.band_keys(self.hasher.signature(text)))
+        if len(self.docs) >= REGISTER_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
         import ray
 
-        statuses = Counter(batch["status"].tolist())
-        reasons = Counter(f"{s}:{r}" for s, r in zip(batch["status"], batch["reason"], strict=True) if r)
-        streams: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
+        if not self.docs:
+            return
+        docs = np.array(self.docs, dtype=np.uint64)
+        calls = []
+        tables = []
+        if self.dedup.exact_dedup:
+            tables.append(("exact", np.array(self.exact, dtype=np.uint64), docs))
+        if self.hasher:
+            bands = np.stack(self.bands)  # (n, b)
+            tables.append(("band", bands.ravel(), np.repeat(docs, bands.shape[1])))
+        n = len(self.index)
+        for table, keys, owners in tables:
+            owner = shard_of(keys, n)
+            for s in range(n):
+                mask = owner == s
+                if mask.any():
+                    calls.append(self.index[s].register.remote(table, keys[mask], owners[mask], 1))
+        ray.get(calls)  # acknowledged before the task ends, so finalize sees every key
+        self.exact, self.docs, self.bands = [], [], []
+
+
+def read_clean_sign(batch: dict, *, read: dict, clean: dict, dedup: dict, work_dir: str, index: list) -> dict:
+    """Pass 1 over one work unit (Ray Data `map_batches`, batch_size=1)."""
+    rcfg, ccfg, dcfg = ReadConfig(**read), CleanConfig(**clean), DedupConfig(**dedup)
+    unit = json.loads(batch["unit"][0])
+    counts: Counter = Counter()
+    samples: dict[str, list] = defaultdict(list)
+    name = f"docs-{digest(unit)}.parquet"
+    fs, path = filesystem(join(work_dir, "docs", name))
+    registrar = _Registrar(index, dcfg) if dcfg.exact_dedup or dcfg.near_dedup else None
+    kept, chars, pending = 0, 0, {"doc_id": [], "doc": [], "text": []}
+    with pq.ParquetWriter(path, DOCS_SCHEMA, filesystem=fs) as writer:
+        for f in unit:
+            for rec in read_file(f, rcfg):
+                status, reason = rec["status"], rec["reason"]
+                if status == "ok":
+                    text = normalize(rec["text"], ccfg)
+                    reason = quality_reason(text, ccfg)
+                    status = "filtered" if reason else "kept"
+                if status != "kept":
+                    key = f"{status}:{reason}"
+                    counts[key] += 1
+                    if len(samples[key]) < SAMPLES_PER_REASON:
+                        samples[key].append({"doc_id": rec["doc_id"], "sample": rec["sample"] or rec["text"][:120]})
+                    continue
+                counts["kept"] += 1
+                doc = hash64(rec["doc_id"])
+                pending["doc_id"].append(rec["doc_id"])
+                pending["doc"].append(doc)
+                pending["text"].append(text)
+                chars += len(text)
+                if registrar:
+                    registrar.add(doc, text)
+                if len(pending["doc"]) >= 1024 or chars >= 8 << 20:
+                    writer.write_table(pa.table(pending, schema=DOCS_SCHEMA))
+                    kept += len(pending["doc"])
+                    pending, chars = {"doc_id": [], "doc": [], "text": []}, 0
+        if pending["doc"]:
+            writer.write_table(pa.table(pending, schema=DOCS_SCHEMA))
+            kept += len(pending["doc"])
+    if registrar:
+        registrar.flush()
+    return {"counts": [json.dumps(counts)], "samples": [json.dumps(samples)], "docs_file": [name],
+            "docs": [kept], "bytes": [sum(f["end"] - f["start"] for f in unit)], "node": [_node()]}
+
+
+# ---------------------------------------------------------------- pass 2
+
+
+class DedupTokenizePack:
+    """Pass 2 over one work file of documents (Ray Data `map_batches` actor, batch_size=1)."""
+
+    def __init__(self, *, tokenizer: str, eot_token: str, definition: str | None, seq_len: int,
+                 validation_fraction: float, seed: int, split_seed: int, dedup: dict, work_dir: str, index: list):
+        from strata.tokenizer import HFTokenizer, load_tokenizer
+
+        self.tok = HFTokenizer(definition, eot_token) if definition else load_tokenizer(tokenizer, eot_token)
+        self.row_len, self.fraction, self.seed, self.split_seed = seq_len + 1, validation_fraction, seed, split_seed
+        self.dedup, self.work_dir, self.index = DedupConfig(**dedup), work_dir, index
+        self.dtype = token_dtype(self.tok.vocab_size)
+        self.schema = pa.schema([("key", pa.uint64()), ("split", pa.int8()),
+                                 arrow_schema(seq_len, self.dtype).field(0)])
+        self.hasher = MinHasher(self.dedup) if self.dedup.near_dedup else None
+
+    def _duplicates(self, docs: np.ndarray, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(exact, near) boolean masks: a document is a duplicate if it does not win its keys."""
+        import ray
+
+        n, shards = len(docs), len(self.index)
+        exact = np.zeros(n, dtype=bool)
+        near = np.zeros(n, dtype=bool)
+        if self.dedup.exact_dedup:
+            exact = self._lose("exact", np.array([exact_key(t) for t in texts], dtype=np.uint64), docs, ray, shards)
+        if self.hasher:
+            bands = np.stack([self.hasher.band_keys(self.hasher.signature(t)) for t in texts])  # (n, b)
+            lost = self._lose("band", bands.ravel(), np.repeat(docs, bands.shape[1]), ray, shards)
+            near = lost.reshape(n, -1).any(axis=1) & ~exact
+        return exact, near
+
+    def _lose(self, table: str, keys: np.ndarray, docs: np.ndarray, ray, shards: int) -> np.ndarray:
+        owner = shard_of(keys, shards)
+        lost = np.zeros(len(keys), dtype=bool)
+        refs = {s: self.index[s].losers.remote(table, keys[owner == s], docs[owner == s])
+                for s in range(shards) if (owner == s).any()}
+        for s, ref in refs.items():
+            lost[owner == s] = ray.get(ref)
+        return lost
+
+    def __call__(self, batch: dict) -> dict:
+        name = str(batch["docs_file"][0])
+        fs, path = filesystem(join(self.work_dir, "docs", name))
+        out_name = name.replace("docs-", "packed-")
+        _, out_path = filesystem(join(self.work_dir, "packed", out_name))
+        stats = Counter()
+        samples: dict[str, list] = defaultdict(list)
+        carry = {s: np.zeros(0, dtype=np.uint32) for s in SPLIT_IDS}
+        row_index = Counter()
         eot = np.array([self.tok.eot_id], dtype=np.uint32)
-        for doc_id, text, status in zip(batch["doc_id"], batch["text"], batch["status"], strict=True):
-            if status == "kept":
-                split = "validation" if validation_split(doc_id, self.seed, self.fraction) else "train"
-                streams[split] += [self.tok.encode(text).astype(np.uint32), eot]
-        digest = hashlib.sha1("\n".join(batch["doc_id"].tolist()).encode()).hexdigest()[:16]
-        shards, tokens, dropped = [], 0, 0
-        for split, parts in streams.items():
-            flat = np.concatenate(parts) if parts else np.zeros(0, np.uint32)
-            n = len(flat) // self.row_len
-            tokens += len(flat)
-            dropped += len(flat) - n * self.row_len  # the tail that does not fill a row
-            if n:
-                name = f"{split}-{digest}.parquet"
-                self._write(name, flat[: n * self.row_len])
-                shards.append({"path": name, "split": split, "rows": n, "tokens": n * self.row_len})
-        here = ray.get_runtime_context().get_node_id()
-        return {
-            "read": [len(batch["status"])],
-            "kept": [statuses.get("kept", 0)],
-            "filtered": [statuses.get("filtered", 0)],
-            "rejected": [statuses.get("rejected", 0)],
-            "reasons": [json.dumps(reasons)],
-            "tokens": [tokens],
-            "tokens_dropped": [dropped],
-            "shards": [json.dumps(shards)],
-            "nodes": [json.dumps(sorted(set(batch["node"].tolist()) | {here}))],
-        }
+        with pq.ParquetWriter(out_path, self.schema, filesystem=fs) as writer:
+            for chunk in pq.ParquetFile(fs.open_input_file(path)).iter_batches(batch_size=1024):
+                ids, docs, texts = (chunk.column(c).to_pylist() for c in ("doc_id", "doc", "text"))
+                exact, near = self._duplicates(np.array(docs, dtype=np.uint64), texts)
+                for kind, mask in (("exact", exact), ("near", near)):
+                    stats[f"duplicate:{kind}"] += int(mask.sum())
+                    for i in np.flatnonzero(mask)[: SAMPLES_PER_REASON - len(samples[f"duplicate:{kind}"])]:
+                        samples[f"duplicate:{kind}"].append({"doc_id": ids[i], "sample": texts[i][:120]})
+                keep = np.flatnonzero(~(exact | near))
+                stats["kept"] += len(keep)
+                streams = {s: [carry[s]] for s in SPLIT_IDS}
+                for i, tokens in zip(keep, self.tok.encode_batch([texts[i] for i in keep]), strict=True):
+                    split = "validation" if validation_split(ids[i], self.split_seed, self.fraction) else "train"
+                    streams[split] += [tokens, eot]
+                    stats[f"tokens:{split}"] += len(tokens) + 1
+                for split, parts in streams.items():
+                    flat = np.concatenate(parts)
+                    n = len(flat) // self.row_len
+                    carry[split] = flat[n * self.row_len:]
+                    if n:
+                        writer.write_table(self._rows(out_name, split, row_index, flat[: n * self.row_len]))
+                        stats[f"rows:{split}"] += n
+        stats["tokens_dropped"] = sum(len(c) for c in carry.values())  # tails shorter than a row
+        return {"stats": [json.dumps(stats)], "samples": [json.dumps(samples)], "packed_file": [out_name],
+                "node": [_node()]}
 
-    def _write(self, name: str, ids: np.ndarray) -> None:
-        values = pa.array(ids.astype(self.dtype))
-        column = pa.FixedSizeListArray.from_arrays(values, self.row_len)
-        table = pa.Table.from_arrays([column], schema=self.schema)
-        fs, path = filesystem(join(self.staging, name))
-        pq.write_table(table, path, filesystem=fs)
+    def _rows(self, name: str, split: str, row_index: Counter, flat: np.ndarray) -> pa.Table:
+        n = len(flat) // self.row_len
+        first = row_index[split]
+        row_index[split] += n
+        keys = np.array([hash64(f"{self.seed}:{name}:{split}:{first + i}") for i in range(n)], dtype=np.uint64)
+        tokens = pa.FixedSizeListArray.from_arrays(pa.array(flat.astype(self.dtype)), self.row_len)
+        return pa.Table.from_arrays([pa.array(keys), pa.array(np.full(n, SPLIT_IDS[split], np.int8)), tokens],
+                                    schema=self.schema)
 
+
+# ---------------------------------------------------------------- pass 3
+
+
+def assign_shard(batch: pa.Table, *, shards: dict[int, int]) -> pa.Table:
+    """Add `group` = split * 1e6 + key % (that split's shard count)."""
+    keys = batch.column("key").to_numpy()
+    split = batch.column("split").to_numpy().astype(np.uint64)
+    n = np.array([shards[0], shards.get(1, 1)], dtype=np.uint64)[split]
+    group = split * np.uint64(1_000_000) + keys % n
+    return batch.append_column("group", pa.array(group.astype(np.int64)))
+
+
+def write_shard(group: pa.Table, *, staging: str) -> pa.Table:
+    """One shard: its rows sorted by key, written to `<split>-<index>.parquet`."""
+    gid = int(group.column("group")[0].as_py())
+    split = {v: k for k, v in SPLIT_IDS.items()}[gid // 1_000_000]
+    name = f"{split}-{gid % 1_000_000:05d}.parquet"
+    group = group.sort_by("key").select(["tokens"])
+    fs, path = filesystem(join(staging, name))
+    pq.write_table(group, path, filesystem=fs)
+    row_len = group.schema.field("tokens").type.list_size
+    return pa.table({"path": [name], "split": [split], "rows": [group.num_rows],
+                     "tokens": [group.num_rows * row_len], "node": [_node()]})

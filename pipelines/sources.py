@@ -1,28 +1,78 @@
-"""Input discovery and tolerant decoding: every file and line becomes a document
-row with a status, so nothing read goes unaccounted for.
+"""Inputs: discovery, splitting into work units, and tolerant streaming readers.
 
-A row is `{doc_id, text, status, reason, node}`; status is `kept`, `filtered` or
-`rejected`, and reason says why (empty for kept).
+Every record read becomes a row `{doc_id, text, status, reason, sample}`:
+status `ok` (decoded, to be cleaned) or `rejected` with a reason and a short
+sample of the bad bytes. Nothing raises on bad data, and memory stays bounded:
+files are streamed line by line, big uncompressed files are split into byte
+ranges, and a record larger than `max_record_bytes` is skipped without ever
+being held whole.
+
+Kinds by suffix (after `.gz`/`.zst`): `.jsonl`/`.ndjson` (a JSON object per
+line), `.json` (an array of objects, or JSON lines), `.parquet` (a text
+column), anything else text: one document per file, or per blank-line
+separated block.
 """
 
 from __future__ import annotations
 
 import glob
-import gzip
+import io
 import json
 import os
-import unicodedata
 import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
 
 from strata.storage import filesystem
 
-JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")
+COMPRESSIONS = {".gz": "gz", ".zst": "zst"}
+JSONL = (".jsonl", ".ndjson")
+SAMPLE_BYTES = 120
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadConfig:
+    inputs: tuple[str, ...] = field(default=(), metadata={"flag": "--input"})
+    """Input files, directories, globs or URIs (s3://, gs://, file://); repeat the flag."""
+    txt_documents: str = "file"
+    """Documents in text files: `file` (one per file) or `blank-line` (blocks separated by blank lines)."""
+    text_field: str = "text"
+    """The field holding the text in .jsonl/.json records, and the column in .parquet files."""
+    split_bytes: int = 64 << 20
+    """Work unit size: bigger splittable files are cut into ranges, smaller ones grouped."""
+    max_record_bytes: int = 8 << 20
+    """A line, block or file-document larger than this is rejected as record-too-large."""
+
+    def __post_init__(self):
+        if self.txt_documents not in ("file", "blank-line"):
+            raise ValueError("txt_documents must be `file` or `blank-line`")
+        if self.split_bytes < 1 << 16 or self.max_record_bytes < 1:
+            raise ValueError("split_bytes must be >= 64 KiB and max_record_bytes >= 1")
+
+
+def describe(path: str) -> tuple[str, str]:
+    """(kind, compression) of a path from its suffixes."""
+    base = path.lower()
+    compression = ""
+    for suffix, name in COMPRESSIONS.items():
+        if base.endswith(suffix):
+            compression, base = name, base[: -len(suffix)]
+    if base.endswith(JSONL):
+        return "jsonl", compression
+    if base.endswith(".json"):
+        return "json", compression
+    if base.endswith(".parquet"):
+        return "parquet", compression
+    return "text", compression
+
+
+# ---------------------------------------------------------------- discovery
 
 
 def list_inputs(inputs: list[str]) -> list[dict]:
-    """Expand paths, directories (recursively) and globs into files with size and mtime.
+    """Expand paths, directories (recursively), globs and URIs into files with size and mtime.
 
     A missing input is an error before any work starts, not an empty dataset.
     """
@@ -47,59 +97,327 @@ def _add(found: dict[str, dict], path: str) -> None:
     infos = [info]
     if info.type == pafs.FileType.Directory:
         infos = fs.get_file_info(pafs.FileSelector(p, recursive=True))
-    prefix = path[: len(path) - len(p)] if "://" in path else ""
+    prefix = path[: path.index("://") + 3] if "://" in path else ""
     for i in infos:
         if i.type == pafs.FileType.File and not i.base_name.startswith("."):
             full = prefix + i.path
-            found[full] = {"path": full, "size": i.size, "mtime": i.mtime_ns}
+            found[full] = {"path": full, "size": i.size, "mtime_ns": i.mtime_ns}
 
 
-def _row(doc_id: str, text: str, status: str, reason: str, node: str) -> dict:
-    return {"doc_id": doc_id, "text": text, "status": status, "reason": reason, "node": node}
+def plan_units(files: list[dict], cfg: ReadConfig) -> list[list[dict]]:
+    """Group files into work units of about `split_bytes`; cut big splittable files into ranges.
+
+    A range [start, end) owns the records that start inside it, so ranges can be
+    read independently and every record is read exactly once.
+    """
+    units, current, size = [], [], 0
+    for f in files:
+        kind, compression = describe(f["path"])
+        splittable = not compression and (kind == "jsonl" or (kind == "text" and cfg.txt_documents == "blank-line"))
+        if splittable and f["size"] > cfg.split_bytes:
+            for start in range(0, f["size"], cfg.split_bytes):
+                units.append([{**f, "start": start, "end": min(start + cfg.split_bytes, f["size"])}])
+            continue
+        current.append({**f, "start": 0, "end": f["size"]})
+        size += f["size"]
+        if size >= cfg.split_bytes or len(current) >= 512:
+            units.append(current)
+            current, size = [], 0
+    if current:
+        units.append(current)
+    return units
 
 
-def decode_file(row: dict, *, text_field: str, min_chars: int, max_chars: int) -> list[dict]:
-    """One file's bytes to document rows (Ray Data `flat_map`). Never raises on bad data."""
-    import ray
-
-    node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
-    path, data = row["path"], row["bytes"]
-    if path.endswith(".gz"):
-        try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError, zlib.error):
-            return [_row(f"{path}#0", "", "rejected", "corrupt-compressed", node)]
-    if path.endswith(JSONL_SUFFIXES):
-        return [_json_doc(f"{path}#{i}", line, text_field, min_chars, max_chars, node)
-                for i, line in enumerate(data.splitlines()) if line.strip()]
-    return [_text_doc(f"{path}#0", data, min_chars, max_chars, node)]
+# ---------------------------------------------------------------- streams
 
 
-def _json_doc(doc_id: str, line: bytes, field: str, min_chars: int, max_chars: int, node: str) -> dict:
+class _Raw(io.RawIOBase):
+    """A pyarrow file as a raw stream, so io.BufferedReader can give it readline()."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        data = self.f.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+    def close(self):
+        self.f.close()
+        super().close()
+
+
+class _Gzip(io.RawIOBase):
+    """Streaming gzip (multi-member) that hands out everything before damage, then raises."""
+
+    def __init__(self, f):
+        self.f, self.buf = f, b""
+        self.d = zlib.decompressobj(wbits=31)
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        while not self.buf:
+            chunk = self.f.read(1 << 16)
+            if not chunk:
+                if not self.d.eof:
+                    raise EOFError("gzip stream ended before its end-of-stream marker")
+                return 0
+            if self.d.eof:  # the next member of a concatenated gzip file
+                self.d = zlib.decompressobj(wbits=31)
+            self.buf = self.d.decompress(chunk)
+            while self.d.eof and self.d.unused_data:
+                rest, self.d = self.d.unused_data, zlib.decompressobj(wbits=31)
+                self.buf += self.d.decompress(rest)
+        n = min(len(b), len(self.buf))
+        b[:n], self.buf = self.buf[:n], self.buf[n:]
+        return n
+
+
+class _Zstd(io.RawIOBase):
+    """Streaming zstd decompression that notices truncation (the zstandard reader does not)."""
+
+    def __init__(self, f):
+        import zstandard
+
+        self.f, self.buf = f, b""
+        self.d = zstandard.ZstdDecompressor().decompressobj()
+        self.error = zstandard.ZstdError
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        while not self.buf:
+            chunk = self.f.read(1 << 20)
+            if not chunk:
+                if not self.d.eof:
+                    raise EOFError("zstd stream ended before the end of its frame")
+                return 0
+            try:
+                self.buf = self.d.decompress(chunk)
+            except self.error as e:
+                raise zlib.error(str(e)) from e
+            if self.d.eof and self.f.read(1):
+                raise zlib.error("data after the end of the zstd frame")  # multi-frame: not supported
+        n = min(len(b), len(self.buf))
+        b[:n], self.buf = self.buf[:n], self.buf[n:]
+        return n
+
+
+def open_stream(path: str, start: int = 0) -> io.BufferedReader:
+    """A buffered, decompressed stream of `path`, positioned at `start` (uncompressed only)."""
+    fs, p = filesystem(path)
+    raw = fs.open_input_file(p)
+    if start:
+        raw.seek(start)
+    stream = io.BufferedReader(_Raw(raw), buffer_size=1 << 20)
+    compression = describe(path)[1]
+    if compression == "gz":
+        return io.BufferedReader(_Gzip(stream), buffer_size=1 << 20)
+    if compression == "zst":
+        return io.BufferedReader(_Zstd(stream), buffer_size=1 << 20)
+    return stream
+
+
+def read_capped_line(stream, cap: int) -> tuple[bytes | None, int]:
+    """The next line (without its newline) and the bytes consumed; None if longer than `cap`.
+
+    An over-long line is skipped chunk by chunk, never held whole. Returns
+    (b"", 0) at the end of the stream.
+    """
+    line = stream.readline(cap + 1)
+    n = len(line)
+    if not line:
+        return b"", 0
+    if len(line) > cap and not line.endswith(b"\n"):
+        while line and not line.endswith(b"\n"):
+            line = stream.readline(1 << 20)
+            n += len(line)
+        return None, n
+    return line.rstrip(b"\r\n"), n
+
+
+# ---------------------------------------------------------------- records
+
+
+def _row(doc_id: str, text: str, status: str = "ok", reason: str = "", sample: bytes | str = b"") -> dict:
+    if isinstance(sample, bytes):
+        sample = sample[:SAMPLE_BYTES].decode("utf-8", errors="backslashreplace")
+    return {"doc_id": doc_id, "text": text, "status": status, "reason": reason, "sample": sample[:SAMPLE_BYTES]}
+
+
+def decode_text(doc_id: str, data: bytes) -> dict:
+    if b"\x00" in data:
+        return _row(doc_id, "", "rejected", "binary", data)
     try:
-        obj = json.loads(line)
-    except (ValueError, UnicodeDecodeError):
-        return _row(doc_id, "", "rejected", "malformed-json", node)
+        return _row(doc_id, data.decode("utf-8"))
+    except UnicodeDecodeError:
+        return _row(doc_id, "", "rejected", "invalid-utf8", data)
+
+
+def json_record(doc_id: str, raw: bytes, field: str) -> dict:
+    try:
+        obj = json.loads(raw)
+    except UnicodeDecodeError:
+        return _row(doc_id, "", "rejected", "invalid-utf8", raw)
+    except ValueError:
+        return _row(doc_id, "", "rejected", "malformed-json", raw)
+    return json_object(doc_id, obj, field, raw)
+
+
+def json_object(doc_id: str, obj, field: str, raw: bytes | str = b"") -> dict:
     text = obj.get(field) if isinstance(obj, dict) else None
     if not isinstance(text, str):
-        return _row(doc_id, "", "rejected", "missing-text-field", node)
-    return _clean(doc_id, text, min_chars, max_chars, node)
+        return _row(doc_id, "", "rejected", "missing-text-field", raw or json.dumps(obj)[:SAMPLE_BYTES])
+    if "\x00" in text:
+        return _row(doc_id, "", "rejected", "binary", text)
+    return _row(doc_id, text)
 
 
-def _text_doc(doc_id: str, data: bytes, min_chars: int, max_chars: int, node: str) -> dict:
-    if b"\x00" in data:
-        return _row(doc_id, "", "rejected", "binary", node)
+def read_file(f: dict, cfg: ReadConfig) -> Iterator[dict]:
+    """Records of one file (or one byte range of it). Damage ends the file, not the job:
+    what was read before the damage is kept and the damage is counted."""
+    path = f["path"]
+    kind, _ = describe(path)
+    if f["size"] == 0:
+        yield _row(f"{path}:0", "", "rejected", "empty-file")
+        return
     try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        return _row(doc_id, "", "rejected", "invalid-utf8", node)
-    return _clean(doc_id, text, min_chars, max_chars, node)
+        if kind == "parquet":
+            yield from _parquet(f, cfg)
+            return
+        stream = open_stream(path, max(0, f["start"] - 1))
+        with stream:
+            if kind in ("jsonl", "json"):
+                yield from _json(stream, f, cfg, kind)
+            elif cfg.txt_documents == "blank-line":
+                yield from _blocks(stream, f, cfg)
+            else:
+                yield from _whole(stream, f, cfg)
+    except EOFError as e:
+        yield _row(f"{path}:damage", "", "rejected", "truncated-compressed", str(e))
+    except (OSError, zlib.error) as e:  # corrupt gzip/zstd data, unreadable file
+        yield _row(f"{path}:damage", "", "rejected", "corrupt-file", str(e))
 
 
-def _clean(doc_id: str, text: str, min_chars: int, max_chars: int, node: str) -> dict:
-    text = unicodedata.normalize("NFC", text.replace("\r\n", "\n")).strip()
-    if len(text) < min_chars:
-        return _row(doc_id, "", "filtered", "too-short", node)
-    if len(text) > max_chars:
-        return _row(doc_id, "", "filtered", "too-long", node)
-    return _row(doc_id, text, "kept", "", node)
+def _whole(stream, f: dict, cfg: ReadConfig) -> Iterator[dict]:
+    data = stream.read(cfg.max_record_bytes + 1)
+    if len(data) > cfg.max_record_bytes:
+        yield _row(f"{f['path']}:0", "", "rejected", "record-too-large", data)
+    elif not data:
+        yield _row(f"{f['path']}:0", "", "rejected", "empty-file")
+    else:
+        yield decode_text(f"{f['path']}:0", data)
+
+
+def _owned_lines(stream, f: dict, cap: int) -> Iterator[tuple[int, bytes | None]]:
+    """(offset, line) for the lines that start inside [start, end); None for an over-long line."""
+    pos, end = f["start"], f["end"]
+    if pos:  # the stream starts at start-1: skip through the first newline at or after it
+        n = 0
+        while True:
+            piece = stream.readline(1 << 20)
+            n += len(piece)
+            if not piece or piece.endswith(b"\n"):
+                break
+        pos = f["start"] - 1 + n
+    compressed = bool(describe(f["path"])[1])
+    while compressed or pos < end:
+        line, n = read_capped_line(stream, cap)
+        if n == 0:
+            return
+        yield pos, line
+        pos += n
+
+
+def _json(stream, f: dict, cfg: ReadConfig, kind: str) -> Iterator[dict]:
+    path = f["path"]
+    if kind == "json" and f["start"] == 0:
+        head = stream.peek(64)[:64].lstrip()
+        if head.startswith(b"["):  # one JSON array of records: bounded by max_record_bytes
+            data = stream.read(cfg.max_record_bytes + 1)
+            if len(data) > cfg.max_record_bytes:
+                yield _row(f"{path}:0", "", "rejected", "record-too-large", data)
+                return
+            try:
+                records = json.loads(data)
+            except ValueError:
+                yield _row(f"{path}:0", "", "rejected", "malformed-json", data)
+                return
+            for i, obj in enumerate(records):
+                yield json_object(f"{path}:{i}", obj, cfg.text_field)
+            return
+    for pos, line in _owned_lines(stream, f, cfg.max_record_bytes):
+        if line is None:
+            yield _row(f"{path}:{pos}", "", "rejected", "record-too-large")
+        elif line.strip():
+            yield json_record(f"{path}:{pos}", line, cfg.text_field)
+
+
+def _blocks(stream, f: dict, cfg: ReadConfig) -> Iterator[dict]:
+    """Blank-line separated blocks. A block belongs to the range holding the blank line
+    before it (the first block to the range at offset 0)."""
+    path = f["path"]
+    owned = f["start"] == 0
+    block, block_at, size, too_big = [], 0, 0, False
+    compressed = bool(describe(path)[1])
+
+    def flush():
+        if too_big:
+            return _row(f"{path}:{block_at}", "", "rejected", "record-too-large")
+        return decode_text(f"{path}:{block_at}", b"\n".join(block))
+
+    for pos, line in _owned_lines(stream, {**f, "end": float("inf")}, cfg.max_record_bytes):
+        blank = line is not None and not line.strip()
+        if blank:
+            if owned and (block or too_big):
+                yield flush()
+            block, size, too_big = [], 0, False
+            if not compressed and pos >= f["end"]:
+                return  # the block after this blank line belongs to the next range
+            owned = True
+            continue
+        if not owned:
+            continue
+        if not block and not too_big:
+            block_at = pos
+        if line is None or size + len(line) > cfg.max_record_bytes:
+            too_big, block = True, []
+            continue
+        if not too_big:
+            block.append(line)
+            size += len(line) + 1
+    if owned and (block or too_big):
+        yield flush()
+
+
+def _parquet(f: dict, cfg: ReadConfig) -> Iterator[dict]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fs, p = filesystem(f["path"])
+    try:
+        pf = pq.ParquetFile(fs.open_input_file(p))
+    except (OSError, pa.ArrowInvalid) as e:
+        yield _row(f"{f['path']}:damage", "", "rejected", "corrupt-file", str(e))
+        return
+    if cfg.text_field not in pf.schema_arrow.names:
+        yield _row(f"{f['path']}:0", "", "rejected", "missing-text-column", ", ".join(pf.schema_arrow.names))
+        return
+    row = 0
+    try:
+        for batch in pf.iter_batches(columns=[cfg.text_field], batch_size=1024):
+            for value in batch.column(0).to_pylist():
+                if isinstance(value, str):
+                    yield _row(f"{f['path']}:{row}", value) if "\x00" not in value else \
+                        _row(f"{f['path']}:{row}", "", "rejected", "binary", value)
+                else:
+                    yield _row(f"{f['path']}:{row}", "", "rejected", "missing-text-field", repr(value))
+                row += 1
+    except (OSError, pa.ArrowInvalid) as e:
+        yield _row(f"{f['path']}:damage", "", "rejected", "corrupt-file", str(e))

@@ -54,6 +54,8 @@ class TokenizerInfo:
     """The end-of-text id that separates packed documents."""
     hash: str
     """Hash of the tokenizer's definition: equal hash, equal token ids."""
+    file: str = ""
+    """Its definition file, relative to the version directory (none for `bytes`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +102,12 @@ class Manifest:
     """The input files consumed: path, size, mtime."""
     run: dict
     """Resolved config, code and library versions of the run that wrote it."""
+    stats: dict = field(default_factory=dict)
+    """The run's summary table: counts by rule and reason, bytes, tokens, throughput."""
+    dedup: dict = field(default_factory=dict)
+    """Dedup parameters and the state files later versions deduplicate against."""
+    rejects: str = ""
+    """The rejects report (counts and samples by reason), relative to the version directory."""
     schema_version: int = SCHEMA_VERSION
 
     def rows(self, split: str) -> int:
@@ -137,6 +145,14 @@ class DatasetVersion:
 
     def shard_paths(self, split: str) -> list[str]:
         return [join(self.path, s.path) for s in self.manifest.shards if s.split == split]
+
+    def tokenizer_definition(self) -> str | None:
+        """The tokenizer file's text, for tokenizers that have one."""
+        if not self.manifest.tokenizer.file:
+            return None
+        fs, p = filesystem(join(self.path, self.manifest.tokenizer.file))
+        with fs.open_input_stream(p) as f:
+            return f.read().decode()
 
 
 def list_versions(storage: Storage, name: str) -> list[str]:

@@ -38,15 +38,21 @@ def make_corpus(root: str, docs: int = 40, seed: int = 0) -> dict:
     with open(os.path.join(root, "lines.jsonl"), "w") as f:
         f.write("\n".join([f'{{"text": "{json_good[0]}"}}', "{not json", '{"id": 3}',
                            f'{{"text": "{json_good[1]}"}}']) + "\n")
+    # Duplicates keep the byte length, so the token count does not depend on which copy wins.
+    variants = ["  " + good[0].upper() + "  \n", good[1].rsplit(" ", 1)[0] + " dox1."]
+    with open(os.path.join(root, "exact-dup.txt"), "w") as f:  # doc000 up to case and spacing
+        f.write(variants[0])
+    with open(os.path.join(root, "near-dup.txt"), "w") as f:  # doc001 with its last word changed
+        f.write(variants[1])
     with open(os.path.join(root, "bad-utf8.txt"), "wb") as f:
         f.write(b"caf\xe9 is not utf-8 but this line is long")
     with open(os.path.join(root, "binary.txt"), "wb") as f:
         f.write(b"\x00\x01\x02" * 100)
     with open(os.path.join(root, "short.txt"), "w") as f:
         f.write("tiny")
-    return {"files": len(os.listdir(root)), "good": good + json_good, "rejected": {"malformed-json": 1, "missing-text-field": 1,
-                                                   "invalid-utf8": 1, "binary": 1},
-            "filtered": {"too-short": 1}}
+    return {"files": len(os.listdir(root)), "good": good + json_good, "variants": [v.strip() for v in variants],
+            "rejected": {"malformed-json": 1, "missing-text-field": 1, "invalid-utf8": 1, "binary": 1},
+            "filtered": {"too-short": 1}, "duplicate": {"exact": 1, "near": 1}}
 
 
 @pytest.fixture(scope="session")
@@ -105,4 +111,5 @@ def dataset(storage_root, corpus):
     from strata.storage import Storage
 
     ensure_local_ray()
-    return run(debug(inputs=(corpus["path"],), dataset="corpus"), Storage.from_env())
+    out = run(debug("corpus", read={"inputs": (corpus["path"],)}), Storage.from_env())
+    return {**out, "ref": f"{out['dataset']}@{out['version']}"}  # later tests add versions: pin this one

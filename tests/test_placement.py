@@ -66,7 +66,7 @@ def test_each_tier_runs_only_on_its_nodes(tiered_cluster, corpus):
 
     storage = Storage.from_env()
 
-    pre = preprocess(debug(inputs=(corpus["path"],), dataset="placed"), storage)
+    pre = preprocess(debug("placed", read={"inputs": (corpus["path"],)}), storage)
     work_nodes = resolve(storage, f"placed@{pre['version']}").manifest.run["work_nodes"]
     assert work_nodes and set(work_nodes) == {tiered_cluster[tiers.Tier.CPU]}
     assert all(tiers.tiers_of(_labels_of(n)) == {tiers.Tier.CPU} for n in work_nodes)

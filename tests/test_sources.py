@@ -1,62 +1,159 @@
-"""Tolerant decoding: every input becomes document rows with a status and a reason."""
+"""Tolerant, streaming readers: every record gets a status, damage costs only what it touched."""
 
 import gzip
+import json
 import os
+import random
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import zstandard
 
 from pipelines.pack import validation_split
-from pipelines.sources import decode_file, list_inputs
-
-KW = dict(text_field="text", min_chars=5, max_chars=1000)
+from pipelines.sources import ReadConfig, describe, list_inputs, plan_units, read_file
 
 
-def decode(path, data):
-    return decode_file({"path": path, "bytes": data}, **KW)
+def records(path, **cfg):
+    rcfg = ReadConfig(inputs=(str(path),), **cfg)
+    [f] = list_inputs([str(path)])
+    return [r for unit in plan_units([f], rcfg) for part in unit for r in read_file(part, rcfg)]
 
 
-def test_good_text_is_kept_and_normalised():
-    [row] = decode("a.txt", "  cafe\u0301 au lait\r\nsecond line ".encode())
-    assert row["status"] == "kept" and row["text"] == "caf\u00e9 au lait\nsecond line"
+def statuses(rows):
+    return [(r["status"], r["reason"]) for r in rows]
 
 
-@pytest.mark.parametrize(("path", "data", "status", "reason"), [
-    ("a.txt", b"\xff\xfe broken bytes", "rejected", "invalid-utf8"),
-    ("a.txt", b"text with a \x00 NUL", "rejected", "binary"),
-    ("a.txt.gz", gzip.compress(b"hello there world")[:-8], "rejected", "corrupt-compressed"),
-    ("a.txt", b"hi", "filtered", "too-short"),
-    ("a.txt", b"x" * 2000, "filtered", "too-long"),
+def test_describe_by_suffix():
+    assert describe("a/b.JSONL.gz") == ("jsonl", "gz")
+    assert describe("x.json.zst") == ("json", "zst")
+    assert describe("x.parquet") == ("parquet", "")
+    assert describe("notes.md") == ("text", "")
+
+
+@pytest.mark.parametrize(("data", "reason"), [
+    (b"\xff\xfe broken bytes", "invalid-utf8"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "binary"),
+    (b"", "empty-file"),
 ])
-def test_bad_input_is_accounted_for(path, data, status, reason):
-    [row] = decode(path, data)
-    assert (row["status"], row["reason"]) == (status, reason)
+def test_bad_text_files_are_rejected_with_a_reason(tmp_path, data, reason):
+    (tmp_path / "a.txt").write_bytes(data)
+    [row] = records(tmp_path / "a.txt")
+    assert (row["status"], row["reason"]) == ("rejected", reason)
+    assert row["doc_id"].startswith(str(tmp_path / "a.txt"))
 
 
-def test_jsonl_lines_each_get_a_status():
-    data = b'{"text": "a good line of json"}\n{broken\n\n{"text": 5}\n["a list"]\n{"text": "another good one"}\n'
-    rows = decode("x.jsonl", data)
-    assert [(r["status"], r["reason"]) for r in rows] == [
-        ("kept", ""), ("rejected", "malformed-json"), ("rejected", "missing-text-field"),
-        ("rejected", "missing-text-field"), ("kept", "")]
-    assert len({r["doc_id"] for r in rows}) == len(rows)
+def test_jsonl_lines_each_get_a_status(tmp_path):
+    lines = [b'{"text": "good one"}', b"{broken", b"", b'{"text": 5}', b'["a list"]', b'{"body": "x"}',
+             b'{"text": "caf\xe9"}', b'{"text": "good two"}']
+    (tmp_path / "x.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    assert statuses(records(tmp_path / "x.jsonl")) == [
+        ("ok", ""), ("rejected", "malformed-json"), ("rejected", "missing-text-field"),
+        ("rejected", "missing-text-field"), ("rejected", "missing-text-field"), ("rejected", "invalid-utf8"),
+        ("ok", "")]
 
 
-def test_gzip_is_decompressed():
-    [row] = decode("a.txt.gz", gzip.compress(b"compressed but fine"))
-    assert row["text"] == "compressed but fine"
+def test_json_array_and_custom_field(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps([{"body": "first"}, {"body": 3}, {"body": "third"}]))
+    rows = records(tmp_path / "a.json", text_field="body")
+    assert statuses(rows) == [("ok", ""), ("rejected", "missing-text-field"), ("ok", "")]
+    assert [r["text"] for r in rows if r["status"] == "ok"] == ["first", "third"]
 
 
-def test_list_inputs_expands_dirs_and_globs_and_rejects_missing(tmp_path):
+def test_parquet_text_column(tmp_path):
+    pq.write_table(pa.table({"content": ["alpha", None, "gamma"]}), tmp_path / "a.parquet")
+    rows = records(tmp_path / "a.parquet", text_field="content")
+    assert statuses(rows) == [("ok", ""), ("rejected", "missing-text-field"), ("ok", "")]
+    [missing] = records(tmp_path / "a.parquet")
+    assert (missing["status"], missing["reason"]) == ("rejected", "missing-text-column")
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really parquet")
+    [bad] = records(tmp_path / "bad.parquet")
+    assert (bad["status"], bad["reason"]) == ("rejected", "corrupt-file")
+
+
+def _jsonl(n, seed=0):
+    rng = random.Random(seed)
+    return b"".join(json.dumps({"text": f"doc {i} " + "x" * rng.randint(0, 300)}).encode() + b"\n"
+                    for i in range(n))
+
+
+@pytest.mark.parametrize("compress", [gzip.compress, lambda b: zstandard.ZstdCompressor().compress(b)])
+def test_truncated_compressed_file_keeps_what_came_before_the_damage(tmp_path, compress):
+    data = compress(_jsonl(5000))  # zstd decodes whole 128 KB blocks: give it several
+    suffix = ".jsonl.gz" if data[:2] == b"\x1f\x8b" else ".jsonl.zst"
+    (tmp_path / f"a{suffix}").write_bytes(data[: len(data) * 2 // 3])
+    rows = records(tmp_path / f"a{suffix}")
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert 1000 < len(ok) < 5000
+    assert [r["text"].split()[1] for r in ok] == [str(i) for i in range(len(ok))]  # a clean prefix
+    damaged = [r for r in rows if r["status"] == "rejected"]
+    assert [r["reason"] for r in damaged][-1] == "truncated-compressed"
+
+
+def test_corrupt_gzip_is_counted_not_raised(tmp_path):
+    data = bytearray(gzip.compress(_jsonl(200)))
+    data[len(data) // 2: len(data) // 2 + 50] = b"\x00" * 50
+    (tmp_path / "a.jsonl.gz").write_bytes(bytes(data))
+    rows = records(tmp_path / "a.jsonl.gz")
+    assert rows[-1]["status"] == "rejected" and rows[-1]["reason"] in ("corrupt-file", "truncated-compressed")
+
+
+def test_a_huge_line_is_skipped_without_holding_it(tmp_path):
+    with open(tmp_path / "a.jsonl", "wb") as f:
+        f.write(b'{"text": "before"}\n')
+        f.write(b'{"text": "' + b"y" * (20 << 20) + b'"}\n')  # a 20 MB line
+        f.write(b'{"text": "after"}\n')
+    rows = records(tmp_path / "a.jsonl", max_record_bytes=1 << 20)
+    assert statuses(rows) == [("ok", ""), ("rejected", "record-too-large"), ("ok", "")]
+    assert rows[2]["text"] == "after"
+    (tmp_path / "big.txt").write_bytes(b"z" * (3 << 20))
+    [big] = records(tmp_path / "big.txt", max_record_bytes=1 << 20)
+    assert big["reason"] == "record-too-large"
+
+
+@pytest.mark.parametrize("split_bytes", [1 << 16, 100_000, 1 << 20])
+def test_ranges_read_every_jsonl_record_exactly_once(tmp_path, split_bytes):
+    data = _jsonl(3000, seed=split_bytes)
+    (tmp_path / "a.jsonl").write_bytes(data)
+    rows = records(tmp_path / "a.jsonl", split_bytes=split_bytes)
+    assert len(plan_units(list_inputs([str(tmp_path / "a.jsonl")]), ReadConfig(inputs=("x",), split_bytes=split_bytes))) \
+        == -(-len(data) // split_bytes)
+    assert [r["text"].split()[1] for r in rows] == [str(i) for i in range(3000)]
+    assert len({r["doc_id"] for r in rows}) == 3000
+
+
+@pytest.mark.parametrize("split_bytes", [1 << 16, 77_777])
+def test_blank_line_blocks_split_into_ranges_read_every_block_once(tmp_path, split_bytes):
+    rng = random.Random(1)
+    blocks = ["\n".join(f"block {i} line {j} " + "w" * rng.randint(0, 80) for j in range(rng.randint(1, 6)))
+              for i in range(2000)]
+    sep = ["\n\n", "\n\n\n", "\n  \n"]
+    (tmp_path / "a.txt").write_text("".join(b + rng.choice(sep) for b in blocks))
+    rows = records(tmp_path / "a.txt", txt_documents="blank-line", split_bytes=split_bytes)
+    assert [r["text"] for r in rows] == blocks
+
+
+def test_list_inputs_expands_dirs_globs_and_file_uris(tmp_path):
     (tmp_path / "d").mkdir()
     for name in ("d/a.txt", "d/b.txt", "c.jsonl", "d/.hidden"):
         (tmp_path / name).write_text("x")
     files = list_inputs([str(tmp_path / "d"), str(tmp_path / "*.jsonl"), str(tmp_path / "d" / "a.txt")])
     assert [os.path.basename(f["path"]) for f in files] == ["c.jsonl", "a.txt", "b.txt"]
-    assert all(f["size"] == 1 and f["mtime"] for f in files)
+    assert all(f["size"] == 1 and f["mtime_ns"] for f in files)
+    uri = list_inputs([f"file://{tmp_path}/d"])
+    assert [f["path"] for f in uri] == [f"file://{tmp_path}/d/a.txt", f"file://{tmp_path}/d/b.txt"]
+    assert records(f"file://{tmp_path}/d/a.txt")[0]["status"] == "ok"
     with pytest.raises(FileNotFoundError, match="does not exist"):
         list_inputs([str(tmp_path / "nope")])
     with pytest.raises(FileNotFoundError, match="matches no file"):
         list_inputs([str(tmp_path / "*.parquet")])
+
+
+def test_small_files_are_grouped_into_units(tmp_path):
+    for i in range(10):
+        (tmp_path / f"{i}.txt").write_bytes(b"x" * 30_000)
+    units = plan_units(list_inputs([str(tmp_path)]), ReadConfig(inputs=("x",), split_bytes=1 << 16))
+    assert [len(u) for u in units] == [3, 3, 3, 1]
 
 
 def test_validation_split_is_stable_and_near_the_fraction():

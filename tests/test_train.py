@@ -21,7 +21,7 @@ def _cfg(max_steps):
 @pytest.mark.slow
 def test_ddp_run_checkpoints_and_a_rerun_continues(local_ray, dataset):
     storage = Storage.from_env()
-    ref = f"{dataset['dataset']}@{dataset['version']}"
+    ref = dataset["ref"]
     model = preset("debug", n_layer=1, n_embd=32, n_head=2)
     first = run(model, _cfg(6), dataset=ref, run_name="ddp", storage=storage, workers=2, use_gpu=False)
     assert (first["start_step"], first["steps"]) == (0, 6)
@@ -41,6 +41,6 @@ def test_ddp_run_checkpoints_and_a_rerun_continues(local_ray, dataset):
 
 def test_a_dataset_that_does_not_fit_the_model_is_refused(local_ray, dataset):
     with pytest.raises(DatasetError, match="seq_len is 128 but the model's is 64"):
-        run(preset("debug", seq_len=64), _cfg(2), dataset=dataset["dataset"], run_name="refused",
+        run(preset("debug", seq_len=64), _cfg(2), dataset=dataset["ref"], run_name="refused",
             storage=Storage.from_env())
     assert not os.path.exists(Storage.from_env().run("refused"))

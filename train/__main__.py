@@ -73,7 +73,7 @@ def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name:
         train_loop_per_worker,
         train_loop_config={"model": asdict(model_cfg), "train": asdict(train_cfg), "run_dir": run_dir,
                            "shards": shard_refs["train"], "val_shards": shard_refs["validation"],
-                           "tokenizer": asdict(m.tokenizer)},
+                           "tokenizer": asdict(m.tokenizer), "tokenizer_definition": version.tokenizer_definition()},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu,
                                      resources_per_worker={"CPU": cpus_per_worker},
                                      label_selector=tiers.selector(tiers.Tier.GPU)),

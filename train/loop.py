@@ -160,7 +160,8 @@ def train_loop_per_worker(config: dict) -> None:
                 ckpt = None
                 if rank == 0:
                     torch.save({"model": raw.state_dict(), "optimizer": optimizer.state_dict(), "step": done,
-                                "model_config": config["model"], "tokenizer": config["tokenizer"]},
+                                "model_config": config["model"], "tokenizer": config["tokenizer"],
+                                "tokenizer_definition": config.get("tokenizer_definition")},
                                os.path.join(d, "state.pt"))
                     with open(os.path.join(d, "meta.json"), "w") as f:
                         json.dump({"step": done, "loss": loss}, f)

@@ -40,13 +40,13 @@ def load(checkpoint: str) -> tuple[GPT, object, int]:
         state = torch.load(f, map_location="cpu", weights_only=False)
     model = GPT(GPTConfig(**state["model_config"]))
     model.load_state_dict(state["model"])
-    return model.eval(), from_info(TokenizerInfo(**state["tokenizer"])), state["step"]
+    return model.eval(), from_info(TokenizerInfo(**state["tokenizer"]), state.get("tokenizer_definition")), state["step"]
 
 
 def sample(checkpoint: str, prompt: str, tokens: int, samples: int, temperature: float, seed: int) -> list[str]:
     model, tok, _ = load(checkpoint)
     torch.manual_seed(seed)
-    ids = tok.encode(prompt).astype("int64") if prompt else [tok.eot_id]
+    ids = tok.encode(prompt).astype("int64").tolist() if prompt else [tok.eot_id]
     idx = torch.tensor(ids, dtype=torch.long).unsqueeze(0).repeat(samples, 1)  # (K, T)
     out = model.generate(idx, tokens, temperature=temperature, vocab_limit=tok.vocab_size)
     texts = []

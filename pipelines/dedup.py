@@ -1,0 +1,185 @@
+"""Deduplication: exact (hash of the normalized text) and near (MinHash + LSH), global.
+
+Pass 1 registers every kept document's keys with a sharded index of Ray actors
+on the cpu tier; after pass 1 each shard reduces its entries to the winner per
+key; pass 2 asks whether each document is the winner. The winner of a key is
+the entry with the smallest (priority, doc key): entries loaded from earlier
+versions have priority 0, so anything already in the dataset wins and a later
+run drops its duplicates. The same input always keeps the same documents.
+
+Near duplicates are documents sharing an LSH band (b bands of r rows of a
+num_perm MinHash over word shingles), the standard candidate rule without a
+Jaccard re-check: bands and rows follow from the threshold, so pairs with
+similarity above it collide with high probability.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+_WORD = re.compile(r"\w+", re.UNICODE)
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DedupConfig:
+    exact_dedup: bool = True
+    """Drop documents whose normalized text equals an earlier one's."""
+    near_dedup: bool = True
+    """Drop near duplicates found with MinHash + LSH."""
+    shingle_words: int = 5
+    """Words per shingle for MinHash."""
+    num_perm: int = 128
+    """MinHash permutations."""
+    bands: int = 0
+    """LSH bands (0: chosen from the threshold); rows per band = num_perm // bands."""
+    threshold: float = 0.8
+    """Jaccard similarity above which documents count as near duplicates."""
+    index_shards: int = 0
+    """Dedup index actors (0: one per two cpu-tier CPUs)."""
+    against_previous: bool = True
+    """Also drop documents that duplicate anything in earlier versions of the dataset."""
+
+    def __post_init__(self):
+        if not 0.0 < self.threshold < 1.0 or self.num_perm < 2 or self.shingle_words < 1:
+            raise ValueError("need 0 < threshold < 1, num_perm >= 2, shingle_words >= 1")
+        if self.bands and (self.bands > self.num_perm or self.num_perm % self.bands):
+            raise ValueError(f"bands {self.bands} must divide num_perm {self.num_perm}")
+
+    def lsh(self) -> tuple[int, int]:
+        """(bands, rows): given, or the split whose S-curve midpoint (1/b)^(1/r) is nearest the threshold."""
+        if self.bands:
+            return self.bands, self.num_perm // self.bands
+        options = [(b, self.num_perm // b) for b in range(1, self.num_perm + 1) if self.num_perm % b == 0]
+        return min(options, key=lambda br: abs((1 / br[0]) ** (1 / br[1]) - self.threshold))
+
+    def params(self) -> dict:
+        """What must match for an earlier version's near-dup state to be comparable."""
+        b, r = self.lsh()
+        return {"shingle_words": self.shingle_words, "num_perm": self.num_perm, "bands": b, "rows": r,
+                "hash": "crc32-words/multiply-shift-v1"}
+
+
+def hash64(data: str) -> int:
+    return int.from_bytes(hashlib.blake2b(data.encode(), digest_size=8).digest(), "little")
+
+
+def exact_key(text: str) -> int:
+    """Key of the text up to case and whitespace."""
+    return hash64(" ".join(text.casefold().split()))
+
+
+class MinHasher:
+    def __init__(self, cfg: DedupConfig, seed: int = 1):
+        rng = np.random.default_rng(seed)
+        self.k = cfg.shingle_words
+        self.bands, self.rows = cfg.lsh()
+        self.a = rng.integers(1, 2**63, cfg.num_perm, dtype=np.uint64) | np.uint64(1)  # odd multipliers
+        self.b = rng.integers(0, 2**63, cfg.num_perm, dtype=np.uint64)
+        self.mix = rng.integers(1, 2**63, (self.bands, self.rows), dtype=np.uint64) | np.uint64(1)
+        self.pow = rng.integers(1, 2**63, self.k, dtype=np.uint64) | np.uint64(1)
+
+    def signature(self, text: str) -> np.ndarray:
+        """(num_perm,) uint32 MinHash of the text's word shingles (multiply-shift hashing)."""
+        words = np.array([zlib.crc32(w.encode()) for w in _WORD.findall(text.lower())] or [0], dtype=np.uint64)
+        n = max(1, len(words) - self.k + 1)
+        pad = np.concatenate([words, np.zeros(self.k, dtype=np.uint64)])
+        shingles = np.zeros(n, dtype=np.uint64)
+        sig = np.full(len(self.a), np.iinfo(np.uint64).max, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            for j in range(self.k):  # polynomial hash of k consecutive word hashes, mod 2^64
+                shingles += pad[j: j + n] * self.pow[j]
+            for i in range(0, n, 4096):  # (P, chunk) at a time: bounded memory for long documents
+                h = (self.a[:, None] * shingles[None, i: i + 4096] + self.b[:, None]) >> np.uint64(32)
+                np.minimum(sig, h.min(axis=1), out=sig)
+        return sig.astype(np.uint32)
+
+    def band_keys(self, sig: np.ndarray) -> np.ndarray:
+        """(bands,) uint64 keys, one per band, each mixing the band's index and rows."""
+        rows = sig.reshape(self.bands, self.rows).astype(np.uint64)
+        with np.errstate(over="ignore"):
+            keys = (rows * self.mix).sum(axis=1) + np.arange(self.bands, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+            keys ^= keys >> np.uint64(31)
+            keys *= np.uint64(0xBF58476D1CE4E5B9)
+            keys ^= keys >> np.uint64(29)
+        return keys
+
+
+class DedupIndex:
+    """One shard of the global index: key -> winning (priority, doc key). A Ray actor."""
+
+    def __init__(self):
+        self.parts = {"exact": [], "band": []}
+        self.tables: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def register(self, table: str, keys: np.ndarray, docs: np.ndarray, priority: int) -> int:
+        self.parts[table].append((keys.astype(np.uint64), docs.astype(np.uint64),
+                                  np.full(len(keys), priority, dtype=np.uint8)))
+        return len(keys)
+
+    def load(self, table: str, paths: list[str], shard: int, shards: int) -> int:
+        """This shard's entries of earlier versions (priority 0), from their saved state files."""
+        import pyarrow.parquet as pq
+
+        from strata.storage import filesystem
+
+        n = 0
+        for path in paths:
+            fs, p = filesystem(path)
+            t = pq.read_table(p, filesystem=fs)
+            keys, docs = t.column("key").to_numpy(), t.column("doc").to_numpy()
+            mine = shard_of(keys, shards) == shard
+            n += self.register(table, keys[mine], docs[mine], 0)
+        return n
+
+    def finalize(self) -> dict:
+        """Reduce each table to one winner per key; sorted for binary search."""
+        sizes = {}
+        for table, parts in self.parts.items():
+            if parts:
+                keys, docs, prio = (np.concatenate(x) for x in zip(*parts, strict=True))
+            else:
+                keys = docs = np.zeros(0, np.uint64)
+                prio = np.zeros(0, np.uint8)
+            order = np.lexsort((docs, prio, keys))
+            keys, docs, prio = keys[order], docs[order], prio[order]
+            first = np.ones(len(keys), dtype=bool)
+            first[1:] = keys[1:] != keys[:-1]
+            self.tables[table] = (keys[first], docs[first], prio[first])
+            sizes[table] = int(first.sum())
+        self.parts = {"exact": [], "band": []}
+        return sizes
+
+    def losers(self, table: str, keys: np.ndarray, docs: np.ndarray) -> np.ndarray:
+        """Whether each (key, doc) of this run lost its key: to an earlier version, or a smaller doc key."""
+        k, d, p = self.tables[table]
+        i = np.searchsorted(k, keys.astype(np.uint64))  # every key asked for was registered
+        return (p[i] != 1) | (d[i] != docs.astype(np.uint64))
+
+    def save(self, table: str, path: str) -> int:
+        """Write the entries this run added (priority 1 winners) for later runs to load."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from strata.storage import filesystem
+
+        k, d, p = self.tables[table]
+        new = p == 1
+        fs, target = filesystem(path)
+        pq.write_table(pa.table({"key": k[new], "doc": d[new]}), target, filesystem=fs)
+        return int(new.sum())
+
+
+def shard_of(keys: np.ndarray, n: int) -> np.ndarray:
+    """Which index shard owns each key."""
+    return (keys.astype(np.uint64) % np.uint64(n)).astype(np.int64)
+
+
+def suggested_shards(cpus: float) -> int:
+    return max(1, math.floor(cpus / 2))

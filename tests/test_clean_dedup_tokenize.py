@@ -1,0 +1,124 @@
+"""Cleaning rules, MinHash/LSH dedup logic and tokenizers, without Ray."""
+
+import random
+
+import numpy as np
+import pytest
+
+from pipelines.clean import WEB, CleanConfig, normalize, quality_reason
+from pipelines.dedup import DedupConfig, DedupIndex, MinHasher, exact_key
+from strata.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    check_spec,
+    from_info,
+    load_tokenizer,
+    train_bpe,
+)
+
+PROSE = ("The committee met on Tuesday to review the proposal. After a long discussion, members agreed "
+         "that the plan needed more work before a vote. The chair asked for a revised draft by next month. ")
+
+
+def test_normalize_keeps_indentation_unless_collapsing():
+    text = "cafe\u0301\r\n    indented\t \x07line   \n\n\n\nend  "
+    assert normalize(text, CleanConfig()) == "caf\u00e9\n    indented\t line\n\nend"
+    assert normalize(text, CleanConfig(whitespace="collapse")) == "caf\u00e9\n indented line\n\nend"
+    assert normalize("\ufb01", CleanConfig(normalization="NFKC")) == "fi"
+
+
+def _prose(n_sentences=12, seed=0):
+    rng = random.Random(seed)
+    words = ["committee", "plan", "river", "market", "teacher", "garden", "window", "report", "village", "engine", "harbor", "budget", "reviewed", "changed", "followed", "opened", "described", "measured", "delayed", "improved", "visited", "quiet", "early", "bright", "narrow", "careful", "public", "local", "several", "winter", "summer", "morning", "evening", "question", "answer", "letter", "station", "bridge", "forest", "museum", "library", "kitchen", "doctor", "farmer", "painter", "student"]
+    return " ".join(" ".join(rng.choice(words) for _ in range(rng.randint(8, 14))).capitalize() + "."
+                    for _ in range(n_sentences))
+
+
+def test_varied_prose_passes_every_web_rule():
+    cfg = CleanConfig(**WEB)
+    assert quality_reason(normalize(_prose(), cfg), cfg) == ""
+
+
+@pytest.mark.parametrize(("rule", "text", "reason"), [
+    ("min_words", "word " * 10, "gopher-min-words"),
+    ("min_mean_word_length", "a b c d e " * 30, "gopher-mean-word-length"),
+    ("max_mean_word_length", "extraordinarily incomprehensible " * 40, "gopher-mean-word-length"),
+    ("min_alpha_word_fraction", "### 1234 5678 " * 30 + _prose(2), "gopher-alpha-words"),
+    ("max_symbol_word_ratio", _prose(2) + " #" * 60, "gopher-symbol-ratio"),
+    ("max_bullet_line_fraction", "\n".join(f"- item {i} in the list" for i in range(40)), "gopher-bullet-lines"),
+    ("max_ellipsis_line_fraction", "\n".join(["and then ..."] * 10 + [_prose(1)]), "gopher-ellipsis-lines"),
+    ("max_duplicate_line_fraction", "\n".join([_prose(1)] + ["the same line"] * 10), "gopher-duplicate-lines"),
+    ("max_top_2gram_fraction", "buy now " * 40 + _prose(2), "gopher-top-2gram"),
+    ("max_duplicate_5gram_fraction", _prose(3) * 3, "gopher-duplicate-5grams"),
+    ("min_terminal_punct_line_fraction", "\n".join(["no full stop here"] * 5), "c4-terminal-punctuation"),
+    ("c4_bad_phrases", _prose(2) + " Lorem ipsum dolor sit amet.", "c4-bad-phrase"),
+])
+def test_each_rule_has_its_own_reason(rule, text, reason):
+    value = WEB.get(rule) if WEB.get(rule) is not None else 0.5
+    cfg = CleanConfig(**{rule: value})
+    assert quality_reason(normalize(text, cfg), cfg) == reason
+    assert quality_reason(normalize(_prose(), cfg), cfg) == ""
+
+
+def test_rules_are_off_by_default():
+    assert quality_reason("a b c d e " * 30, CleanConfig()) == ""
+    assert quality_reason("x" * 20, CleanConfig(min_chars=1, max_chars=10)) == "too-long"
+
+
+def test_lsh_parameters_follow_the_threshold():
+    assert DedupConfig(threshold=0.8).lsh() == (8, 16)
+    assert DedupConfig(threshold=0.5, num_perm=128).lsh() == (32, 4)
+    assert DedupConfig(bands=32).lsh() == (32, 4)
+    with pytest.raises(ValueError):
+        DedupConfig(bands=7)
+
+
+def _doc(seed, n=200):
+    rng = random.Random(seed)
+    return " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta", "iota", "kappa",
+                                "lambda", "mu", "nu", "xi", "omicron", "pi"]) for _ in range(n))
+
+
+def test_minhash_collides_for_near_duplicates_only():
+    h = MinHasher(DedupConfig())
+    a = _doc(1)
+    near = a.rsplit(" ", 1)[0] + " changed"
+    other = _doc(2)
+    ka, kn, ko = (h.band_keys(h.signature(t)) for t in (a, near, other))
+    assert (ka == kn).any()
+    assert not (ka == ko).any()
+    est = (h.signature(a) == h.signature(near)).mean()
+    assert est > 0.9
+    assert exact_key(a) == exact_key("  " + a.upper()) and exact_key(a) != exact_key(near)
+
+
+def test_index_keeps_one_winner_per_key_and_earlier_versions_win():
+    idx = DedupIndex()
+    keys = np.array([10, 10, 20, 30], dtype=np.uint64)
+    docs = np.array([5, 3, 7, 9], dtype=np.uint64)
+    idx.register("exact", keys, docs, 1)
+    idx.register("exact", np.array([30], dtype=np.uint64), np.array([99], dtype=np.uint64), 0)  # prior version
+    idx.register("band", np.zeros(0, np.uint64), np.zeros(0, np.uint64), 1)
+    idx.finalize()
+    lost = idx.losers("exact", keys, docs)
+    assert lost.tolist() == [True, False, False, True]  # doc 3 beats 5; key 30 was taken earlier
+
+
+def test_tokenizers_round_trip_and_identify_themselves(tmp_path):
+    b = ByteTokenizer()
+    assert b.decode(b.encode("héllo")) == "héllo" and b.info().vocab_size == 257
+    bpe = train_bpe((PROSE + str(i) for i in range(200)), 300)
+    assert bpe.vocab_size <= 300 and bpe.eot_token == "<|endoftext|>"
+    ids = bpe.encode(PROSE)
+    assert bpe.decode(ids) == PROSE and len(ids) < len(PROSE.encode()) * 0.75
+    path = tmp_path / "tokenizer.json"
+    path.write_text(bpe.definition)
+    again = load_tokenizer(str(path))
+    assert again.info() == bpe.info() and again.info().file == "tokenizer.json"
+    assert from_info(bpe.info(), bpe.definition).encode(PROSE).tolist() == ids.tolist()
+    assert from_info(b.info()).eot_id == 256
+    with pytest.raises(ValueError, match="end-of-text"):
+        HFTokenizer(bpe.definition, "<nope>")
+    for bad in ("train:abc", "train:10", "sentencepiece"):
+        with pytest.raises(ValueError):
+            check_spec(bad)
