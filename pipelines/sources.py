@@ -276,6 +276,10 @@ def json_object(doc_id: str, obj, field: str, raw: bytes | str = b"") -> dict:
         return _row(doc_id, "", "rejected", "missing-text-field", raw or json.dumps(obj)[:SAMPLE_BYTES])
     if "\x00" in text:
         return _row(doc_id, "", "rejected", "binary", text)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates from \ud800-style escapes
+        return _row(doc_id, "", "rejected", "invalid-unicode", text.encode("utf-8", "backslashreplace"))
     return _row(doc_id, text)
 
 

@@ -23,7 +23,7 @@ from strata.storage import Storage, join
 
 def demo_corpus(storage: Storage) -> list[str]:
     """Inputs that need no download: the standard library's top-level modules,
-    plus a few damaged files that show the accounting of rejects."""
+    plus damaged and duplicated files that show the rejects and dedup accounting."""
     remote = "://" in storage.root
     dirty = Path(tempfile.mkdtemp(prefix="strata-demo-") if remote else join(storage.root, "demo-inputs"))
     dirty.mkdir(parents=True, exist_ok=True)
@@ -31,6 +31,9 @@ def demo_corpus(storage: Storage) -> list[str]:
     (dirty / "image.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)))
     (dirty / "notes.jsonl").write_text('{"text": "A line of JSON with enough text to keep."}\n'
                                        '{"text": "truncated\n{"title": "no text field here"}\n')
+    source = Path(sysconfig.get_paths()["stdlib"], "textwrap.py").read_text()
+    (dirty / "textwrap-copy.py").write_text(source)  # an exact duplicate
+    (dirty / "textwrap-edited.py").write_text(source.replace("import re", "import re  # edited", 1))  # a near one
     return [os.path.join(sysconfig.get_paths()["stdlib"], "*.py"), str(dirty)]
 
 
@@ -73,8 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     best = sw["best"]
     print(textwrap.dedent(f"""
         ======================== strata demo: summary ========================
-        tier 1  {d['read']} documents read: {d['kept']} kept, {d['filtered']} filtered, {d['duplicate']} duplicate,
-                {d['rejected']} rejected {pre.get('reasons', {})}
+        tier 1  {d['read']} documents read: {d['kept']} kept, {d['filtered']} filtered,
+                {d['duplicate']} duplicate {pre['stats']['duplicate']}, {d['rejected']} rejected {pre['stats']['rejected_by_reason']}
                 {pre['tokens']:,} tokens -> {pre['sequences']:,} packed rows in {pre['shards']} shards
         tier 2  {tr['steps']} steps, loss {tr['first_loss']:.3f} -> {tr['last_loss']:.3f} (validation {tr['val_loss']:.3f}),
                 {tr['tokens_per_s']:,.0f} tokens/s

@@ -45,12 +45,12 @@ def test_bad_text_files_are_rejected_with_a_reason(tmp_path, data, reason):
 
 def test_jsonl_lines_each_get_a_status(tmp_path):
     lines = [b'{"text": "good one"}', b"{broken", b"", b'{"text": 5}', b'["a list"]', b'{"body": "x"}',
-             b'{"text": "caf\xe9"}', b'{"text": "good two"}']
+             b'{"text": "caf\xe9"}', b'{"text": "lone \\ud800 surrogate"}', b'{"text": "good two"}']
     (tmp_path / "x.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     assert statuses(records(tmp_path / "x.jsonl")) == [
         ("ok", ""), ("rejected", "malformed-json"), ("rejected", "missing-text-field"),
         ("rejected", "missing-text-field"), ("rejected", "missing-text-field"), ("rejected", "invalid-utf8"),
-        ("ok", "")]
+        ("rejected", "invalid-unicode"), ("ok", "")]
 
 
 def test_json_array_and_custom_field(tmp_path):
