@@ -1,8 +1,8 @@
 """Deduplication: exact (hash of the normalized text) and near (MinHash + LSH), global.
 
-Pass 1 registers every kept document's keys with a sharded index of Ray actors
-on the cpu tier; after pass 1 each shard reduces its entries to the winner per
-key; pass 2 asks whether each document is the winner. The winner of a key is
+Pass 1 writes every kept document's keys beside its text; a sharded index of
+Ray actors on the cpu tier then reads the keys it owns and reduces them to the
+winner per key; pass 2 asks whether each document is the winner. The winner of a key is
 the entry with the smallest (priority, doc key): entries loaded from earlier
 versions have priority 0, so anything already in the dataset wins and a later
 run drops its duplicates. The same input always keeps the same documents.
@@ -112,31 +112,37 @@ class MinHasher:
 
 
 class DedupIndex:
-    """One shard of the global index: key -> winning (priority, doc key). A Ray actor."""
+    """One shard of the global index: key -> winning (priority, doc key). A Ray actor.
 
-    def __init__(self):
-        self.parts = {"exact": [], "band": []}
+    It builds itself from files: the work files of this run (priority 1) and the
+    saved state of earlier versions (priority 0). So a restarted actor (its node
+    died) rebuilds the same index, and pass 2 goes on.
+    """
+
+    def __init__(self, shard: int, shards: int, work_files: list[str], prior: dict[str, list[str]],
+                 tables: tuple[str, ...]):
+        self.shard, self.shards = shard, shards
+        self.parts = {t: [] for t in tables}
         self.tables: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        for table in tables:
+            for path in prior.get(table, []):
+                t = _read(path, ["key", "doc"])
+                self.register(table, t.column("key").to_numpy(), t.column("doc").to_numpy(), 0)
+        for path in work_files:
+            t = _read(path, ["doc", "exact", "bands"])
+            docs = t.column("doc").to_numpy()
+            if "exact" in self.parts:
+                self.register("exact", t.column("exact").to_numpy(), docs, 1)
+            if "band" in self.parts:
+                bands = t.column("bands").combine_chunks()
+                self.register("band", bands.flatten().to_numpy(), np.repeat(docs, bands.type.list_size), 1)
+        self.finalize()
 
-    def register(self, table: str, keys: np.ndarray, docs: np.ndarray, priority: int) -> int:
-        self.parts[table].append((keys.astype(np.uint64), docs.astype(np.uint64),
-                                  np.full(len(keys), priority, dtype=np.uint8)))
-        return len(keys)
-
-    def load(self, table: str, paths: list[str], shard: int, shards: int) -> int:
-        """This shard's entries of earlier versions (priority 0), from their saved state files."""
-        import pyarrow.parquet as pq
-
-        from strata.storage import filesystem
-
-        n = 0
-        for path in paths:
-            fs, p = filesystem(path)
-            t = pq.read_table(p, filesystem=fs)
-            keys, docs = t.column("key").to_numpy(), t.column("doc").to_numpy()
-            mine = shard_of(keys, shards) == shard
-            n += self.register(table, keys[mine], docs[mine], 0)
-        return n
+    def register(self, table: str, keys: np.ndarray, docs: np.ndarray, priority: int) -> None:
+        """Keep the entries this shard owns."""
+        keys, docs = keys.astype(np.uint64), docs.astype(np.uint64)
+        mine = shard_of(keys, self.shards) == self.shard
+        self.parts[table].append((keys[mine], docs[mine], np.full(int(mine.sum()), priority, dtype=np.uint8)))
 
     def finalize(self) -> dict:
         """Reduce each table to one winner per key; sorted for binary search."""
@@ -153,8 +159,11 @@ class DedupIndex:
             first[1:] = keys[1:] != keys[:-1]
             self.tables[table] = (keys[first], docs[first], prio[first])
             sizes[table] = int(first.sum())
-        self.parts = {"exact": [], "band": []}
+        self.parts = {t: [] for t in self.parts}
         return sizes
+
+    def sizes(self) -> dict[str, int]:
+        return {t: len(v[0]) for t, v in self.tables.items()}
 
     def losers(self, table: str, keys: np.ndarray, docs: np.ndarray) -> np.ndarray:
         """Whether each (key, doc) of this run lost its key: to an earlier version, or a smaller doc key."""
@@ -174,6 +183,15 @@ class DedupIndex:
         fs, target = filesystem(path)
         pq.write_table(pa.table({"key": k[new], "doc": d[new]}), target, filesystem=fs)
         return int(new.sum())
+
+
+def _read(path: str, columns: list[str]):
+    import pyarrow.parquet as pq
+
+    from strata.storage import filesystem
+
+    fs, p = filesystem(path)
+    return pq.read_table(p, filesystem=fs, columns=columns)
 
 
 def shard_of(keys: np.ndarray, n: int) -> np.ndarray:

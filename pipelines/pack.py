@@ -1,8 +1,8 @@
 """The three passes of tier 1, each a Ray Data map step on the cpu tier.
 
 1. `read_clean_sign`: a work unit's files -> records -> cleaned, filtered
-   documents in a work parquet file; each kept document's dedup keys go to the
-   index. Returns the unit's accounting.
+   documents with their dedup keys in a work parquet file. Returns the unit's
+   accounting. The dedup index is then built from these files.
 2. `DedupTokenizePack` (actor: the tokenizer loads once per worker): a work
    file's documents -> drop duplicates -> tokenize -> split by document ->
    pack into rows of seq_len + 1 ids, each with a random sort key.
@@ -32,7 +32,6 @@ from strata.storage import filesystem, join
 
 SPLIT_IDS = {"train": 0, "validation": 1}
 SAMPLES_PER_REASON = 3
-REGISTER_EVERY = 2000
 
 
 def digest(obj) -> str:
@@ -53,60 +52,37 @@ def _node() -> str:
 
 # ---------------------------------------------------------------- pass 1
 
-DOCS_SCHEMA = pa.schema([("doc_id", pa.string()), ("doc", pa.uint64()), ("text", pa.large_string())])
+def docs_schema(bands: int) -> pa.Schema:
+    """A work file of kept documents with their dedup keys (the index is rebuilt from these)."""
+    return pa.schema([("doc_id", pa.string()), ("doc", pa.uint64()), ("exact", pa.uint64()),
+                      ("bands", pa.list_(pa.uint64(), bands)), ("text", pa.large_string())])
 
 
-class _Registrar:
-    """Buffers dedup keys and sends them to the index shards that own them."""
-
-    def __init__(self, index: list, dedup: DedupConfig):
-        self.index, self.dedup = index, dedup
-        self.hasher = MinHasher(dedup) if dedup.near_dedup else None
-        self.exact, self.docs, self.bands = [], [], []
-
-    def add(self, doc: int, text: str) -> None:
-        self.docs.append(doc)
-        self.exact.append(exact_key(text))
-        if self.hasher:
-            self.bands.append(self.hasher.band_keys(self.hasher.signature(text)))
-        if len(self.docs) >= REGISTER_EVERY:
-            self.flush()
-
-    def flush(self) -> None:
-        import ray
-
-        if not self.docs:
-            return
-        docs = np.array(self.docs, dtype=np.uint64)
-        calls = []
-        tables = []
-        if self.dedup.exact_dedup:
-            tables.append(("exact", np.array(self.exact, dtype=np.uint64), docs))
-        if self.hasher:
-            bands = np.stack(self.bands)  # (n, b)
-            tables.append(("band", bands.ravel(), np.repeat(docs, bands.shape[1])))
-        n = len(self.index)
-        for table, keys, owners in tables:
-            owner = shard_of(keys, n)
-            for s in range(n):
-                mask = owner == s
-                if mask.any():
-                    calls.append(self.index[s].register.remote(table, keys[mask], owners[mask], 1))
-        ray.get(calls)  # acknowledged before the task ends, so finalize sees every key
-        self.exact, self.docs, self.bands = [], [], []
-
-
-def read_clean_sign(batch: dict, *, read: dict, clean: dict, dedup: dict, work_dir: str, index: list) -> dict:
+def read_clean_sign(batch: dict, *, read: dict, clean: dict, dedup: dict, work_dir: str) -> dict:
     """Pass 1 over one work unit (Ray Data `map_batches`, batch_size=1)."""
+    import resource
+
     rcfg, ccfg, dcfg = ReadConfig(**read), CleanConfig(**clean), DedupConfig(**dedup)
     unit = json.loads(batch["unit"][0])
     counts: Counter = Counter()
     samples: dict[str, list] = defaultdict(list)
     name = f"docs-{digest(unit)}.parquet"
     fs, path = filesystem(join(work_dir, "docs", name))
-    registrar = _Registrar(index, dcfg) if dcfg.exact_dedup or dcfg.near_dedup else None
-    kept, chars, pending = 0, 0, {"doc_id": [], "doc": [], "text": []}
-    with pq.ParquetWriter(path, DOCS_SCHEMA, filesystem=fs) as writer:
+    hasher = MinHasher(dcfg) if dcfg.near_dedup else None
+    n_bands = hasher.bands if hasher else 1  # arrow has no zero-width lists: a 0 placeholder
+    schema = docs_schema(n_bands)
+    kept, chars, pending = 0, 0, defaultdict(list)
+
+    def flush(writer):
+        bands = np.array(pending["bands"], dtype=np.uint64).reshape(-1)
+        cols = [pa.array(pending["doc_id"], pa.string()), pa.array(pending["doc"], pa.uint64()),
+                pa.array(pending["exact"], pa.uint64()),
+                pa.FixedSizeListArray.from_arrays(pa.array(bands, pa.uint64()), n_bands),
+                pa.array(pending["text"], pa.large_string())]
+        writer.write_table(pa.Table.from_arrays(cols, schema=schema))
+        return len(pending["doc"])
+
+    with pq.ParquetWriter(path, schema, filesystem=fs) as writer:
         for f in unit:
             for rec in read_file(f, rcfg):
                 status, reason = rec["status"], rec["reason"]
@@ -121,24 +97,20 @@ def read_clean_sign(batch: dict, *, read: dict, clean: dict, dedup: dict, work_d
                         samples[key].append({"doc_id": rec["doc_id"], "sample": rec["sample"] or rec["text"][:120]})
                     continue
                 counts["kept"] += 1
-                doc = hash64(rec["doc_id"])
                 pending["doc_id"].append(rec["doc_id"])
-                pending["doc"].append(doc)
+                pending["doc"].append(hash64(rec["doc_id"]))
+                pending["exact"].append(exact_key(text) if dcfg.exact_dedup else 0)
+                pending["bands"].append(hasher.band_keys(hasher.signature(text)) if hasher else [0])
                 pending["text"].append(text)
                 chars += len(text)
-                if registrar:
-                    registrar.add(doc, text)
                 if len(pending["doc"]) >= 1024 or chars >= 8 << 20:
-                    writer.write_table(pa.table(pending, schema=DOCS_SCHEMA))
-                    kept += len(pending["doc"])
-                    pending, chars = {"doc_id": [], "doc": [], "text": []}, 0
+                    kept += flush(writer)
+                    pending, chars = defaultdict(list), 0
         if pending["doc"]:
-            writer.write_table(pa.table(pending, schema=DOCS_SCHEMA))
-            kept += len(pending["doc"])
-    if registrar:
-        registrar.flush()
+            kept += flush(writer)
     return {"counts": [json.dumps(counts)], "samples": [json.dumps(samples)], "docs_file": [name],
-            "docs": [kept], "bytes": [sum(f["end"] - f["start"] for f in unit)], "node": [_node()]}
+            "docs": [kept], "bytes": [sum(f["end"] - f["start"] for f in unit)], "node": [_node()],
+            "peak_rss_mb": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]}
 
 
 # ---------------------------------------------------------------- pass 2
@@ -157,9 +129,8 @@ class DedupTokenizePack:
         self.dtype = token_dtype(self.tok.vocab_size)
         self.schema = pa.schema([("key", pa.uint64()), ("split", pa.int8()),
                                  arrow_schema(seq_len, self.dtype).field(0)])
-        self.hasher = MinHasher(self.dedup) if self.dedup.near_dedup else None
 
-    def _duplicates(self, docs: np.ndarray, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    def _duplicates(self, docs: np.ndarray, exact_keys: np.ndarray, bands: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(exact, near) boolean masks: a document is a duplicate if it does not win its keys."""
         import ray
 
@@ -167,9 +138,8 @@ class DedupTokenizePack:
         exact = np.zeros(n, dtype=bool)
         near = np.zeros(n, dtype=bool)
         if self.dedup.exact_dedup:
-            exact = self._lose("exact", np.array([exact_key(t) for t in texts], dtype=np.uint64), docs, ray, shards)
-        if self.hasher:
-            bands = np.stack([self.hasher.band_keys(self.hasher.signature(t)) for t in texts])  # (n, b)
+            exact = self._lose("exact", exact_keys, docs, ray, shards)
+        if self.dedup.near_dedup:
             lost = self._lose("band", bands.ravel(), np.repeat(docs, bands.shape[1]), ray, shards)
             near = lost.reshape(n, -1).any(axis=1) & ~exact
         return exact, near
@@ -195,8 +165,11 @@ class DedupTokenizePack:
         eot = np.array([self.tok.eot_id], dtype=np.uint32)
         with pq.ParquetWriter(out_path, self.schema, filesystem=fs) as writer:
             for chunk in pq.ParquetFile(fs.open_input_file(path)).iter_batches(batch_size=1024):
-                ids, docs, texts = (chunk.column(c).to_pylist() for c in ("doc_id", "doc", "text"))
-                exact, near = self._duplicates(np.array(docs, dtype=np.uint64), texts)
+                ids, texts = chunk.column("doc_id").to_pylist(), chunk.column("text").to_pylist()
+                bands = chunk.column("bands")
+                width = bands.type.list_size
+                bands = bands.flatten().to_numpy().reshape(len(ids), width) if width else np.zeros((len(ids), 0))
+                exact, near = self._duplicates(chunk.column("doc").to_numpy(), chunk.column("exact").to_numpy(), bands)
                 for kind, mask in (("exact", exact), ("near", near)):
                     stats[f"duplicate:{kind}"] += int(mask.sum())
                     for i in np.flatnonzero(mask)[: SAMPLES_PER_REASON - len(samples[f"duplicate:{kind}"])]:
@@ -216,8 +189,10 @@ class DedupTokenizePack:
                         writer.write_table(self._rows(out_name, split, row_index, flat[: n * self.row_len]))
                         stats[f"rows:{split}"] += n
         stats["tokens_dropped"] = sum(len(c) for c in carry.values())  # tails shorter than a row
+        import resource
+
         return {"stats": [json.dumps(stats)], "samples": [json.dumps(samples)], "packed_file": [out_name],
-                "node": [_node()]}
+                "node": [_node()], "peak_rss_mb": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]}
 
     def _rows(self, name: str, split: str, row_index: Counter, flat: np.ndarray) -> pa.Table:
         n = len(flat) // self.row_len

@@ -108,13 +108,16 @@ def _tier_cpus() -> float:
                if n["Alive"] and tiers.Tier.CPU in tiers.tiers_of(n.get("Labels", {})))
 
 
-def _prior_state(storage: Storage, cfg: PreprocessConfig) -> dict[str, list[str]]:
+def _earlier(storage: Storage, cfg: PreprocessConfig) -> list:
+    return [resolve(storage, f"{cfg.dataset}@{v}") for v in list_versions(storage, cfg.dataset)]
+
+
+def _prior_state(earlier: list, cfg: PreprocessConfig) -> dict[str, list[str]]:
     """Dedup state files of earlier versions with comparable parameters."""
     files = {"exact": [], "band": []}
     if not cfg.dedup.against_previous:
         return files
-    for version in list_versions(storage, cfg.dataset):
-        v = resolve(storage, f"{cfg.dataset}@{version}")
+    for v in earlier:
         state = v.manifest.dedup
         for table in files:
             if table == "band" and state.get("params") != cfg.dedup.params():
@@ -123,22 +126,40 @@ def _prior_state(storage: Storage, cfg: PreprocessConfig) -> dict[str, list[str]
     return files
 
 
-def run(cfg: PreprocessConfig, storage: Storage) -> dict:
-    """Run the three passes and commit a version; returns the summary."""
+def _identity(f: dict) -> tuple:
+    return f["path"], f["size"], f["mtime_ns"]
+
+
+def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "") -> dict:
+    """Run the three passes over what is new and commit a version; returns the summary.
+
+    Input files an earlier version consumed (same path, size and mtime) are
+    skipped; with nothing new, no version is made. A `run_id` (a scheduled
+    slot) that an earlier version already carries returns that version.
+    """
     import ray
 
-    from pipelines.dedup import DedupIndex
-    from pipelines.pack import DedupTokenizePack, assign_shard, read_clean_sign, write_shard
-
     started = time.time()
+    earlier = _earlier(storage, cfg)
+    if run_id and (done := next((v for v in earlier if v.manifest.run_id == run_id), None)):
+        _log(f"run {run_id!r} already produced {done.ref}: nothing to do")
+        return {**_summary(done), "already_existed": True}
     files = list_inputs(list(cfg.read.inputs))
+    if cfg.read.incremental:
+        consumed = {_identity(f) for v in earlier for f in v.manifest.inputs if "mtime_ns" in f}
+        new = [f for f in files if _identity(f) not in consumed]
+        if len(new) < len(files):
+            _log(f"{len(files) - len(new)} of {len(files)} input files were consumed by earlier versions: skipped")
+        files = new
+    if not files:
+        _log("nothing new: no version created")
+        return _empty_summary(cfg, started, "nothing new")
     units = plan_units(files, cfg.read)
     total_bytes = sum(f["size"] for f in files)
     _log(f"{len(files)} input files, {total_bytes / 1e6:.1f} MB in {len(units)} work units")
     _log(connect())
-    on_cpu = tiers.selector(tiers.Tier.CPU)
     ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.label_selector = on_cpu  # every task and actor, shuffles included
+    ctx.execution_options.label_selector = tiers.selector(tiers.Tier.CPU)  # every task and actor, shuffles too
     cpus = _tier_cpus()
     if not cpus:
         raise DatasetError(f"no alive node serves the cpu tier (label {tiers.label_key(tiers.Tier.CPU)}=true)")
@@ -146,103 +167,127 @@ def run(cfg: PreprocessConfig, storage: Storage) -> dict:
     staging = storage.staging(cfg.dataset)
     work = join(staging, "_work")
     fs, staging_path = filesystem(staging)
-    for sub in ("docs", "packed", "dedup"):
-        fs.create_dir(filesystem(join(work if sub != "dedup" else staging, sub))[1])
-    record = run_info("preprocess", cfg)
+    for sub in (join(work, "docs"), join(work, "packed"), join(staging, "dedup")):
+        fs.create_dir(filesystem(sub)[1])
+    record = run_info("preprocess", {**asdict(cfg), "run_id": run_id})
     write_json_atomic(join(staging, "run.json"), record)
-    n_index = cfg.dedup.index_shards or suggested_shards(cpus)
-    index = [ray.remote(DedupIndex).options(num_cpus=0, label_selector=on_cpu, max_restarts=0).remote()
-             for _ in range(n_index)]
     try:
-        prior = _prior_state(storage, cfg)
-        ray.get([i.load.remote(t, prior[t], s, n_index) for s, i in enumerate(index) for t in prior if prior[t]])
-        stats = _run_passes(cfg, ray, units, work, staging, index, cpus, read_clean_sign, DedupTokenizePack,
-                            assign_shard, write_shard)
-        dedup_files = {t: [] for t in ("exact", "band")}
-        for t, on in (("exact", cfg.dedup.exact_dedup), ("band", cfg.dedup.near_dedup)):
-            if on:
-                for s, i in enumerate(index):
-                    name = f"dedup/{t}-{s:04d}.parquet"
-                    ray.get(i.save.remote(t, join(staging, name)))
-                    dedup_files[t].append(name)
+        stats = _run_passes(cfg, ray, units, work, staging, cpus, _prior_state(earlier, cfg))
         fs.delete_dir(filesystem(work)[1])
-        version = _commit(cfg, storage, staging, files, record, stats, dedup_files, started, cpus, total_bytes)
+        if not stats["shards"]:
+            fs.delete_dir(staging_path)
+            _log("no document survived: no version created")
+            return _empty_summary(cfg, started, "no rows", stats)
+        if run_id and any(v.manifest.run_id == run_id for v in _earlier(storage, cfg)):
+            raise DatasetError(f"run {run_id!r} was committed by another process meanwhile")
+        version = _commit(cfg, storage, staging, files, record, stats, started, cpus, total_bytes, run_id)
     except BaseException:
         fs.delete_dir(staging_path)  # a failed run leaves no staging behind
         raise
-    finally:
-        for i in index:
-            ray.kill(i)
-    return _summary(version, stats)
+    return _summary(version)
 
 
-def _run_passes(cfg, ray, units, work, staging, index, cpus, read_clean_sign, DedupTokenizePack,
-                assign_shard, write_shard) -> dict:
+def _run_passes(cfg, ray, units, work, staging, cpus, prior) -> dict:
+    from pipelines.dedup import DedupIndex
+    from pipelines.pack import DedupTokenizePack, assign_shard, read_clean_sign, write_shard
+
     on_cpu = tiers.selector(tiers.Tier.CPU)
-    # Pass 1: read, clean, filter, register dedup keys; one work file of documents per unit.
+    # Pass 1: read, clean, filter, sign; one work file of documents and their dedup keys per unit.
     _log("pass 1/3: read, clean, filter, sign")
-    units_ds = ray.data.from_items([{"unit": json.dumps(u)} for u in units], override_num_blocks=len(units))
-    p1 = units_ds.map_batches(
+    p1 = ray.data.from_items([{"unit": json.dumps(u)} for u in units], override_num_blocks=len(units)).map_batches(
         read_clean_sign, batch_size=1, label_selector=on_cpu,
-        fn_kwargs=dict(read=asdict(cfg.read), clean=asdict(cfg.clean), dedup=asdict(cfg.dedup),
-                       work_dir=work, index=index)).take_all()
+        fn_kwargs=dict(read=asdict(cfg.read), clean=asdict(cfg.clean), dedup=asdict(cfg.dedup), work_dir=work),
+    ).take_all()
     counts, samples = Counter(), {}
     for row in p1:
         counts.update(json.loads(row["counts"]))
-        for k, v in json.loads(row["samples"]).items():
-            samples.setdefault(k, []).extend(v[: 3 - len(samples.get(k, []))])
-    sizes = ray.get([i.finalize.remote() for i in index])
+        _add_samples(samples, row)
     docs_files = sorted(r["docs_file"] for r in p1 if r["docs"])
 
-    definition = None
-    if cfg.pack.tokenizer.startswith("train:"):
-        _log(f"training a byte-level BPE tokenizer ({cfg.pack.tokenizer})")
-        definition = ray.get(ray.remote(_train_tokenizer).options(label_selector=on_cpu).remote(
-            [join(work, "docs", f) for f in docs_files], int(cfg.pack.tokenizer.partition(":")[2]),
-            cfg.pack.tokenizer_sample_bytes))
-    elif cfg.pack.tokenizer != "bytes":
-        from strata.tokenizer import HFTokenizer
+    # The dedup index: actors that rebuild themselves from the work files if their node dies.
+    tables = tuple(t for t, on in (("exact", cfg.dedup.exact_dedup), ("band", cfg.dedup.near_dedup)) if on)
+    n_index = (cfg.dedup.index_shards or suggested_shards(cpus)) if tables and docs_files else 0
+    index = [ray.remote(DedupIndex).options(num_cpus=0, label_selector=on_cpu, max_restarts=-1,
+                                            max_task_retries=-1).remote(
+        s, n_index, [join(work, "docs", f) for f in docs_files], prior, tables) for s in range(n_index)]
+    try:
+        sizes = ray.get([i.sizes.remote() for i in index])
+        definition = _tokenizer_definition(cfg, ray, work, docs_files, on_cpu)
 
-        definition = HFTokenizer.from_file(cfg.pack.tokenizer, cfg.pack.eot_token).definition
-
-    # Pass 2: drop duplicates, tokenize, pack; one work file of rows per document file.
-    _log("pass 2/3: deduplicate, tokenize, pack")
-    p2 = []
-    if docs_files:
-        p2 = ray.data.from_items([{"docs_file": f} for f in docs_files], override_num_blocks=len(docs_files)) \
-            .map_batches(DedupTokenizePack, batch_size=1, label_selector=on_cpu,
-                         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, int(cpus) - 1)),
-                         fn_constructor_kwargs=dict(
-                             tokenizer=cfg.pack.tokenizer, eot_token=cfg.pack.eot_token, definition=definition,
-                             seq_len=cfg.pack.seq_len, validation_fraction=cfg.pack.validation_fraction,
-                             seed=cfg.pack.seed, split_seed=cfg.pack.split_seed, dedup=asdict(cfg.dedup), work_dir=work, index=index)).take_all()
-    packed = Counter()
-    for row in p2:
-        packed.update(json.loads(row["stats"]))
-        for k, v in json.loads(row["samples"]).items():
-            samples.setdefault(k, []).extend(v[: 3 - len(samples.get(k, []))])
+        # Pass 2: drop duplicates, tokenize, pack; one work file of rows per document file.
+        _log("pass 2/3: deduplicate, tokenize, pack")
+        p2 = []
+        if docs_files:
+            p2 = ray.data.from_items([{"docs_file": f} for f in docs_files], override_num_blocks=len(docs_files)) \
+                .map_batches(DedupTokenizePack, batch_size=1, label_selector=on_cpu,
+                             compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, int(cpus) - 1)),
+                             fn_constructor_kwargs=dict(
+                                 tokenizer=cfg.pack.tokenizer, eot_token=cfg.pack.eot_token, definition=definition,
+                                 seq_len=cfg.pack.seq_len, validation_fraction=cfg.pack.validation_fraction,
+                                 seed=cfg.pack.seed, split_seed=cfg.pack.split_seed, dedup=asdict(cfg.dedup),
+                                 work_dir=work, index=index)).take_all()
+        packed = Counter()
+        for row in p2:
+            packed.update(json.loads(row["stats"]))
+            _add_samples(samples, row)
+        dedup_files = {t: [] for t in ("exact", "band")}
+        for s, i in enumerate(index):
+            for t in tables:
+                name = f"dedup/{t}-{s:04d}.parquet"
+                ray.get(i.save.remote(t, join(staging, name)))
+                dedup_files[t].append(name)
+    finally:
+        for i in index:
+            ray.kill(i)
 
     # Pass 3: a global, seeded shuffle of rows into shards of about shard_bytes.
     _log("pass 3/3: shuffle rows into shards")
-    from strata.tokenizer import ByteTokenizer, HFTokenizer
-
-    tok = HFTokenizer(definition, cfg.pack.eot_token if not cfg.pack.tokenizer.startswith("train:") else "") \
-        if definition else ByteTokenizer()
+    tok = _tokenizer(cfg, definition)
     row_bytes = (cfg.pack.seq_len + 1) * {"uint8": 1, "uint16": 2, "uint32": 4}[token_dtype(tok.vocab_size)]
     per_shard = max(1, cfg.pack.shard_bytes // row_bytes)
     shards_per_split = {sid: max(1, math.ceil(packed.get(f"rows:{split}", 0) / per_shard))
                         for split, sid in (("train", 0), ("validation", 1))}
     shards = []
-    packed_files = [join(work, "packed", r["packed_file"]) for r in p2]
     if packed.get("rows:train", 0) + packed.get("rows:validation", 0):
+        packed_files = [join(work, "packed", r["packed_file"]) for r in p2]
         rows = ray.data.read_parquet([filesystem(p)[1] for p in packed_files],
                                      filesystem=filesystem(packed_files[0])[0], label_selector=on_cpu)
         shards = rows.map_batches(assign_shard, batch_format="pyarrow", fn_kwargs={"shards": shards_per_split},
                                   label_selector=on_cpu) \
-            .groupby("group", num_partitions=sum(shards_per_split.values())).map_groups(write_shard, batch_format="pyarrow", fn_kwargs={"staging": staging},
-                                         label_selector=on_cpu).take_all()
+            .groupby("group", num_partitions=sum(shards_per_split.values())) \
+            .map_groups(write_shard, batch_format="pyarrow", fn_kwargs={"staging": staging},
+                        label_selector=on_cpu).take_all()
+    rows_all = p1 + p2 + shards
     return {"counts": counts, "packed": packed, "samples": samples, "index": sizes, "tokenizer": tok,
-            "definition": definition, "shards": shards, "nodes": sorted({r["node"] for r in p1 + p2 + shards})}
+            "definition": definition, "shards": shards, "dedup_files": dedup_files,
+            "nodes": sorted({r["node"] for r in rows_all}),
+            "peak_rss_mb": round(max((r.get("peak_rss_mb", 0) for r in rows_all), default=0), 1)}
+
+
+def _add_samples(samples: dict, row: dict) -> None:
+    for k, v in json.loads(row["samples"]).items():
+        samples.setdefault(k, []).extend(v[: 3 - len(samples.get(k, []))])
+
+
+def _tokenizer_definition(cfg, ray, work, docs_files, on_cpu) -> str | None:
+    if cfg.pack.tokenizer.startswith("train:"):
+        _log(f"training a byte-level BPE tokenizer ({cfg.pack.tokenizer})")
+        return ray.get(ray.remote(_train_tokenizer).options(label_selector=on_cpu).remote(
+            [join(work, "docs", f) for f in docs_files], int(cfg.pack.tokenizer.partition(":")[2]),
+            cfg.pack.tokenizer_sample_bytes))
+    if cfg.pack.tokenizer != "bytes":
+        from strata.tokenizer import HFTokenizer
+
+        return HFTokenizer.from_file(cfg.pack.tokenizer, cfg.pack.eot_token).definition
+    return None
+
+
+def _tokenizer(cfg, definition):
+    from strata.tokenizer import ByteTokenizer, HFTokenizer
+
+    if not definition:
+        return ByteTokenizer()
+    return HFTokenizer(definition, "" if cfg.pack.tokenizer.startswith("train:") else cfg.pack.eot_token)
 
 
 def _train_tokenizer(paths: list[str], vocab: int, sample_bytes: int) -> str:
@@ -265,7 +310,7 @@ def _train_tokenizer(paths: list[str], vocab: int, sample_bytes: int) -> str:
     return train_bpe(texts(), vocab).definition
 
 
-def _commit(cfg, storage, staging, files, record, stats, dedup_files, started, cpus, total_bytes):
+def _accounting(stats: dict) -> DocumentCounts:
     counts, packed = stats["counts"], stats["packed"]
     docs = DocumentCounts(
         read=sum(counts.values()), kept=packed.get("kept", 0),
@@ -276,42 +321,63 @@ def _commit(cfg, storage, staging, files, record, stats, dedup_files, started, c
                              **{k: v for k, v in packed.items() if k.startswith("duplicate:") and v}}.items())))
     if not docs.balanced() or counts.get("kept", 0) != docs.kept + docs.duplicate:
         raise RuntimeError(f"document accounting does not balance: {docs}")  # a bug, never bad input
-    shards = sorted((Shard(path=s["path"], split=s["split"], rows=s["rows"], tokens=s["tokens"])
-                     for s in stats["shards"]), key=lambda s: s.path)
-    if not shards:
-        raise DatasetError(f"no training rows: {docs.kept} of {docs.read} documents kept "
-                           f"({docs.reasons}); nothing to publish")
-    tok = stats["tokenizer"]
-    if stats["definition"]:
-        fs, p = filesystem(join(staging, TOKENIZER_FILE))
-        with fs.open_output_stream(p) as f:
-            f.write(stats["definition"].encode())
+    return docs
+
+
+def _table(stats: dict | None, started: float, cpus: float, total_bytes: int) -> dict:
+    """The summary table, stored in the manifest and printed."""
+    stats = stats or {"counts": Counter(), "packed": Counter(), "shards": [], "peak_rss_mb": 0}
+    docs, packed = _accounting(stats), stats["packed"]
     seconds = time.time() - started
     tokens = packed.get("tokens:train", 0) + packed.get("tokens:validation", 0)
-    table = {
+    return {
         "documents": {k: getattr(docs, k) for k in ("read", "kept", "filtered", "duplicate", "rejected")},
         "filtered_by_rule": {k.split(":", 1)[1]: v for k, v in docs.reasons.items() if k.startswith("filtered:")},
         "duplicate": {"exact": packed.get("duplicate:exact", 0), "near": packed.get("duplicate:near", 0)},
         "rejected_by_reason": {k.split(":", 1)[1]: v for k, v in docs.reasons.items() if k.startswith("rejected:")},
         "bytes": total_bytes, "tokens": tokens, "tokens_dropped": packed.get("tokens_dropped", 0),
-        "rows": {s: packed.get(f"rows:{s}", 0) for s in ("train", "validation")}, "shards": len(shards),
+        "rows": {s: packed.get(f"rows:{s}", 0) for s in ("train", "validation")}, "shards": len(stats["shards"]),
         "seconds": round(seconds, 2), "cpus": cpus,
-        "mb_per_s_per_cpu": round(total_bytes / 1e6 / seconds / cpus, 3),
-        "tokens_per_s_per_cpu": round(tokens / seconds / cpus),
+        "mb_per_s_per_cpu": round(total_bytes / 1e6 / seconds / max(cpus, 1), 3),
+        "tokens_per_s_per_cpu": round(tokens / seconds / max(cpus, 1)),
+        "peak_worker_rss_mb": stats["peak_rss_mb"],
     }
+
+
+def _commit(cfg, storage, staging, files, record, stats, started, cpus, total_bytes, run_id):
+    docs = _accounting(stats)
+    shards = sorted((Shard(path=s["path"], split=s["split"], rows=s["rows"], tokens=s["tokens"])
+                     for s in stats["shards"]), key=lambda s: s.path)
+    tok = stats["tokenizer"]
+    if stats["definition"]:
+        fs, p = filesystem(join(staging, TOKENIZER_FILE))
+        with fs.open_output_stream(p) as f:
+            f.write(stats["definition"].encode())
+    table = _table(stats, started, cpus, total_bytes)
     write_json_atomic(join(staging, "rejects.json"), {"counts": docs.reasons, "samples": stats["samples"]})
     record.update(finished_at=time.time(), work_nodes=stats["nodes"])
     return commit(storage, cfg.dataset, staging, dict(
         tokenizer=tok.info(), seq_len=cfg.pack.seq_len, dtype=token_dtype(tok.vocab_size), shards=shards,
-        documents=docs, tokens=tokens, inputs=files, run=record, stats=table, rejects="rejects.json",
-        dedup={"params": cfg.dedup.params(), "files": dedup_files, "index_entries": stats["index"]}))
+        documents=docs, tokens=table["tokens"], inputs=files, run=record, stats=table, rejects="rejects.json",
+        run_id=run_id,
+        dedup={"params": cfg.dedup.params(), "files": stats["dedup_files"], "index_entries": stats["index"]}))
 
 
-def _summary(version, stats) -> dict:
+def _summary(version) -> dict:
     m = version.manifest
     return {"dataset": m.dataset, "version": m.version, "path": version.path,
             "documents": m.stats["documents"], "reasons": m.documents.reasons, "tokens": m.tokens,
-            "sequences": sum(s.rows for s in m.shards), "shards": len(m.shards), "stats": m.stats}
+            "sequences": sum(s.rows for s in m.shards), "shards": len(m.shards), "stats": m.stats,
+            "run_id": m.run_id, "already_existed": False}
+
+
+def _empty_summary(cfg, started: float, why: str, stats: dict | None = None) -> dict:
+    """No version: nothing new, or nothing survived. The counts still say what was read."""
+    table = _table(stats, started, 0, 0)
+    docs = _accounting(stats) if stats else DocumentCounts()
+    return {"dataset": cfg.dataset, "version": None, "path": None, "documents": table["documents"],
+            "reasons": docs.reasons, "tokens": 0, "sequences": 0, "shards": 0, "stats": table,
+            "run_id": "", "already_existed": False, "note": why}
 
 
 def format_table(stats: dict) -> str:
@@ -327,6 +393,7 @@ def format_table(stats: dict) -> str:
     lines += [f"{'input MB':<28}{stats['bytes'] / 1e6:>14,.1f}", f"{'tokens':<28}{stats['tokens']:>14,}",
               f"{'rows (train / validation)':<28}{stats['rows']['train']:>7,} / {stats['rows']['validation']:,}",
               f"{'shards':<28}{stats['shards']:>14,}", f"{'seconds':<28}{stats['seconds']:>14,.1f}",
+              f"{'peak worker RSS MB':<28}{stats.get('peak_worker_rss_mb', 0):>14,.0f}",
               f"{'MB/s per CPU':<28}{stats['mb_per_s_per_cpu']:>14,.3f}",
               f"{'tokens/s per CPU':<28}{stats['tokens_per_s_per_cpu']:>14,}"]
     return "\n".join(lines)
@@ -342,6 +409,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dataset", required=True, help="dataset name under $STRATA_STORAGE/datasets")
     parser.add_argument("--preset", default="debug", choices=sorted(PRESETS), help="config preset (default: debug)")
     parser.add_argument("--storage", help="storage root (default: $STRATA_STORAGE or ~/strata-data)")
+    parser.add_argument("--run-id", default="", help="idempotency key (e.g. the scheduled slot): a run id "
+                        "that already produced a version returns it instead of running again")
     parser.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")
     for cls in STAGES.values():
         add_config_arguments(parser, cls)
@@ -351,10 +420,18 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as e:
         parser.error(str(e))
     try:
-        summary = run(cfg, Storage.from_env(args.storage))
+        if args.run_id:
+            check_name(args.run_id, "run id")
+        summary = run(cfg, Storage.from_env(args.storage), run_id=args.run_id)
     except (FileNotFoundError, DatasetError, ValueError) as e:
         sys.exit(f"error: {e}")
-    _log(f"committed {summary['dataset']}@{summary['version']} at {summary['path']}\n{format_table(summary['stats'])}")
+    if summary["already_existed"]:
+        _log(f"run {args.run_id!r} already exists as {summary['dataset']}@{summary['version']}")
+    elif summary["version"] is None:
+        _log(f"no version created ({summary['note']}): {summary['documents']['kept']} documents kept")
+    else:
+        _log(f"committed {summary['dataset']}@{summary['version']} at {summary['path']}")
+    _log("\n" + format_table(summary["stats"]))
     return finish(summary, args.json)
 
 

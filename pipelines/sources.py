@@ -44,6 +44,8 @@ class ReadConfig:
     """Work unit size: bigger splittable files are cut into ranges, smaller ones grouped."""
     max_record_bytes: int = 8 << 20
     """A line, block or file-document larger than this is rejected as record-too-large."""
+    incremental: bool = True
+    """Skip input files an earlier version consumed (same path, size and modification time)."""
 
     def __post_init__(self):
         if self.txt_documents not in ("file", "blank-line"):

@@ -108,6 +108,8 @@ class Manifest:
     """Dedup parameters and the state files later versions deduplicate against."""
     rejects: str = ""
     """The rejects report (counts and samples by reason), relative to the version directory."""
+    run_id: str = ""
+    """The idempotency key of the run that wrote it (e.g. a scheduled slot), if any."""
     schema_version: int = SCHEMA_VERSION
 
     def rows(self, split: str) -> int:

@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     inputs = [a for path in demo_corpus(storage) for a in ("--input", path)]
-    pre = stage("1/4 tier 1: preprocess", "pipelines.preprocess", *inputs, "--dataset", "demo")
+    # A dataset per demo run: a rerun over unchanged inputs into one dataset would (rightly) make no version.
+    pre = stage("1/4 tier 1: preprocess", "pipelines.preprocess", *inputs, "--dataset", f"demo-{stamp}")
     dataset = f"{pre['dataset']}@{pre['version']}"
     cpus = str(os.cpu_count() or 1)
     tr = stage("2/4 tier 2: train", "train", "--dataset", dataset, "--preset", "debug",

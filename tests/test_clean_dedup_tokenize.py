@@ -92,16 +92,30 @@ def test_minhash_collides_for_near_duplicates_only():
     assert exact_key(a) == exact_key("  " + a.upper()) and exact_key(a) != exact_key(near)
 
 
-def test_index_keeps_one_winner_per_key_and_earlier_versions_win():
-    idx = DedupIndex()
-    keys = np.array([10, 10, 20, 30], dtype=np.uint64)
-    docs = np.array([5, 3, 7, 9], dtype=np.uint64)
-    idx.register("exact", keys, docs, 1)
-    idx.register("exact", np.array([30], dtype=np.uint64), np.array([99], dtype=np.uint64), 0)  # prior version
-    idx.register("band", np.zeros(0, np.uint64), np.zeros(0, np.uint64), 1)
-    idx.finalize()
-    lost = idx.losers("exact", keys, docs)
-    assert lost.tolist() == [True, False, False, True]  # doc 3 beats 5; key 30 was taken earlier
+def test_index_keeps_one_winner_per_key_and_earlier_versions_win(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipelines.pack import docs_schema
+
+    exact = [10, 10, 20, 30]
+    docs = [5, 3, 7, 9]
+    bands = pa.FixedSizeListArray.from_arrays(pa.array([1, 2, 1, 3, 4, 5, 6, 7], pa.uint64()), 2)
+    pq.write_table(pa.Table.from_arrays([pa.array(["a", "b", "c", "d"]), pa.array(docs, pa.uint64()),
+                                         pa.array(exact, pa.uint64()), bands, pa.array(["t"] * 4, pa.large_string())],
+                                        schema=docs_schema(2)), tmp_path / "work.parquet")
+    pq.write_table(pa.table({"key": pa.array([30], pa.uint64()), "doc": pa.array([99], pa.uint64())}),
+                   tmp_path / "prior.parquet")  # an earlier version holds key 30
+    shards = [DedupIndex(s, 2, [str(tmp_path / "work.parquet")], {"exact": [str(tmp_path / "prior.parquet")]},
+                         ("exact", "band")) for s in range(2)]
+    owner = np.array(exact, dtype=np.uint64) % 2
+    lost = np.zeros(4, dtype=bool)
+    for s, idx in enumerate(shards):
+        mine = owner == s
+        lost[mine] = idx.losers("exact", np.array(exact, np.uint64)[mine], np.array(docs, np.uint64)[mine])
+    assert lost.tolist() == [True, False, False, True]  # doc 3 beats doc 5; key 30 was taken earlier
+    assert sum(i.sizes()["exact"] for i in shards) == 3 and sum(i.sizes()["band"] for i in shards) == 7
+    assert shards[0].save("exact", str(tmp_path / "s0.parquet")) + shards[1].save("exact", str(tmp_path / "s1.parquet")) == 2
 
 
 def test_tokenizers_round_trip_and_identify_themselves(tmp_path):

@@ -15,7 +15,7 @@ import zstandard
 from conftest import REPO, make_corpus
 
 from pipelines.preprocess import debug, run
-from strata.dataset import DatasetError, list_versions, resolve
+from strata.dataset import list_versions, resolve
 from strata.storage import Storage
 from strata.tokenizer import ByteTokenizer
 
@@ -75,17 +75,34 @@ def test_rows_decode_back_to_the_source_text(dataset, corpus):
     assert tokens == dataset["sequences"] * 129 <= dataset["tokens"]
 
 
-def test_rerun_dedups_against_earlier_versions(local_ray, dataset, corpus, tmp_path):
+def test_rerun_processes_only_new_files_and_dedups_against_earlier_versions(local_ray, dataset, corpus, tmp_path):
     storage = Storage.from_env()
     before = list_versions(storage, "corpus")
-    with pytest.raises(DatasetError, match="no training rows: 0 of"):
-        run(debug("corpus", read={"inputs": (corpus["path"],)}), storage)
-    assert list_versions(storage, "corpus") == before  # nothing new, no version
-    extra = tmp_path / "new.txt"
-    extra.write_text("a brand new document about shards, tokens and clusters that nobody has seen. " * 4)
-    out = run(debug("corpus", read={"inputs": (corpus["path"], str(extra))}), storage)
-    assert out["documents"]["kept"] == 1
-    assert out["documents"]["duplicate"] == len(corpus["good"]) + sum(corpus["duplicate"].values())
+    again = run(debug("corpus", read={"inputs": (corpus["path"],)}), storage)
+    assert again["version"] is None and again["documents"]["read"] == 0  # nothing new: no version
+    assert list_versions(storage, "corpus") == before
+    new_doc = "a brand new document about shards, tokens and clusters that nobody has seen. " * 4
+    (tmp_path / "new.txt").write_text(new_doc)
+    (tmp_path / "old-again.txt").write_text(corpus["good"][5])  # new file, old content
+    out = run(debug("corpus", read={"inputs": (corpus["path"], str(tmp_path))}), storage)
+    assert out["documents"] == {"read": 2, "kept": 1, "filtered": 0, "duplicate": 1, "rejected": 0}
+    assert out["version"] not in before and list_versions(storage, "corpus") == before + [out["version"]]
+    m = resolve(storage, f"corpus@{out['version']}").manifest
+    assert sorted(os.path.basename(f["path"]) for f in m.inputs) == ["new.txt", "old-again.txt"]
+    full = run(debug("corpus", read={"inputs": (str(tmp_path),), "incremental": False}), storage)
+    assert full["version"] is None and full["documents"]["duplicate"] == 2  # reread, all seen before
+
+
+def test_run_id_makes_a_run_idempotent(local_ray, corpus, tmp_path):
+    storage = Storage.from_env()
+    (tmp_path / "a.txt").write_text(corpus["good"][0])
+    first = run(debug("slots", read={"inputs": (str(tmp_path),)}), storage, run_id="2026-11-30T02")
+    (tmp_path / "b.txt").write_text(corpus["good"][1])  # even with new input, the slot ran already
+    second = run(debug("slots", read={"inputs": (str(tmp_path),)}), storage, run_id="2026-11-30T02")
+    assert (first["already_existed"], second["already_existed"]) == (False, True)
+    assert second["version"] == first["version"] and list_versions(storage, "slots") == [first["version"]]
+    third = run(debug("slots", read={"inputs": (str(tmp_path),)}), storage, run_id="2026-11-30T03")
+    assert third["documents"]["kept"] == 1 and third["version"] != first["version"]
 
 
 @pytest.fixture(scope="module")
