@@ -6,6 +6,7 @@ before Ray is imported) and gets its own short temp dir.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -92,6 +93,38 @@ def ensure_local_ray():
 @pytest.fixture
 def local_ray(storage_root):
     return ensure_local_ray()
+
+
+@contextlib.contextmanager
+def simulated_cluster(nodes: list[tuple[tuple, int]]):
+    """A multi-node Ray cluster on 127.0.0.1: a head with no CPUs and no tier, plus
+    one node per (tiers, cpus). Yields (cluster, [node, ...]); this process is its driver."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from strata import tiers
+
+    ray.shutdown()  # replaces the session's local Ray; ensure_local_ray() brings it back
+    temp = tempfile.mkdtemp(prefix="rayc-", dir="/tmp")
+    os.makedirs(os.path.join(temp, "ray"))
+    old_tmpdir = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = temp  # every node, and the cluster's address file, under our own dir
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "object_store_memory": 100 << 20, "include_dashboard": True, "dashboard_host": "127.0.0.1"})
+    try:
+        added = [cluster.add_node(num_cpus=cpus, labels=tiers.node_labels(*node_tiers), object_store_memory=100 << 20)
+                 for node_tiers, cpus in nodes]
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address)
+        yield cluster, added
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if old_tmpdir is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = old_tmpdir
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

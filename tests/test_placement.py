@@ -7,45 +7,20 @@ or trial itself); the test compares that with the nodes' labels.
 
 import json
 import os
-import shutil
-import tempfile
 
 import pytest
+from conftest import simulated_cluster
 
 from strata import tiers
 from strata.dataset import resolve
 from strata.storage import Storage
 
-MB = 1024 * 1024
-
 
 @pytest.fixture(scope="module")
 def tiered_cluster(storage_root):
-    import ray
-    from ray.cluster_utils import Cluster
-
-    ray.shutdown()  # this module brings its own cluster; later tests restart the local one
-    temp = tempfile.mkdtemp(prefix="rayc-", dir="/tmp")
-    os.makedirs(os.path.join(temp, "ray"))
-    old_tmpdir = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = temp  # every node, and the cluster's address file, under our own dir
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "object_store_memory": 100 * MB,
-        "include_dashboard": True, "dashboard_host": "127.0.0.1"})
-    node_ids = {}
-    for tier, cpus in ((tiers.Tier.CPU, 2), (tiers.Tier.GPU, 1), (tiers.Tier.SPOT, 2)):
-        node = cluster.add_node(num_cpus=cpus, labels=tiers.node_labels(tier), object_store_memory=100 * MB)
-        node_ids[tier] = node.node_id
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
-    yield node_ids
-    ray.shutdown()
-    cluster.shutdown()
-    if old_tmpdir is None:
-        os.environ.pop("RAY_TMPDIR")
-    else:
-        os.environ["RAY_TMPDIR"] = old_tmpdir
-    shutil.rmtree(temp, ignore_errors=True)
+    tiers_ = (tiers.Tier.CPU, tiers.Tier.GPU, tiers.Tier.SPOT)
+    with simulated_cluster([((tiers.Tier.CPU,), 2), ((tiers.Tier.GPU,), 1), ((tiers.Tier.SPOT,), 2)]) as (_, nodes):
+        yield {t: n.node_id for t, n in zip(tiers_, nodes, strict=True)}
 
 
 def _labels_of(node_id):

@@ -1,0 +1,96 @@
+"""Crash safety of tier 1 on a simulated multi-node cluster (head + two cpu nodes on 127.0.0.1).
+
+A worker node killed mid-run: the run completes with the same counts, and the
+same shards, as an undisturbed run. The driver killed mid-run: no version is
+visible, and rerunning the same command produces a correct version.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import REPO, make_corpus, simulated_cluster
+
+from pipelines.preprocess import debug, run
+from strata import tiers
+from strata.dataset import list_versions, resolve
+from strata.storage import Storage
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def crash_env(storage_root, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("crash-corpus"))
+    make_corpus(root, docs=1500, seed=3)
+    with simulated_cluster([((tiers.Tier.CPU,), 2), ((tiers.Tier.CPU,), 2)]) as (cluster, nodes):
+        storage = Storage.from_env()
+        reference = run(_cfg("undisturbed", root), storage)
+        yield {"cluster": cluster, "nodes": nodes, "root": root, "storage": storage, "reference": reference}
+
+
+def _cfg(name, root):
+    return debug(name, read={"inputs": (root,), "split_bytes": 1 << 16})
+
+
+def _shards(storage, summary):
+    v = resolve(storage, f"{summary['dataset']}@{summary['version']}")
+    out = {}
+    for s in v.manifest.shards:
+        with open(os.path.join(v.path, s.path), "rb") as f:
+            out[s.path] = f.read()
+    return out
+
+
+def _wait_for_work(storage, name, timeout=120):
+    """Block until the run has written its first work file (so it is mid-run)."""
+    staging = os.path.join(storage.dataset(name), "_staging")
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if os.path.isdir(staging):
+            for d in os.listdir(staging):
+                docs = os.path.join(staging, d, "_work", "docs")
+                if os.path.isdir(docs) and os.listdir(docs):
+                    return
+        time.sleep(0.05)
+    raise TimeoutError(f"run {name} wrote no work file in {timeout} s")
+
+
+def test_a_killed_worker_node_changes_nothing(crash_env):
+    storage, ref = crash_env["storage"], crash_env["reference"]
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(run(_cfg("node-killed", crash_env["root"]), storage)))
+    worker.start()
+    _wait_for_work(storage, "node-killed")
+    assert worker.is_alive(), "the run ended before the node could be killed"
+    crash_env["cluster"].remove_node(crash_env["nodes"][1], allow_graceful=False)  # mid-run
+    worker.join(timeout=600)
+    assert result, "the run did not finish"
+    assert result["documents"] == ref["documents"] and result["stats"]["rows"] == ref["stats"]["rows"]
+    assert result["tokens"] == ref["tokens"]
+    assert _shards(storage, result) == _shards(storage, ref)  # the very same shards
+
+
+def test_a_killed_driver_publishes_nothing_and_a_rerun_is_correct(crash_env):
+    storage, ref, root = crash_env["storage"], crash_env["reference"], crash_env["root"]
+    cmd = [sys.executable, "-m", "pipelines.preprocess", "--input", root, "--dataset", "driver-killed",
+           "--split-bytes", str(1 << 16), "--json"]
+    env = {**os.environ, "RAY_ADDRESS": crash_env["cluster"].address}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_work(storage, "driver-killed")
+        assert proc.poll() is None, "the driver ended before it could be killed"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert list_versions(storage, "driver-killed") == []  # nothing visible
+    staged = os.listdir(os.path.join(storage.dataset("driver-killed"), "_staging"))
+    assert staged, "the killed run should have left its (invisible) staging behind"
+    rerun = run(_cfg("driver-killed", root), storage)
+    assert list_versions(storage, "driver-killed") == [rerun["version"]]
+    assert rerun["documents"] == ref["documents"] and rerun["tokens"] == ref["tokens"]
+    assert _shards(storage, rerun) == _shards(storage, ref)
