@@ -16,6 +16,7 @@ from dataclasses import dataclass
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _SPACES = re.compile(r"[ \t\u00a0\u2000-\u200b\u3000]+")
 _BLANKS = re.compile(r"\n{3,}")
+_TRAILING = re.compile(r"[ \t\u00a0\u3000]+\n")
 _WORD = re.compile(r"\w+", re.UNICODE)
 _BULLETS = ("•", "●", "○", "-", "*", "‣", "◦")
 _C4_BAD = ("lorem ipsum", "javascript", "cookie policy", "terms of use", "privacy policy")
@@ -75,16 +76,20 @@ WEB = dict(whitespace="collapse", min_words=50, max_words=100_000, min_mean_word
 
 
 def normalize(text: str, cfg: CleanConfig) -> str:
-    """Unicode form, newlines, control characters, trailing spaces, blank-line runs (and space runs)."""
-    if cfg.normalization != "none":
+    """Unicode form, newlines, control characters, trailing spaces, blank-line runs (and space runs).
+
+    Each step first checks whether it has anything to do: most text needs none of them.
+    """
+    if cfg.normalization != "none" and not unicodedata.is_normalized(cfg.normalization, text):
         text = unicodedata.normalize(cfg.normalization, text)
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    text = _CONTROL.sub("", text)
-    lines = text.split("\n")
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if _CONTROL.search(text):
+        text = _CONTROL.sub("", text)
     if cfg.whitespace == "collapse":
-        lines = [_SPACES.sub(" ", line) for line in lines]
-    lines = [line.rstrip() for line in lines]
-    return _BLANKS.sub("\n\n", "\n".join(lines)).strip()
+        text = _SPACES.sub(" ", text)
+    text = _TRAILING.sub("\n", text)
+    return _BLANKS.sub("\n\n", text).strip()
 
 
 def _ngram_fractions(words: list[str]) -> tuple[float, float]:

@@ -6,9 +6,11 @@
 2. `DedupTokenizePack` (actor: the tokenizer loads once per worker): a work
    file's documents -> drop duplicates -> tokenize -> split by document ->
    pack into rows of seq_len + 1 ids, each with a random sort key.
-3. `write_shard`: one group of rows (a shard) sorted by key -> a parquet shard.
-   Rows reach shards by key, so every shard is a random sample of the whole
-   version in random order, the same for the same seed.
+3. `write_shard`: a shard owns a slice of the 64-bit key space and reads it
+   from every packed file (sorted by key, so row-group statistics skip the
+   rest), then writes it sorted by key. Every shard is thus a random sample of
+   the whole version in random order, the same for the same seed, without a
+   shuffle through the object store.
 
 Work files are named by a digest of what they hold, so a retried task rewrites
 the same file instead of adding one.
@@ -18,7 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import resource
 from collections import Counter, defaultdict
+from collections.abc import Iterator
+from itertools import islice
 
 import numpy as np
 import pyarrow as pa
@@ -32,10 +37,20 @@ from strata.storage import filesystem, join
 
 SPLIT_IDS = {"train": 0, "validation": 1}
 SAMPLES_PER_REASON = 3
+ROW_GROUP_ROWS = 1024
 
 
 def digest(obj) -> str:
     return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: consecutive inputs to well-spread 64-bit keys (vectorized)."""
+    with np.errstate(over="ignore"):
+        x = x.astype(np.uint64)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
 
 
 def validation_split(doc_id: str, seed: int, fraction: float) -> bool:
@@ -58,10 +73,32 @@ def docs_schema(bands: int) -> pa.Schema:
                       ("bands", pa.list_(pa.uint64(), bands)), ("text", pa.large_string())])
 
 
+def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, counts: Counter,
+                  samples: dict) -> Iterator[tuple[str, str]]:
+    """(doc_id, text) of the unit's kept documents; every other record is counted by reason."""
+    for f in unit:
+        for rec in read_file(f, rcfg):
+            status, reason = rec["status"], rec["reason"]
+            if status == "ok":
+                text = normalize(rec["text"], ccfg)
+                reason = quality_reason(text, ccfg)
+                status = "filtered" if reason else "kept"
+            if status == "kept":
+                counts["kept"] += 1
+                yield rec["doc_id"], text
+                continue
+            key = f"{status}:{reason}"
+            counts[key] += 1
+            if len(samples[key]) < SAMPLES_PER_REASON:
+                samples[key].append({"doc_id": rec["doc_id"], "sample": rec["sample"] or rec["text"][:120]})
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def read_clean_sign(batch: dict, *, read: dict, clean: dict, dedup: dict, work_dir: str) -> dict:
     """Pass 1 over one work unit (Ray Data `map_batches`, batch_size=1)."""
-    import resource
-
     rcfg, ccfg, dcfg = ReadConfig(**read), CleanConfig(**clean), DedupConfig(**dedup)
     unit = json.loads(batch["unit"][0])
     counts: Counter = Counter()
@@ -83,34 +120,20 @@ def read_clean_sign(batch: dict, *, read: dict, clean: dict, dedup: dict, work_d
         return len(pending["doc"])
 
     with pq.ParquetWriter(path, schema, filesystem=fs) as writer:
-        for f in unit:
-            for rec in read_file(f, rcfg):
-                status, reason = rec["status"], rec["reason"]
-                if status == "ok":
-                    text = normalize(rec["text"], ccfg)
-                    reason = quality_reason(text, ccfg)
-                    status = "filtered" if reason else "kept"
-                if status != "kept":
-                    key = f"{status}:{reason}"
-                    counts[key] += 1
-                    if len(samples[key]) < SAMPLES_PER_REASON:
-                        samples[key].append({"doc_id": rec["doc_id"], "sample": rec["sample"] or rec["text"][:120]})
-                    continue
-                counts["kept"] += 1
-                pending["doc_id"].append(rec["doc_id"])
-                pending["doc"].append(hash64(rec["doc_id"]))
-                pending["exact"].append(exact_key(text) if dcfg.exact_dedup else 0)
-                pending["bands"].append(hasher.band_keys(hasher.signature(text)) if hasher else [0])
-                pending["text"].append(text)
-                chars += len(text)
-                if len(pending["doc"]) >= 1024 or chars >= 8 << 20:
-                    kept += flush(writer)
-                    pending, chars = defaultdict(list), 0
+        for doc_id, text in clean_records(unit, rcfg, ccfg, counts, samples):
+            pending["doc_id"].append(doc_id)
+            pending["doc"].append(hash64(doc_id))
+            pending["exact"].append(exact_key(text) if dcfg.exact_dedup else 0)
+            pending["bands"].append(hasher.band_keys(hasher.signature(text)) if hasher else [0])
+            pending["text"].append(text)
+            chars += len(text)
+            if len(pending["doc"]) >= 1024 or chars >= 8 << 20:
+                kept += flush(writer)
+                pending, chars = defaultdict(list), 0
         if pending["doc"]:
             kept += flush(writer)
     return {"counts": [json.dumps(counts)], "samples": [json.dumps(samples)], "docs_file": [name],
-            "docs": [kept], "bytes": [sum(f["end"] - f["start"] for f in unit)], "node": [_node()],
-            "peak_rss_mb": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]}
+            "docs": [kept], "node": [_node()], "peak_rss_mb": [_peak_rss_mb()]}
 
 
 # ---------------------------------------------------------------- pass 2
@@ -120,12 +143,16 @@ class DedupTokenizePack:
     """Pass 2 over one work file of documents (Ray Data `map_batches` actor, batch_size=1)."""
 
     def __init__(self, *, tokenizer: str, eot_token: str, definition: str | None, seq_len: int,
-                 validation_fraction: float, seed: int, split_seed: int, dedup: dict, work_dir: str, index: list):
+                 validation_fraction: float, seed: int, split_seed: int, dedup: dict, work_dir: str, index: list,
+                 read: dict | None = None, clean: dict | None = None):
         from strata.tokenizer import HFTokenizer, load_tokenizer
 
         self.tok = HFTokenizer(definition, eot_token) if definition else load_tokenizer(tokenizer, eot_token)
         self.row_len, self.fraction, self.seed, self.split_seed = seq_len + 1, validation_fraction, seed, split_seed
         self.dedup, self.work_dir, self.index = DedupConfig(**dedup), work_dir, index
+        # Fused mode (no dedup, so no global decision between reading and packing): read units directly.
+        self.read = ReadConfig(**read) if read else None
+        self.clean = CleanConfig(**clean) if clean else None
         self.dtype = token_dtype(self.tok.vocab_size)
         self.schema = pa.schema([("key", pa.uint64()), ("split", pa.int8()),
                                  arrow_schema(seq_len, self.dtype).field(0)])
@@ -153,52 +180,65 @@ class DedupTokenizePack:
             lost[owner == s] = ray.get(ref)
         return lost
 
+    def _chunks(self, batch: dict, counts: Counter, samples: dict):
+        """(doc ids, texts, exact mask, near mask) per chunk of up to 1024 documents."""
+        if "unit" in batch:
+            records = clean_records(json.loads(batch["unit"][0]), self.read, self.clean, counts, samples)
+            while chunk := list(islice(records, 1024)):
+                ids, texts = [c[0] for c in chunk], [c[1] for c in chunk]
+                none = np.zeros(len(ids), dtype=bool)
+                yield ids, texts, none, none
+            return
+        fs, path = filesystem(join(self.work_dir, "docs", str(batch["docs_file"][0])))
+        for chunk in pq.ParquetFile(fs.open_input_file(path)).iter_batches(batch_size=1024):
+            ids, texts = chunk.column("doc_id").to_pylist(), chunk.column("text").to_pylist()
+            bands = chunk.column("bands")
+            bands = bands.flatten().to_numpy().reshape(len(ids), bands.type.list_size)
+            exact, near = self._duplicates(chunk.column("doc").to_numpy(), chunk.column("exact").to_numpy(), bands)
+            yield ids, texts, exact, near
+
     def __call__(self, batch: dict) -> dict:
-        name = str(batch["docs_file"][0])
-        fs, path = filesystem(join(self.work_dir, "docs", name))
-        out_name = name.replace("docs-", "packed-")
-        _, out_path = filesystem(join(self.work_dir, "packed", out_name))
-        stats = Counter()
+        name = str(batch["docs_file"][0]) if "docs_file" in batch else f"docs-{digest(json.loads(batch['unit'][0]))}"
+        out_name = name.replace("docs-", "packed-").removesuffix(".parquet") + ".parquet"
+        fs, out_path = filesystem(join(self.work_dir, "packed", out_name))
+        stats, counts = Counter(), Counter()
         samples: dict[str, list] = defaultdict(list)
         carry = {s: np.zeros(0, dtype=np.uint32) for s in SPLIT_IDS}
         row_index = Counter()
         eot = np.array([self.tok.eot_id], dtype=np.uint32)
-        with pq.ParquetWriter(out_path, self.schema, filesystem=fs) as writer:
-            for chunk in pq.ParquetFile(fs.open_input_file(path)).iter_batches(batch_size=1024):
-                ids, texts = chunk.column("doc_id").to_pylist(), chunk.column("text").to_pylist()
-                bands = chunk.column("bands")
-                width = bands.type.list_size
-                bands = bands.flatten().to_numpy().reshape(len(ids), width) if width else np.zeros((len(ids), 0))
-                exact, near = self._duplicates(chunk.column("doc").to_numpy(), chunk.column("exact").to_numpy(), bands)
-                for kind, mask in (("exact", exact), ("near", near)):
-                    stats[f"duplicate:{kind}"] += int(mask.sum())
-                    for i in np.flatnonzero(mask)[: SAMPLES_PER_REASON - len(samples[f"duplicate:{kind}"])]:
-                        samples[f"duplicate:{kind}"].append({"doc_id": ids[i], "sample": texts[i][:120]})
-                keep = np.flatnonzero(~(exact | near))
-                stats["kept"] += len(keep)
-                streams = {s: [carry[s]] for s in SPLIT_IDS}
-                for i, tokens in zip(keep, self.tok.encode_batch([texts[i] for i in keep]), strict=True):
-                    split = "validation" if validation_split(ids[i], self.split_seed, self.fraction) else "train"
-                    streams[split] += [tokens, eot]
-                    stats[f"tokens:{split}"] += len(tokens) + 1
-                for split, parts in streams.items():
-                    flat = np.concatenate(parts)
-                    n = len(flat) // self.row_len
-                    carry[split] = flat[n * self.row_len:]
-                    if n:
-                        writer.write_table(self._rows(out_name, split, row_index, flat[: n * self.row_len]))
-                        stats[f"rows:{split}"] += n
+        tables = []
+        for ids, texts, exact, near in self._chunks(batch, counts, samples):
+            for kind, mask in (("exact", exact), ("near", near)):
+                stats[f"duplicate:{kind}"] += int(mask.sum())
+                for i in np.flatnonzero(mask)[: SAMPLES_PER_REASON - len(samples[f"duplicate:{kind}"])]:
+                    samples[f"duplicate:{kind}"].append({"doc_id": ids[i], "sample": texts[i][:120]})
+            keep = np.flatnonzero(~(exact | near))
+            stats["kept"] += len(keep)
+            streams = {s: [carry[s]] for s in SPLIT_IDS}
+            for i, tokens in zip(keep, self.tok.encode_batch([texts[i] for i in keep]), strict=True):
+                split = "validation" if validation_split(ids[i], self.split_seed, self.fraction) else "train"
+                streams[split] += [tokens, eot]
+                stats[f"tokens:{split}"] += len(tokens) + 1
+            for split, parts in streams.items():
+                flat = np.concatenate(parts)
+                n = len(flat) // self.row_len
+                carry[split] = flat[n * self.row_len:]
+                if n:
+                    tables.append(self._rows(out_name, split, row_index, flat[: n * self.row_len]))
+                    stats[f"rows:{split}"] += n
         stats["tokens_dropped"] = sum(len(c) for c in carry.values())  # tails shorter than a row
-        import resource
-
-        return {"stats": [json.dumps(stats)], "samples": [json.dumps(samples)], "packed_file": [out_name],
-                "node": [_node()], "peak_rss_mb": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]}
+        # Sorted by (split, key) in small row groups, so each shard reads just its key range.
+        table = pa.concat_tables(tables) if tables else self.schema.empty_table()
+        table = table.sort_by([("split", "ascending"), ("key", "ascending")])
+        pq.write_table(table, out_path, filesystem=fs, row_group_size=ROW_GROUP_ROWS)
+        return {"stats": [json.dumps(stats)], "counts": [json.dumps(counts)], "samples": [json.dumps(samples)],
+                "packed_file": [out_name], "node": [_node()], "peak_rss_mb": [_peak_rss_mb()]}
 
     def _rows(self, name: str, split: str, row_index: Counter, flat: np.ndarray) -> pa.Table:
         n = len(flat) // self.row_len
         first = row_index[split]
         row_index[split] += n
-        keys = np.array([hash64(f"{self.seed}:{name}:{split}:{first + i}") for i in range(n)], dtype=np.uint64)
+        keys = mix64(np.uint64(hash64(f"{self.seed}:{name}:{split}")) + np.arange(first, first + n, dtype=np.uint64))
         tokens = pa.FixedSizeListArray.from_arrays(pa.array(flat.astype(self.dtype)), self.row_len)
         return pa.Table.from_arrays([pa.array(keys), pa.array(np.full(n, SPLIT_IDS[split], np.int8)), tokens],
                                     schema=self.schema)
@@ -207,23 +247,26 @@ class DedupTokenizePack:
 # ---------------------------------------------------------------- pass 3
 
 
-def assign_shard(batch: pa.Table, *, shards: dict[int, int]) -> pa.Table:
-    """Add `group` = split * 1e6 + key % (that split's shard count)."""
-    keys = batch.column("key").to_numpy()
-    split = batch.column("split").to_numpy().astype(np.uint64)
-    n = np.array([shards[0], shards.get(1, 1)], dtype=np.uint64)[split]
-    group = split * np.uint64(1_000_000) + keys % n
-    return batch.append_column("group", pa.array(group.astype(np.int64)))
+def key_range(shard: int, shards: int) -> tuple[int, int]:
+    """The slice [lo, hi) of the 64-bit key space that a shard owns."""
+    return shard * (1 << 64) // shards, (shard + 1) * (1 << 64) // shards
 
 
-def write_shard(group: pa.Table, *, staging: str) -> pa.Table:
-    """One shard: its rows sorted by key, written to `<split>-<index>.parquet`."""
-    gid = int(group.column("group")[0].as_py())
-    split = {v: k for k, v in SPLIT_IDS.items()}[gid // 1_000_000]
-    name = f"{split}-{gid % 1_000_000:05d}.parquet"
-    group = group.sort_by("key").select(["tokens"])
+def write_shard(batch: dict, *, staging: str, packed_files: list[str]) -> dict:
+    """Pass 3, one shard: its key range of one split from every packed file, sorted by key."""
+    split, shard, shards = str(batch["split"][0]), int(batch["shard"][0]), int(batch["shards"][0])
+    lo, hi = key_range(shard, shards)
+    filters = [("split", "=", SPLIT_IDS[split]), ("key", ">=", pa.scalar(lo, pa.uint64()))]
+    if hi < 1 << 64:
+        filters.append(("key", "<", pa.scalar(hi, pa.uint64())))
+    parts = []
+    for path in packed_files:
+        fs, p = filesystem(path)
+        parts.append(pq.read_table(p, filesystem=fs, columns=["key", "tokens"], filters=filters))
+    table = pa.concat_tables(parts).sort_by("key").select(["tokens"])
+    name = f"{split}-{shard:05d}.parquet"
     fs, path = filesystem(join(staging, name))
-    pq.write_table(group, path, filesystem=fs)
-    row_len = group.schema.field("tokens").type.list_size
-    return pa.table({"path": [name], "split": [split], "rows": [group.num_rows],
-                     "tokens": [group.num_rows * row_len], "node": [_node()]})
+    pq.write_table(table, path, filesystem=fs)
+    row_len = table.schema.field("tokens").type.list_size
+    return {"path": [name], "split": [split], "rows": [table.num_rows], "tokens": [table.num_rows * row_len],
+            "node": [_node()]}

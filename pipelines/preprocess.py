@@ -154,15 +154,15 @@ def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "") -> dict:
     if not files:
         _log("nothing new: no version created")
         return _empty_summary(cfg, started, "nothing new")
-    units = plan_units(files, cfg.read)
-    total_bytes = sum(f["size"] for f in files)
-    _log(f"{len(files)} input files, {total_bytes / 1e6:.1f} MB in {len(units)} work units")
     _log(connect())
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.label_selector = tiers.selector(tiers.Tier.CPU)  # every task and actor, shuffles too
     cpus = _tier_cpus()
     if not cpus:
         raise DatasetError(f"no alive node serves the cpu tier (label {tiers.label_key(tiers.Tier.CPU)}=true)")
+    units = plan_units(files, cfg.read, parallelism=int(cpus))
+    total_bytes = sum(f["size"] for f in files)
+    _log(f"{len(files)} input files, {total_bytes / 1e6:.1f} MB in {len(units)} work units")
 
     staging = storage.staging(cfg.dataset)
     work = join(staging, "_work")
@@ -189,23 +189,26 @@ def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "") -> dict:
 
 def _run_passes(cfg, ray, units, work, staging, cpus, prior) -> dict:
     from pipelines.dedup import DedupIndex
-    from pipelines.pack import DedupTokenizePack, assign_shard, read_clean_sign, write_shard
+    from pipelines.pack import DedupTokenizePack, read_clean_sign, write_shard
 
     on_cpu = tiers.selector(tiers.Tier.CPU)
-    # Pass 1: read, clean, filter, sign; one work file of documents and their dedup keys per unit.
-    _log("pass 1/3: read, clean, filter, sign")
-    p1 = ray.data.from_items([{"unit": json.dumps(u)} for u in units], override_num_blocks=len(units)).map_batches(
-        read_clean_sign, batch_size=1, label_selector=on_cpu,
-        fn_kwargs=dict(read=asdict(cfg.read), clean=asdict(cfg.clean), dedup=asdict(cfg.dedup), work_dir=work),
-    ).take_all()
-    counts, samples = Counter(), {}
-    for row in p1:
-        counts.update(json.loads(row["counts"]))
-        _add_samples(samples, row)
-    docs_files = sorted(r["docs_file"] for r in p1 if r["docs"])
+    tables = tuple(t for t, on in (("exact", cfg.dedup.exact_dedup), ("band", cfg.dedup.near_dedup)) if on)
+    # Without dedup or tokenizer training nothing global sits between reading and packing: fuse them.
+    fused = not tables and not cfg.pack.tokenizer.startswith("train:")
+    counts, samples, p1, docs_files = Counter(), {}, [], []
+    if not fused:
+        # Pass 1: read, clean, filter, sign; one work file of documents and their dedup keys per unit.
+        _log("pass 1/3: read, clean, filter, sign")
+        p1 = ray.data.from_items([{"unit": json.dumps(u)} for u in units], override_num_blocks=len(units)) \
+            .map_batches(read_clean_sign, batch_size=1, label_selector=on_cpu,
+                         fn_kwargs=dict(read=asdict(cfg.read), clean=asdict(cfg.clean), dedup=asdict(cfg.dedup),
+                                        work_dir=work)).take_all()
+        for row in p1:
+            counts.update(json.loads(row["counts"]))
+            _add_samples(samples, row)
+        docs_files = sorted(r["docs_file"] for r in p1 if r["docs"])
 
     # The dedup index: actors that rebuild themselves from the work files if their node dies.
-    tables = tuple(t for t, on in (("exact", cfg.dedup.exact_dedup), ("band", cfg.dedup.near_dedup)) if on)
     n_index = (cfg.dedup.index_shards or suggested_shards(cpus)) if tables and docs_files else 0
     index = [ray.remote(DedupIndex).options(num_cpus=0, label_selector=on_cpu, max_restarts=-1,
                                             max_task_retries=-1).remote(
@@ -215,20 +218,25 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior) -> dict:
         definition = _tokenizer_definition(cfg, ray, work, docs_files, on_cpu)
 
         # Pass 2: drop duplicates, tokenize, pack; one work file of rows per document file.
-        _log("pass 2/3: deduplicate, tokenize, pack")
+        _log("pass 2/3: read, clean, tokenize, pack (fused)" if fused else "pass 2/3: deduplicate, tokenize, pack")
+        inputs = [{"unit": json.dumps(u)} for u in units] if fused else [{"docs_file": f} for f in docs_files]
         p2 = []
-        if docs_files:
-            p2 = ray.data.from_items([{"docs_file": f} for f in docs_files], override_num_blocks=len(docs_files)) \
-                .map_batches(DedupTokenizePack, batch_size=1, label_selector=on_cpu,
-                             compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, int(cpus) - 1)),
-                             fn_constructor_kwargs=dict(
-                                 tokenizer=cfg.pack.tokenizer, eot_token=cfg.pack.eot_token, definition=definition,
-                                 seq_len=cfg.pack.seq_len, validation_fraction=cfg.pack.validation_fraction,
-                                 seed=cfg.pack.seed, split_seed=cfg.pack.split_seed, dedup=asdict(cfg.dedup),
-                                 work_dir=work, index=index)).take_all()
+        if inputs:
+            p2 = ray.data.from_items(inputs, override_num_blocks=len(inputs)).map_batches(
+                DedupTokenizePack, batch_size=1, label_selector=on_cpu,
+                # One task in flight per actor: a free actor takes the next unit, so none idles at the end.
+                compute=ray.data.ActorPoolStrategy(size=max(1, min(int(cpus), len(inputs))),
+                                                   max_tasks_in_flight_per_actor=1),
+                fn_constructor_kwargs=dict(
+                    tokenizer=cfg.pack.tokenizer, eot_token=cfg.pack.eot_token, definition=definition,
+                    seq_len=cfg.pack.seq_len, validation_fraction=cfg.pack.validation_fraction,
+                    seed=cfg.pack.seed, split_seed=cfg.pack.split_seed, dedup=asdict(cfg.dedup), work_dir=work,
+                    index=index, read=asdict(cfg.read) if fused else None,
+                    clean=asdict(cfg.clean) if fused else None)).take_all()
         packed = Counter()
         for row in p2:
             packed.update(json.loads(row["stats"]))
+            counts.update(json.loads(row["counts"]))
             _add_samples(samples, row)
         dedup_files = {t: [] for t in ("exact", "band")}
         for s, i in enumerate(index):
@@ -247,16 +255,14 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior) -> dict:
     per_shard = max(1, cfg.pack.shard_bytes // row_bytes)
     shards_per_split = {sid: max(1, math.ceil(packed.get(f"rows:{split}", 0) / per_shard))
                         for split, sid in (("train", 0), ("validation", 1))}
+    specs = [{"split": split, "shard": i, "shards": n} for split, sid in (("train", 0), ("validation", 1))
+             if packed.get(f"rows:{split}", 0) for n in [shards_per_split[sid]] for i in range(n)]
     shards = []
-    if packed.get("rows:train", 0) + packed.get("rows:validation", 0):
+    if specs:
         packed_files = [join(work, "packed", r["packed_file"]) for r in p2]
-        rows = ray.data.read_parquet([filesystem(p)[1] for p in packed_files],
-                                     filesystem=filesystem(packed_files[0])[0], label_selector=on_cpu)
-        shards = rows.map_batches(assign_shard, batch_format="pyarrow", fn_kwargs={"shards": shards_per_split},
-                                  label_selector=on_cpu) \
-            .groupby("group", num_partitions=sum(shards_per_split.values())) \
-            .map_groups(write_shard, batch_format="pyarrow", fn_kwargs={"staging": staging},
-                        label_selector=on_cpu).take_all()
+        shards = ray.data.from_items(specs, override_num_blocks=len(specs)).map_batches(
+            write_shard, batch_size=1, label_selector=on_cpu,
+            fn_kwargs={"staging": staging, "packed_files": packed_files}).take_all()
     rows_all = p1 + p2 + shards
     return {"counts": counts, "packed": packed, "samples": samples, "index": sizes, "tokenizer": tok,
             "definition": definition, "shards": shards, "dedup_files": dedup_files,

@@ -106,23 +106,27 @@ def _add(found: dict[str, dict], path: str) -> None:
             found[full] = {"path": full, "size": i.size, "mtime_ns": i.mtime_ns}
 
 
-def plan_units(files: list[dict], cfg: ReadConfig) -> list[list[dict]]:
+def plan_units(files: list[dict], cfg: ReadConfig, parallelism: int = 1) -> list[list[dict]]:
     """Group files into work units of about `split_bytes`; cut big splittable files into ranges.
 
-    A range [start, end) owns the records that start inside it, so ranges can be
-    read independently and every record is read exactly once.
+    Units shrink (not below 1 MiB) so there are at least four per core: coarse
+    units leave cores idle at the end. A range [start, end) owns the records
+    that start inside it, so ranges are read independently and every record
+    exactly once.
     """
+    total = sum(f["size"] for f in files)
+    unit = min(cfg.split_bytes, max(1 << 20, -(-total // (4 * max(1, parallelism)))))
     units, current, size = [], [], 0
     for f in files:
         kind, compression = describe(f["path"])
         splittable = not compression and (kind == "jsonl" or (kind == "text" and cfg.txt_documents == "blank-line"))
-        if splittable and f["size"] > cfg.split_bytes:
-            for start in range(0, f["size"], cfg.split_bytes):
-                units.append([{**f, "start": start, "end": min(start + cfg.split_bytes, f["size"])}])
+        if splittable and f["size"] > unit:
+            for start in range(0, f["size"], unit):
+                units.append([{**f, "start": start, "end": min(start + unit, f["size"])}])
             continue
         current.append({**f, "start": 0, "end": f["size"]})
         size += f["size"]
-        if size >= cfg.split_bytes or len(current) >= 512:
+        if size >= unit or len(current) >= 512:
             units.append(current)
             current, size = [], 0
     if current:
