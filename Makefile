@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,9 @@ lint: install
 
 test: lint
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m pytest
+
+bench: install
+	$(PY) -m bench.preprocess --mb 200 --memory-gb 1
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache strata-data

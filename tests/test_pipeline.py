@@ -168,3 +168,15 @@ def test_datasets_cli_lists_and_shows_versions(dataset):
     out = subprocess.run([sys.executable, "-m", "pipelines.datasets", "show", "corpus@v0999"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "no version 'v0999'" in out.stderr
+
+
+def test_without_dedup_one_fused_pass_keeps_the_accounting(local_ray, corpus):
+    out = run(debug("fused", read={"inputs": (corpus["path"],)},
+                    dedup={"exact_dedup": False, "near_dedup": False}), Storage.from_env())
+    d = out["documents"]
+    assert d["kept"] == len(corpus["good"]) + len(corpus["variants"]) and d["duplicate"] == 0
+    assert (d["rejected"], d["filtered"]) == (sum(corpus["rejected"].values()), sum(corpus["filtered"].values()))
+    assert d["read"] == d["kept"] + d["filtered"] + d["rejected"]
+    v = resolve(Storage.from_env(), f"fused@{out['version']}")
+    assert v.manifest.dedup["files"] == {"exact": [], "band": []}
+    assert sum(len(_rows(p)) for p in v.shard_paths("train") + v.shard_paths("validation")) == out["sequences"]
