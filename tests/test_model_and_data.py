@@ -8,7 +8,7 @@ import torch
 
 from strata.dataset import arrow_schema
 from train.data import ShardRef, TokenBatches
-from train.loop import TrainConfig, lr_at, make_optimizer, train_step
+from train.loop import TrainConfig, lr_at, make_optimizer, train_step, validation_batches
 from train.model import GPT, preset
 
 SEQ = 8
@@ -92,3 +92,12 @@ def test_resume_from_a_step_replays_the_same_batches(shards):
 def test_too_small_a_dataset_is_a_clear_error(shards):
     with pytest.raises(ValueError, match="cannot give 8 worker"):
         TokenBatches(shards[2:], batch_size=4, world_size=8)
+
+
+def test_validation_works_with_a_split_smaller_than_a_batch(shards):
+    tiny = [{"path": shards[2].path, "rows": 3}]  # pretend the split holds 3 rows
+    batches = validation_batches(tiny, TrainConfig(batch_size=16, eval_batches=4))
+    assert [len(b) for b in batches] == [3]
+    assert validation_batches([], TrainConfig()) == []
+    full = validation_batches([{"path": s.path, "rows": s.rows} for s in shards], TrainConfig(batch_size=8, eval_batches=4))
+    assert [len(b) for b in full] == [8, 8, 8, 8]

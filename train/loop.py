@@ -103,6 +103,16 @@ def evaluate(model: GPT, batches: list[np.ndarray], device) -> float:
     return float(np.mean(losses))
 
 
+def validation_batches(shards: list[dict], cfg: TrainConfig) -> list[np.ndarray]:
+    """The fixed batches validation loss is measured on; a split smaller than a batch gives one smaller batch."""
+    rows = sum(s["rows"] for s in shards)
+    if not rows:
+        return []
+    val = TokenBatches([ShardRef(**s) for s in shards], batch_size=min(cfg.batch_size, rows), seed=cfg.seed,
+                       shuffle_buffer=cfg.batch_size)
+    return [b for _, b in zip(range(min(cfg.eval_batches, val.steps_per_epoch)), val.from_step(0), strict=False)]
+
+
 def train_loop_per_worker(config: dict) -> None:
     """Ray Train entry: `config` holds `model`, `train`, `shards`, `val_shards`, `run_dir`."""
     import ray.train
@@ -130,11 +140,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     data = TokenBatches([ShardRef(**s) for s in config["shards"]], batch_size=tcfg.batch_size,
                         rank=rank, world_size=world, seed=tcfg.seed)
-    val_batches = []
-    if rank == 0 and config["val_shards"]:
-        val = TokenBatches([ShardRef(**s) for s in config["val_shards"]], batch_size=tcfg.batch_size,
-                           seed=tcfg.seed, shuffle_buffer=tcfg.batch_size)
-        val_batches = [b for _, b in zip(range(tcfg.eval_batches), val.from_step(0), strict=False)]
+    val_batches = validation_batches(config["val_shards"], tcfg) if rank == 0 else []
 
     batches = data.from_step(start_step)
     tokens_per_step = tcfg.batch_size * mcfg.seq_len * world
