@@ -139,7 +139,8 @@ def pipeline(paths: list[str], tokenizer: str, storage_root: str, name: str, cor
     t0 = time.perf_counter()
     out = run(cfg, Storage(storage_root))
     return {"seconds": time.perf_counter() - t0, "rows": out["sequences"], "tokens": out["tokens"],
-            "peak_worker_rss_mb": out["stats"]["peak_worker_rss_mb"], "documents": out["documents"]}
+            "peak_worker_rss_mb": out["stats"]["peak_worker_rss_mb"], "documents": out["documents"],
+            "pack_worker_utilization": out["stats"]["pack_worker_utilization"]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -173,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, r in (("baseline", base), ("pipeline", pipe)):
         print(f"{name:9} {r['seconds']:7.1f} s  {mb / r['seconds']:7.2f} MB/s  {mb / r['seconds'] / args.cores:6.2f} "
               f"MB/s/core  {r['tokens'] / r['seconds'] / 1e6:6.2f} M tokens/s  {r['rows']:,} rows")
+    print(f"pipeline pack workers busy {pipe['pack_worker_utilization']:.0%} of the packing pass's wall time")
     if abs(pipe["tokens"] - base["tokens"]) > 0.01 * base["tokens"]:
         print(f"warning: token counts differ: pipeline {pipe['tokens']:,} vs baseline {base['tokens']:,}")
     if args.memory_gb:

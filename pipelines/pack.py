@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import resource
+import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from itertools import islice
@@ -198,6 +199,7 @@ class DedupTokenizePack:
             yield ids, texts, exact, near
 
     def __call__(self, batch: dict) -> dict:
+        started = time.perf_counter()
         name = str(batch["docs_file"][0]) if "docs_file" in batch else f"docs-{digest(json.loads(batch['unit'][0]))}"
         out_name = name.replace("docs-", "packed-").removesuffix(".parquet") + ".parquet"
         fs, out_path = filesystem(join(self.work_dir, "packed", out_name))
@@ -232,7 +234,8 @@ class DedupTokenizePack:
         table = table.sort_by([("split", "ascending"), ("key", "ascending")])
         pq.write_table(table, out_path, filesystem=fs, row_group_size=ROW_GROUP_ROWS)
         return {"stats": [json.dumps(stats)], "counts": [json.dumps(counts)], "samples": [json.dumps(samples)],
-                "packed_file": [out_name], "node": [_node()], "peak_rss_mb": [_peak_rss_mb()]}
+                "packed_file": [out_name], "node": [_node()], "peak_rss_mb": [_peak_rss_mb()],
+                "busy_s": [time.perf_counter() - started]}
 
     def _rows(self, name: str, split: str, row_index: Counter, flat: np.ndarray) -> pa.Table:
         n = len(flat) // self.row_len

@@ -220,6 +220,7 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior) -> dict:
         # Pass 2: drop duplicates, tokenize, pack; one work file of rows per document file.
         _log("pass 2/3: read, clean, tokenize, pack (fused)" if fused else "pass 2/3: deduplicate, tokenize, pack")
         inputs = [{"unit": json.dumps(u)} for u in units] if fused else [{"docs_file": f} for f in docs_files]
+        pass2_started = time.time()
         p2 = []
         if inputs:
             p2 = ray.data.from_items(inputs, override_num_blocks=len(inputs)).map_batches(
@@ -234,6 +235,7 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior) -> dict:
                     index=index, read=asdict(cfg.read) if fused else None,
                     clean=asdict(cfg.clean) if fused else None)).take_all()
         packed = Counter()
+        pass2_wall = time.time() - pass2_started
         for row in p2:
             packed.update(json.loads(row["stats"]))
             counts.update(json.loads(row["counts"]))
@@ -267,7 +269,8 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior) -> dict:
     return {"counts": counts, "packed": packed, "samples": samples, "index": sizes, "tokenizer": tok,
             "definition": definition, "shards": shards, "dedup_files": dedup_files,
             "nodes": sorted({r["node"] for r in rows_all}),
-            "peak_rss_mb": round(max((r.get("peak_rss_mb", 0) for r in rows_all), default=0), 1)}
+            "peak_rss_mb": round(max((r.get("peak_rss_mb", 0) for r in rows_all), default=0), 1),
+            "pass2_utilization": round(sum(r["busy_s"] for r in p2) / max(pass2_wall * min(cpus, len(p2) or 1), 1e-9), 3)}
 
 
 def _add_samples(samples: dict, row: dict) -> None:
@@ -347,6 +350,7 @@ def _table(stats: dict | None, started: float, cpus: float, total_bytes: int) ->
         "mb_per_s_per_cpu": round(total_bytes / 1e6 / seconds / max(cpus, 1), 3),
         "tokens_per_s_per_cpu": round(tokens / seconds / max(cpus, 1)),
         "peak_worker_rss_mb": stats["peak_rss_mb"],
+        "pack_worker_utilization": stats.get("pass2_utilization", 0.0),
     }
 
 
