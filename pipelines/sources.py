@@ -156,63 +156,75 @@ class _Raw(io.RawIOBase):
         super().close()
 
 
-class _Gzip(io.RawIOBase):
-    """Streaming gzip (multi-member) that hands out everything before damage, then raises."""
+class _Decompressor(io.RawIOBase):
+    """Streaming decompression that hands out everything decoded before damage, then raises."""
 
     def __init__(self, f):
         self.f, self.buf = f, b""
-        self.d = zlib.decompressobj(wbits=31)
 
     def readable(self):
         return True
+
+    def _decode(self, chunk: bytes) -> bytes:
+        raise NotImplementedError
+
+    def _complete(self) -> bool:
+        """Whether the stream ended cleanly (not truncated)."""
+        raise NotImplementedError
 
     def readinto(self, b):
         while not self.buf:
             chunk = self.f.read(1 << 16)
             if not chunk:
-                if not self.d.eof:
-                    raise EOFError("gzip stream ended before its end-of-stream marker")
+                if not self._complete():
+                    raise EOFError("compressed stream ended before its end marker")
                 return 0
-            if self.d.eof:  # the next member of a concatenated gzip file
-                self.d = zlib.decompressobj(wbits=31)
-            self.buf = self.d.decompress(chunk)
-            while self.d.eof and self.d.unused_data:
-                rest, self.d = self.d.unused_data, zlib.decompressobj(wbits=31)
-                self.buf += self.d.decompress(rest)
+            self.buf = self._decode(chunk)
         n = min(len(b), len(self.buf))
         b[:n], self.buf = self.buf[:n], self.buf[n:]
         return n
 
 
-class _Zstd(io.RawIOBase):
-    """Streaming zstd decompression that notices truncation (the zstandard reader does not)."""
+class _Gzip(_Decompressor):
+    """gzip, including files of several concatenated members."""
+
+    def __init__(self, f):
+        super().__init__(f)
+        self.d = zlib.decompressobj(wbits=31)
+
+    def _decode(self, chunk):
+        if self.d.eof:  # the next member of a concatenated gzip file
+            self.d = zlib.decompressobj(wbits=31)
+        out = self.d.decompress(chunk)
+        while self.d.eof and self.d.unused_data:
+            rest, self.d = self.d.unused_data, zlib.decompressobj(wbits=31)
+            out += self.d.decompress(rest)
+        return out
+
+    def _complete(self):
+        return self.d.eof
+
+
+class _Zstd(_Decompressor):
+    """zstd, one frame (the zstandard stream reader does not notice truncation)."""
 
     def __init__(self, f):
         import zstandard
 
-        self.f, self.buf = f, b""
+        super().__init__(f)
         self.d = zstandard.ZstdDecompressor().decompressobj()
         self.error = zstandard.ZstdError
 
-    def readable(self):
-        return True
+    def _decode(self, chunk):
+        if self.d.eof:
+            raise zlib.error("data after the end of the zstd frame")  # multi-frame: not supported
+        try:
+            return self.d.decompress(chunk)
+        except self.error as e:
+            raise zlib.error(str(e)) from e
 
-    def readinto(self, b):
-        while not self.buf:
-            chunk = self.f.read(1 << 20)
-            if not chunk:
-                if not self.d.eof:
-                    raise EOFError("zstd stream ended before the end of its frame")
-                return 0
-            try:
-                self.buf = self.d.decompress(chunk)
-            except self.error as e:
-                raise zlib.error(str(e)) from e
-            if self.d.eof and self.f.read(1):
-                raise zlib.error("data after the end of the zstd frame")  # multi-frame: not supported
-        n = min(len(b), len(self.buf))
-        b[:n], self.buf = self.buf[:n], self.buf[n:]
-        return n
+    def _complete(self):
+        return self.d.eof
 
 
 def open_stream(path: str, start: int = 0) -> io.BufferedReader:

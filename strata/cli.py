@@ -58,13 +58,6 @@ def overrides(args: argparse.Namespace, cls: type) -> dict:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
 
 
-def build(presets: dict[str, typing.Callable], preset: str, **overrides_):
-    """A config from a named preset and overrides, with a clear error for an unknown preset."""
-    if preset not in presets:
-        raise SystemExit(f"unknown preset {preset!r}; choose from: {', '.join(presets)}")
-    return presets[preset](**overrides_)
-
-
 def finish(summary: dict, as_json: bool) -> dict:
     """Stop Ray (so no late log line follows), then print the JSON summary as the last line."""
     import ray
