@@ -15,8 +15,10 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
 from strata.storage import Storage, exists, filesystem, join, read_json, write_json_atomic
 
@@ -155,6 +157,13 @@ class DatasetVersion:
         fs, p = filesystem(join(self.path, self.manifest.tokenizer.file))
         with fs.open_input_stream(p) as f:
             return f.read().decode()
+
+
+def read_rows(path: str) -> np.ndarray:
+    """A shard's rows as one (n, seq_len + 1) array of token ids."""
+    fs, p = filesystem(path)
+    col = pq.read_table(p, filesystem=fs, columns=[TOKENS]).column(TOKENS).combine_chunks()
+    return col.values.to_numpy().reshape(len(col), -1)
 
 
 def list_versions(storage: Storage, name: str) -> list[str]:

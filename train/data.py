@@ -13,10 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow.parquet as pq
 
-from strata.dataset import TOKENS
-from strata.storage import filesystem
+from strata.dataset import read_rows
 
 
 @dataclass(frozen=True)
@@ -46,9 +44,7 @@ class TokenBatches:
             shard = self.shards[i]
             end = start + shard.rows
             if end > lo and start < hi:
-                fs, path = filesystem(shard.path)
-                col = pq.read_table(path, filesystem=fs, columns=[TOKENS]).column(TOKENS).combine_chunks()
-                rows = col.values.to_numpy().reshape(len(col), -1)
+                rows = read_rows(shard.path)
                 yield rows[max(lo - start, 0): min(hi, end) - start]
             start = end
 

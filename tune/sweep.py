@@ -11,11 +11,9 @@ import os
 from dataclasses import dataclass, replace
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
-from strata.dataset import TOKENS, DatasetVersion
-from strata.storage import filesystem
+from strata.dataset import DatasetVersion, read_rows
 from train.loop import TrainConfig, evaluate, lr_at, make_optimizer, train_step
 from train.model import GPT, GPTConfig
 
@@ -56,9 +54,7 @@ def load_rows(version: DatasetVersion, split: str, limit: int) -> np.ndarray:
     """Up to `limit` rows (n, seq_len + 1) of a split, in manifest order."""
     out, n = [], 0
     for path in version.shard_paths(split):
-        fs, p = filesystem(path)
-        col = pq.read_table(p, filesystem=fs, columns=[TOKENS]).column(TOKENS).combine_chunks()
-        rows = col.values.to_numpy().reshape(len(col), -1)[: limit - n]
+        rows = read_rows(path)[: limit - n]
         out.append(rows)
         n += len(rows)
         if n >= limit:
