@@ -6,13 +6,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 
 import pyarrow.fs as pafs
 
+from strata.cli import parser as cli_parser
 from strata.dataset import DatasetError, list_versions, resolve
 from strata.storage import Storage, filesystem
 
@@ -24,9 +24,7 @@ def datasets(storage: Storage) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pipelines.datasets", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--storage", help="storage root (default: $STRATA_STORAGE or ~/strata-data)")
+    parser = cli_parser("python -m pipelines.datasets", __doc__, json_summary=False)
     sub = parser.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("list", help="datasets, or one dataset's committed versions")
     ls.add_argument("name", nargs="?")

@@ -11,7 +11,6 @@ the version is published only when complete.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -24,6 +23,7 @@ from pipelines.dedup import DedupConfig, suggested_shards
 from pipelines.sources import ReadConfig, list_inputs, plan_units
 from strata import tiers
 from strata.cli import add_config_arguments, finish, overrides
+from strata.cli import parser as cli_parser
 from strata.connect import connect
 from strata.dataset import (
     DatasetError,
@@ -414,14 +414,11 @@ def _log(msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m pipelines.preprocess", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli_parser("python -m pipelines.preprocess", __doc__)
     parser.add_argument("--dataset", required=True, help="dataset name under $STRATA_STORAGE/datasets")
     parser.add_argument("--preset", default="debug", choices=sorted(PRESETS), help="config preset (default: debug)")
-    parser.add_argument("--storage", help="storage root (default: $STRATA_STORAGE or ~/strata-data)")
     parser.add_argument("--run-id", default="", help="idempotency key (e.g. the scheduled slot): a run id "
                         "that already produced a version returns it instead of running again")
-    parser.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")
     for cls in STAGES.values():
         add_config_arguments(parser, cls)
     args = parser.parse_args(argv)

@@ -58,6 +58,15 @@ def overrides(args: argparse.Namespace, cls: type) -> dict:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
 
 
+def parser(prog: str, doc: str | None, json_summary: bool = True) -> argparse.ArgumentParser:
+    """An entry point's parser with the flags every one of them shares."""
+    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--storage", help="storage root (default: $STRATA_STORAGE or ~/strata-data)")
+    if json_summary:
+        p.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")
+    return p
+
+
 def finish(summary: dict, as_json: bool) -> dict:
     """Stop Ray (so no late log line follows), then print the JSON summary as the last line."""
     import ray

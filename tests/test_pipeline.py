@@ -15,14 +15,11 @@ import zstandard
 from conftest import REPO, make_corpus
 
 from pipelines.preprocess import debug, run
-from strata.dataset import list_versions, resolve
+from strata.dataset import list_versions, read_rows, resolve
 from strata.storage import Storage
 from strata.tokenizer import ByteTokenizer
 
-
-def _rows(path):
-    col = pq.read_table(path).column("tokens").combine_chunks()
-    return col.values.to_numpy().reshape(len(col), -1)
+_rows = read_rows
 
 
 def test_every_document_is_accounted_for(dataset, corpus):

@@ -17,6 +17,7 @@ from dataclasses import asdict
 
 from strata import tiers
 from strata.cli import add_config_arguments, finish, overrides
+from strata.cli import parser as cli_parser
 from strata.connect import connect
 from strata.dataset import DatasetError, check_compatible, resolve
 from strata.runinfo import run_info
@@ -98,8 +99,7 @@ def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli_parser("python -m train", __doc__)
     parser.add_argument("--dataset", required=True, help="NAME or NAME@VERSION of a tier-1 dataset")
     parser.add_argument("--preset", default="debug", choices=sorted(PRESETS), help="model preset (default: debug)")
     parser.add_argument("--run", help="run name; an existing run continues (default: DATASET-PRESET-TIME)")
@@ -108,8 +108,6 @@ def main(argv: list[str] | None = None) -> dict:
                         help="train on GPUs (default: when the gpu tier has any)")
     parser.add_argument("--cpus-per-worker", type=float, default=1, help="CPUs reserved per worker (default: 1)")
     parser.add_argument("--max-failures", type=int, default=2, help="worker-group restarts from checkpoint")
-    parser.add_argument("--storage", help="storage root (default: $STRATA_STORAGE or ~/strata-data)")
-    parser.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")
     add_config_arguments(parser, TrainConfig)
     args = parser.parse_args(argv)
     name = args.dataset.partition("@")[0]

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -13,6 +12,7 @@ import sys
 import pyarrow.fs as pafs
 import torch
 
+from strata.cli import parser as cli_parser
 from strata.dataset import TokenizerInfo
 from strata.storage import Storage, filesystem, join
 from strata.tokenizer import from_info
@@ -59,8 +59,7 @@ def sample(checkpoint: str, prompt: str, tokens: int, samples: int, temperature:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m train.sample", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli_parser("python -m train.sample", __doc__)
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--run", help="run name under $STRATA_STORAGE/runs (uses its latest checkpoint)")
     where.add_argument("--checkpoint", help="a checkpoint directory")
@@ -69,8 +68,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--samples", type=int, default=1, help="number of samples")
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--storage", help="storage root (default: $STRATA_STORAGE or ~/strata-data)")
-    parser.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")
     args = parser.parse_args(argv)
     try:
         ckpt = args.checkpoint or latest_checkpoint(Storage.from_env(args.storage).run(args.run))

@@ -8,7 +8,6 @@ ASHA stops weak trials early by default. The best config is written to
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -16,6 +15,7 @@ from dataclasses import asdict
 
 from strata import tiers
 from strata.cli import add_config_arguments, finish, overrides
+from strata.cli import parser as cli_parser
 from strata.connect import connect
 from strata.dataset import DatasetError, check_compatible, resolve
 from strata.runinfo import run_info
@@ -87,13 +87,10 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m tune", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli_parser("python -m tune", __doc__)
     parser.add_argument("--dataset", required=True, help="NAME or NAME@VERSION of a tier-1 dataset")
     parser.add_argument("--preset", default="debug", help="model preset whose search space to sweep")
     parser.add_argument("--sweep", help="sweep name (default: DATASET-sweep-TIME)")
-    parser.add_argument("--storage", help="storage root (default: $STRATA_STORAGE or ~/strata-data)")
-    parser.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")
     add_config_arguments(parser, SweepConfig)
     args = parser.parse_args(argv)
     name = args.sweep or f"{args.dataset.partition('@')[0]}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
