@@ -23,6 +23,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from multiprocessing import Pool
 
@@ -59,6 +60,70 @@ def generate(root: str, mb: int, seed: int = 0) -> list[str]:
         i += 1
     open(done, "w").close()
     return sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".jsonl"))
+
+
+class CpuSampler:
+    """CPU seconds used by this process and all its descendants, by role (Linux /proc, sampled every 0.2 s).
+
+    Ray's own processes (raylet, GCS, dashboard, Ray Data's stats and
+    autoscaling actors) share the cores with the work; this shows how much.
+    A process that exits between two samples loses at most 0.2 s.
+    """
+
+    def __init__(self):
+        self.seen: dict[int, tuple[str, float]] = {}
+        self.start: dict[int, float] = {}
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    @staticmethod
+    def _procs() -> dict[int, tuple[int, str, float]]:
+        out, tick = {}, os.sysconf("SC_CLK_TCK")
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    stat = f.read()
+                with open(f"/proc/{pid}/cmdline") as f:
+                    cmd = f.read().replace("\0", " ")
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            out[int(pid)] = (int(fields[1]), cmd, (int(fields[11]) + int(fields[12])) / tick)
+        return out
+
+    def _sample(self) -> None:
+        procs, mine = self._procs(), {os.getpid()}
+        for _ in range(8):  # descendants, a few levels deep
+            mine |= {pid for pid, (ppid, _, _) in procs.items() if ppid in mine}
+        for pid in mine:
+            _, cmd, cpu = procs[pid]
+            self.start.setdefault(pid, cpu if pid == os.getpid() or pid in self.seen else 0.0)
+            self.seen[pid] = (cmd, cpu)
+
+    def _loop(self) -> None:
+        while not self.stop_event.wait(0.2):
+            self._sample()
+
+    def __enter__(self):
+        if os.path.isdir("/proc/self"):
+            self._sample()
+            self.start = {pid: cpu for pid, (_, cpu) in self.seen.items()}
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.thread.is_alive():
+            self.stop_event.set()
+            self.thread.join()
+            self._sample()
+
+    def by_role(self, roles: dict[str, str]) -> dict[str, float]:
+        """Core-seconds per role: the first role whose marker is in a process's command line; else `ray`."""
+        out: dict[str, float] = {}
+        for pid, (cmd, cpu) in self.seen.items():
+            role = "driver" if pid == os.getpid() else next((r for r, m in roles.items() if m in cmd), "other")
+            out[role] = out.get(role, 0.0) + cpu - self.start.get(pid, 0.0)
+        return {k: round(v, 1) for k, v in out.items()}
 
 
 # ---------------------------------------------------------------- the baseline
@@ -119,10 +184,10 @@ def _pack(texts, carry, eot, row_len, writer, schema):
 def baseline(paths: list[str], tokenizer: str, out_dir: str, cores: int) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.perf_counter()
-    with Pool(cores, initializer=_init, initargs=(tokenizer,)) as pool:
+    with CpuSampler() as cpu, Pool(cores, initializer=_init, initargs=(tokenizer,)) as pool:
         results = pool.map(_baseline_file, [(p, out_dir) for p in paths], chunksize=1)
     return {"seconds": time.perf_counter() - t0, "rows": sum(r for r, _ in results),
-            "tokens": sum(t for _, t in results)}
+            "tokens": sum(t for _, t in results), "cpu_s": cpu.by_role({"workers": "python"})}
 
 
 # ---------------------------------------------------------------- the pipeline
@@ -137,8 +202,10 @@ def pipeline(paths: list[str], tokenizer: str, storage_root: str, name: str, cor
     cfg = debug(name, read={"inputs": tuple(paths)}, dedup={"exact_dedup": False, "near_dedup": False},
                 clean={"min_chars": 1}, pack={"tokenizer": tokenizer, "seq_len": SEQ_LEN, "shard_bytes": 128 << 20})
     t0 = time.perf_counter()
-    out = run(cfg, Storage(storage_root))
-    return {"seconds": time.perf_counter() - t0, "rows": out["sequences"], "tokens": out["tokens"],
+    with CpuSampler() as cpu:
+        out = run(cfg, Storage(storage_root))
+    roles = {"pack": "DedupTokenizePack", "shards": "write_shard", "ray-data": "ray::_", "ray": "ray"}
+    return {"seconds": time.perf_counter() - t0, "cpu_s": cpu.by_role(roles), "rows": out["sequences"], "tokens": out["tokens"],
             "peak_worker_rss_mb": out["stats"]["peak_worker_rss_mb"], "documents": out["documents"],
             "pack_worker_utilization": out["stats"]["pack_worker_utilization"]}
 
@@ -175,6 +242,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:9} {r['seconds']:7.1f} s  {mb / r['seconds']:7.2f} MB/s  {mb / r['seconds'] / args.cores:6.2f} "
               f"MB/s/core  {r['tokens'] / r['seconds'] / 1e6:6.2f} M tokens/s  {r['rows']:,} rows")
     print(f"pipeline pack workers busy {pipe['pack_worker_utilization']:.0%} of the packing pass's wall time")
+    for name, r in (("baseline", base), ("pipeline", pipe)):
+        if r["cpu_s"]:
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["cpu_s"].items(), key=lambda kv: -kv[1]))
+            print(f"{name} CPU core-seconds: {parts} (of {r['seconds'] * args.cores:.1f} available)")
     if abs(pipe["tokens"] - base["tokens"]) > 0.01 * base["tokens"]:
         print(f"warning: token counts differ: pipeline {pipe['tokens']:,} vs baseline {base['tokens']:,}")
     if args.memory_gb:

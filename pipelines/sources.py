@@ -109,20 +109,22 @@ def _add(found: dict[str, dict], path: str) -> None:
 def plan_units(files: list[dict], cfg: ReadConfig, parallelism: int = 1) -> list[list[dict]]:
     """Group files into work units of about `split_bytes`; cut big splittable files into ranges.
 
-    Units shrink (not below 1 MiB) so there are at least four per core: coarse
-    units leave cores idle at the end. A range [start, end) owns the records
-    that start inside it, so ranges are read independently and every record
-    exactly once.
+    Units shrink (not below 1 MiB) so there are at least eight per core, a
+    file is cut into equal ranges, and the biggest units come first: coarse or
+    uneven units leave cores idle at the end. A range [start, end) owns the
+    records that start inside it, so ranges are read independently and every
+    record exactly once.
     """
     total = sum(f["size"] for f in files)
-    unit = min(cfg.split_bytes, max(1 << 20, -(-total // (4 * max(1, parallelism)))))
+    unit = min(cfg.split_bytes, max(1 << 20, -(-total // (8 * max(1, parallelism)))))
     units, current, size = [], [], 0
     for f in files:
         kind, compression = describe(f["path"])
         splittable = not compression and (kind == "jsonl" or (kind == "text" and cfg.txt_documents == "blank-line"))
         if splittable and f["size"] > unit:
-            for start in range(0, f["size"], unit):
-                units.append([{**f, "start": start, "end": min(start + unit, f["size"])}])
+            n = -(-f["size"] // unit)
+            cuts = [f["size"] * i // n for i in range(n + 1)]
+            units += [[{**f, "start": a, "end": b}] for a, b in zip(cuts, cuts[1:], strict=False)]
             continue
         current.append({**f, "start": 0, "end": f["size"]})
         size += f["size"]
@@ -131,7 +133,7 @@ def plan_units(files: list[dict], cfg: ReadConfig, parallelism: int = 1) -> list
             current, size = [], 0
     if current:
         units.append(current)
-    return units
+    return sorted(units, key=lambda u: -sum(f["end"] - f["start"] for f in u))
 
 
 # ---------------------------------------------------------------- streams

@@ -17,7 +17,8 @@ from pipelines.sources import ReadConfig, describe, list_inputs, plan_units, rea
 def records(path, **cfg):
     rcfg = ReadConfig(inputs=(str(path),), **cfg)
     [f] = list_inputs([str(path)])
-    return [r for unit in plan_units([f], rcfg) for part in unit for r in read_file(part, rcfg)]
+    parts = sorted((part for unit in plan_units([f], rcfg) for part in unit), key=lambda p: p["start"])
+    return [r for part in parts for r in read_file(part, rcfg)]
 
 
 def statuses(rows):
@@ -154,6 +155,15 @@ def test_small_files_are_grouped_into_units(tmp_path):
         (tmp_path / f"{i}.txt").write_bytes(b"x" * 30_000)
     units = plan_units(list_inputs([str(tmp_path)]), ReadConfig(inputs=("x",), split_bytes=1 << 16))
     assert [len(u) for u in units] == [3, 3, 3, 1]
+
+
+def test_big_files_are_cut_into_equal_ranges_biggest_units_first(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(b"x" * 250_000)
+    (tmp_path / "b.jsonl").write_bytes(b"x" * 40_000)
+    units = plan_units(list_inputs([str(tmp_path)]), ReadConfig(inputs=("x",), split_bytes=100_000))
+    sizes = [sum(p["end"] - p["start"] for p in u) for u in units]
+    assert sizes == sorted(sizes, reverse=True) and sum(sizes) == 290_000
+    assert max(sizes[:3]) - min(sizes[:3]) <= 1 and sizes[3] == 40_000
 
 
 def test_validation_split_is_stable_and_near_the_fraction():
