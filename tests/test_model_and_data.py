@@ -32,7 +32,7 @@ def test_a_few_steps_fit_one_batch():
     tcfg = TrainConfig(lr=1e-2, warmup_steps=1, max_steps=30)
     opt = make_optimizer(model, tcfg)
     batch = np.random.default_rng(0).integers(0, 257, (4, SEQ + 1))
-    losses = [train_step(model, opt, batch, lr_at(s, tcfg), tcfg, torch.device("cpu")) for s in range(30)]
+    losses = [train_step(model, opt, [batch], lr_at(s, tcfg), tcfg, torch.device("cpu")).item() for s in range(30)]
     assert losses[-1] < losses[0] * 0.5
 
 
@@ -101,3 +101,67 @@ def test_validation_works_with_a_split_smaller_than_a_batch(shards):
     assert validation_batches([], TrainConfig()) == []
     full = validation_batches([{"path": s.path, "rows": s.rows} for s in shards], TrainConfig(batch_size=8, eval_batches=4))
     assert [len(b) for b in full] == [8, 8, 8, 8]
+
+
+@pytest.mark.parametrize("name", ["gpt2-124m", "gpt2-350m", "gpt2-774m", "1.3b"])
+def test_preset_sizes_follow_the_architecture(name):
+    from train.model import PRESETS, describe
+
+    c = PRESETS[name]
+    per_block = 12 * c.n_embd**2 + 4 * c.n_embd  # qkv, proj, 2 MLP matrices; two norms
+    expected = (c.vocab_size + c.seq_len) * c.n_embd + c.n_layer * per_block + 2 * c.n_embd
+    got = describe(c)
+    assert got["params"] == expected
+    assert got["flops_per_token"] == 6 * (expected - c.seq_len * c.n_embd) + 12 * c.n_layer * c.n_embd * c.seq_len
+
+
+def test_gradient_accumulation_matches_one_big_batch():
+    cfg = preset("debug", seq_len=SEQ, n_layer=1, n_embd=32, n_head=2)
+    batch = np.random.default_rng(1).integers(0, 257, (8, SEQ + 1))
+    tcfg = TrainConfig(lr=1e-2, warmup_steps=1, grad_clip=0.5)
+    params = []
+    for micro in ([batch], [batch[:4], batch[4:]], [batch[:2], batch[2:4], batch[4:6], batch[6:]]):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        opt = make_optimizer(model, tcfg)
+        for _ in range(3):
+            train_step(model, opt, micro, 1e-2, tcfg, torch.device("cpu"))
+        params.append(torch.cat([p.detach().ravel() for p in model.parameters()]))
+    torch.testing.assert_close(params[1], params[0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(params[2], params[0], atol=1e-5, rtol=1e-4)
+
+
+def test_peak_flops_table_and_override(monkeypatch):
+    from train.hardware import PEAK_TFLOPS, peak_flops
+
+    monkeypatch.delenv("STRATA_PEAK_TFLOPS", raising=False)
+    assert peak_flops(torch.device("cpu"), bf16=False) is None
+    monkeypatch.setenv("STRATA_PEAK_TFLOPS", "2.5")
+    assert peak_flops(torch.device("cpu"), bf16=False) == 2.5e12
+    names = [n for n, _, _ in PEAK_TFLOPS]  # a more specific name must come before its prefix
+    assert all(names.index(a) < names.index(b) for a in names for b in names if a != b and b in a)
+
+
+def test_prefetch_keeps_order_counts_waiting_and_surfaces_errors():
+    from train.loop import Prefetch
+
+    def slow():
+        for i in range(5):
+            import time
+
+            time.sleep(0.01)
+            yield i
+        raise OSError("shard vanished")
+
+    p = Prefetch(slow(), depth=2)
+    assert [next(p) for _ in range(5)] == list(range(5))
+    assert p.waited > 0
+    with pytest.raises(OSError, match="shard vanished"):
+        next(p)
+
+
+def test_bad_strategy_or_precision_is_a_clear_error():
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        TrainConfig(strategy="zero3")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        TrainConfig(precision="fp8")

@@ -13,9 +13,14 @@ from train.loop import TrainConfig
 from train.model import preset
 
 
-def _cfg(max_steps):
-    return TrainConfig(max_steps=max_steps, batch_size=4, warmup_steps=2, log_every=2, eval_every=4,
-                       checkpoint_every=4, eval_batches=1)
+def _cfg(max_steps, **kw):
+    return TrainConfig(**{**dict(max_steps=max_steps, batch_size=4, warmup_steps=2, log_every=2, eval_every=4,
+                                 checkpoint_every=4, eval_batches=1), **kw})
+
+
+def _metrics(path):
+    with open(os.path.join(path, "metrics.jsonl")) as f:
+        return [m for m in map(json.loads, f) if "loss" in m]
 
 
 @pytest.mark.slow
@@ -32,6 +37,16 @@ def test_ddp_run_checkpoints_and_a_rerun_continues(local_ray, dataset):
         assert json.load(f)["step"] == 6
     ranks = sorted(os.listdir(os.path.join(first["path"], "workers")))
     assert ranks == ["rank-0.json", "rank-1.json"]
+    rows = _metrics(first["path"])
+    assert [r["step"] for r in rows] == [1, 2, 4, 6]
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["tokens_per_s_per_worker"] == pytest.approx(r["tokens_per_s"] / 2)
+        assert 0 <= r["data_wait"] <= 1 and 0 <= r["checkpoint_blocked"] < 1 and r["lr"] > 0
+        assert r["mfu"] is None  # a CPU has no entry in the peak table
+    assert [r["step"] for r in rows if "val_loss" in r] == [4, 6]
+    assert rows[-1]["checkpoint_blocked"] > 0
+    events = [os.path.join(dp, f) for dp, _, fs in os.walk(os.path.join(first["path"], "tensorboard")) for f in fs]
+    assert events and any(b"train/loss" in open(e, "rb").read() for e in events)
 
     again = run(model, _cfg(10), dataset=ref, run_name="ddp", storage=storage, workers=2, use_gpu=False)
     assert (again["start_step"], again["steps"]) == (6, 4)
@@ -44,3 +59,36 @@ def test_a_dataset_that_does_not_fit_the_model_is_refused(local_ray, dataset):
         run(preset("debug", seq_len=64), _cfg(2), dataset=dataset["ref"], run_name="refused",
             storage=Storage.from_env())
     assert not os.path.exists(Storage.from_env().run("refused"))
+
+
+@pytest.mark.slow
+def test_fsdp2_matches_ddp_and_continues_from_its_checkpoint(local_ray, dataset):
+    storage = Storage.from_env()
+    model = preset("debug", n_layer=2, n_embd=32, n_head=2)
+    losses = {}
+    for strategy in ("ddp", "fsdp"):
+        out = run(model, _cfg(4, log_every=1, strategy=strategy), dataset=dataset["ref"], run_name=f"agree-{strategy}",
+                  storage=storage, workers=2, use_gpu=False)
+        assert out["strategy"] == strategy
+        losses[strategy] = [r["loss"] for r in _metrics(out["path"])]
+    assert len(losses["ddp"]) == 4
+    assert losses["fsdp"] == pytest.approx(losses["ddp"], rel=1e-4)
+    more = run(model, _cfg(6, log_every=1, strategy="fsdp"), dataset=dataset["ref"], run_name="agree-fsdp",
+               storage=storage, workers=2, use_gpu=False)
+    assert (more["start_step"], more["steps"]) == (4, 2)
+    assert math.isfinite(more["last_loss"])
+
+
+def test_a_run_continues_only_with_its_model_and_tokenizer(local_ray, dataset, tmp_path):
+    from train.__main__ import _check_continuation
+
+    storage = Storage.from_env()
+    model = preset("debug", n_layer=1, n_embd=32, n_head=2)
+    run_dir = storage.run("mismatch")
+    os.makedirs(run_dir)
+    with open(os.path.join(run_dir, "run.json"), "w") as f:
+        json.dump({"config": {"model": dict(vars(model)), "tokenizer": {"hash": "0123456789abcdef"}}}, f)
+    with pytest.raises(DatasetError, match="trained with tokenizer 0123456789abcdef"):
+        run(model, _cfg(2), dataset=dataset["ref"], run_name="mismatch", storage=storage)
+    with pytest.raises(ValueError, match=r"another model \(n_embd differ\)"):
+        _check_continuation(run_dir, "mismatch", preset("debug", n_layer=1, n_embd=64, n_head=2), "0123456789abcdef")

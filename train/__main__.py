@@ -2,9 +2,12 @@
 
     python -m train --dataset NAME[@VERSION] --preset debug [--max-steps N] [--run NAME] [--json]
 
-Workers run on gpu-tier nodes (`TorchTrainer` with the tier's label selector).
+Workers run on gpu-tier nodes (`TorchTrainer` with the tier's label selector);
+DDP by default, FSDP2 (`--strategy fsdp`) for the large presets; bf16 on GPU.
 Running the same command again with the same `--run` continues from the
-run's latest checkpoint instead of starting over.
+run's latest checkpoint instead of starting over. Metrics (loss, validation
+loss, learning rate, tokens/s, MFU, data wait, checkpoint time) go to Ray, to
+the run's metrics.jsonl and to TensorBoard (`tensorboard --logdir RUN/tensorboard`).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from strata.connect import connect
 from strata.dataset import DatasetError, check_compatible, resolve
 from strata.runinfo import run_info
 from strata.storage import Storage, check_name, exists, filesystem, join, write_json_atomic
-from train.loop import TRAIN_PRESETS, TrainConfig, train_loop_per_worker
-from train.model import GPT, PRESETS, GPTConfig, preset
+from train.loop import TRAIN_PRESETS, TrainConfig, resolve_strategy, train_loop_per_worker
+from train.model import PRESETS, GPTConfig, describe, preset
 
 
 def _gpu_tier_gpus() -> int:
@@ -38,7 +41,8 @@ def read_metrics(run_dir: str) -> list[dict]:
     if not exists(join(run_dir, "metrics.jsonl")):
         return []
     with fs.open_input_stream(path) as f:
-        return [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
+        lines = [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
+    return [m for m in lines if "loss" in m]  # step reports, not events
 
 
 def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name: str, storage: Storage,
@@ -54,27 +58,28 @@ def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name:
         use_gpu = _gpu_tier_gpus() > 0
     workers = workers or (_gpu_tier_gpus() if use_gpu else 1)
     run_dir = storage.run(run_name)
+    m = version.manifest
     resuming = exists(join(run_dir, "run.json"))
-    import torch
-
-    with torch.device("meta"):  # count parameters without allocating them
-        n = GPT(model_cfg)
-    print(f"[train] {'continuing' if resuming else 'starting'} run {run_name}: {n.num_params() / 1e6:.2f}M params, "
-          f"{n.flops_per_token() / 1e6:.1f} MFLOP/token, {workers} worker(s), "
-          f"{'GPU' if use_gpu else 'CPU'}, dataset {version.ref}", file=sys.stderr)
-    del n
+    if resuming:
+        _check_continuation(run_dir, run_name, model_cfg, m.tokenizer.hash)
+    size = describe(model_cfg)
+    train_cfg = resolve_strategy(train_cfg, size["params"])
+    print(f"[train] {'continuing' if resuming else 'starting'} run {run_name}: {size['params'] / 1e6:.2f}M params, "
+          f"{size['flops_per_token'] / 1e6:.1f} MFLOP/token, {workers} worker(s), "
+          f"{'GPU' if use_gpu else 'CPU'}, {train_cfg.strategy.upper()}, dataset {version.ref}", file=sys.stderr)
     record = run_info("train", {"model": asdict(model_cfg), "train": asdict(train_cfg), "dataset": version.ref,
-                                "workers": workers, "use_gpu": use_gpu, "cpus_per_worker": cpus_per_worker})
+                                "tokenizer": asdict(m.tokenizer), "workers": workers, "use_gpu": use_gpu,
+                                "cpus_per_worker": cpus_per_worker, **size})
     write_json_atomic(join(run_dir, "run.json"), record)
 
-    m = version.manifest
     shard_refs = {split: [{"path": join(version.path, s.path), "rows": s.rows} for s in m.shards if s.split == split]
                   for split in ("train", "validation")}
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"model": asdict(model_cfg), "train": asdict(train_cfg), "run_dir": run_dir,
                            "shards": shard_refs["train"], "val_shards": shard_refs["validation"],
-                           "tokenizer": asdict(m.tokenizer), "tokenizer_definition": version.tokenizer_definition()},
+                           "tokenizer": asdict(m.tokenizer), "tokenizer_definition": version.tokenizer_definition(),
+                           "threads": max(1, int(cpus_per_worker))},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu,
                                      resources_per_worker={"CPU": cpus_per_worker},
                                      label_selector=tiers.selector(tiers.Tier.GPU)),
@@ -88,14 +93,39 @@ def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name:
     mine = [h for h in history if h["time"] >= started]
     checkpoint = result.checkpoint.path if result.checkpoint else None
     start_step = mine[0]["start_step"] if mine else (history[-1]["step"] if history else 0)
+    steady = mine[1:] or mine  # the first report holds start-up (and compilation)
+    last = mine[-1] if mine else {}
     return {
-        "run": run_name, "path": run_dir, "dataset": version.ref,
-        "start_step": start_step, "steps": (mine[-1]["step"] - start_step) if mine else 0,
-        "first_loss": mine[0]["loss"] if mine else None, "last_loss": mine[-1]["loss"] if mine else None,
+        "run": run_name, "path": run_dir, "dataset": version.ref, "strategy": train_cfg.strategy,
+        "workers": workers, "use_gpu": use_gpu, **size,
+        "start_step": start_step, "steps": (last["step"] - start_step) if mine else 0,
+        "first_loss": mine[0]["loss"] if mine else None, "last_loss": last.get("loss"),
         "val_loss": next((h["val_loss"] for h in reversed(mine) if "val_loss" in h), None),
-        "tokens_per_s": mine[-1]["tokens_per_s"] if mine else None,
+        "tokens_per_s": _mean(steady, "tokens_per_s"), "tokens_per_s_per_worker": _mean(steady, "tokens_per_s_per_worker"),
+        "mfu": _mean(steady, "mfu"), "data_wait": _mean(steady, "data_wait"),
+        "checkpoint_blocked": last.get("checkpoint_blocked"),
         "checkpoint": checkpoint, "seconds": round(time.time() - started, 1),
     }
+
+
+def _mean(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _check_continuation(run_dir: str, run_name: str, model_cfg: GPTConfig, tokenizer_hash: str) -> None:
+    """A run continues only with the model and tokenizer it started with."""
+    fs, path = filesystem(join(run_dir, "run.json"))
+    with fs.open_input_stream(path) as f:
+        before = json.loads(f.read())["config"]
+    if before.get("model") and before["model"] != asdict(model_cfg):
+        changed = sorted(k for k, v in asdict(model_cfg).items() if before["model"].get(k) != v)
+        raise ValueError(f"run {run_name} was started with another model ({', '.join(changed)} differ): "
+                         "use a new --run")
+    old = (before.get("tokenizer") or {}).get("hash")
+    if old and old != tokenizer_hash:
+        raise DatasetError(f"run {run_name} was trained with tokenizer {old}; this dataset's is {tokenizer_hash}: "
+                           "the token ids would mean different things")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -123,8 +153,11 @@ def main(argv: list[str] | None = None) -> dict:
     if summary["steps"] == 0:
         print(f"[train] run {run_name} is already at step {summary['start_step']}: nothing to do", file=sys.stderr)
     else:
+        mfu = f", MFU {summary['mfu']:.1%}" if summary["mfu"] is not None else ""
         print(f"[train] run {run_name}: steps {summary['start_step']} -> {summary['start_step'] + summary['steps']}, "
-              f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, checkpoint {summary['checkpoint']}",
+              f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, "
+              f"{summary['tokens_per_s']:,.0f} tokens/s{mfu}, data wait {summary['data_wait']:.1%}, "
+              f"checkpoints {summary['checkpoint_blocked']:.1%} of wall time; checkpoint {summary['checkpoint']}",
               file=sys.stderr)
     return finish(summary, args.json)
 

@@ -1,24 +1,37 @@
 """The training loop: reads top to bottom, runs on every Ray Train worker.
 
-Each worker builds the model, restores the latest checkpoint if there is one,
-and trains on its rank's slice of the data for a fixed number of steps (equal
-on every rank). Rank 0 evaluates, logs metrics and writes checkpoints.
+Each worker builds the model, wraps it (DDP, or FSDP2's `fully_shard` per
+block), restores the latest checkpoint if there is one, and trains on its
+rank's slice of the data for a fixed number of steps (equal on every rank).
+Batches are read ahead in a thread. Every rank evaluates (an FSDP2 forward
+is a collective); rank 0 writes metrics.jsonl and TensorBoard events, and
+every report goes to Ray Train.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import queue
+import shutil
 import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from train.data import ShardRef, TokenBatches
+from train.hardware import device_name, peak_flops
 from train.model import GPT, GPTConfig
+
+STRATEGIES = ("auto", "ddp", "fsdp")
+PRECISIONS = ("auto", "bf16", "fp32")
+FSDP_FROM_PARAMS = 700e6  # `auto` shards models this big or bigger with FSDP2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,7 +39,9 @@ class TrainConfig:
     max_steps: int = 200
     """Optimizer steps in total, counted across restarts."""
     batch_size: int = 16
-    """Rows per worker per step."""
+    """Rows per worker per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (gradient accumulation)."""
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
@@ -47,6 +62,28 @@ class TrainConfig:
     """Report metrics every this many steps."""
     seed: int = 0
     """Seed of model init and data order."""
+    strategy: str = "auto"
+    """ddp, fsdp (FSDP2 fully_shard per block), or auto: fsdp from 700M parameters, else ddp."""
+    precision: str = "auto"
+    """bf16 (autocast; FSDP2 mixed precision), fp32, or auto: bf16 on GPU, fp32 on CPU."""
+    compile: bool = False
+    """Compile the model with torch.compile."""
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, not {self.strategy!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
+        for name in ("max_steps", "batch_size", "grad_accum", "eval_every", "checkpoint_every", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+def resolve_strategy(cfg: TrainConfig, params: int) -> TrainConfig:
+    """`auto` made concrete: FSDP2 for large models, DDP otherwise."""
+    if cfg.strategy != "auto":
+        return cfg
+    return replace(cfg, strategy="fsdp" if params >= FSDP_FROM_PARAMS else "ddp")
 
 
 # Train-loop defaults per model preset; flags override them.
@@ -56,6 +93,10 @@ TRAIN_PRESETS = {
                              checkpoint_every=500),
     "gpt2-350m": TrainConfig(max_steps=5000, batch_size=4, lr=3e-4, warmup_steps=500, eval_every=250,
                              checkpoint_every=500),
+    "gpt2-774m": TrainConfig(max_steps=5000, batch_size=4, lr=2.5e-4, warmup_steps=500, eval_every=250,
+                             checkpoint_every=500),
+    "1.3b": TrainConfig(max_steps=5000, batch_size=4, lr=2e-4, warmup_steps=500, eval_every=250,
+                        checkpoint_every=500),
 }
 
 
@@ -68,37 +109,91 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW, fused on GPU; no weight decay on vectors (norms)."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = torch.cuda.is_available() and next(model.parameters()).is_cuda
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=fused)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=params[0].device.type == "cuda")
+
+
+def use_bf16(cfg: TrainConfig, device: torch.device) -> bool:
+    return cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+
+
+def parallelize(model: GPT, strategy: str, device: torch.device, bf16: bool, world: int) -> torch.nn.Module:
+    """DDP (when world > 1) or FSDP2 over the model on `device`; FSDP2 shards the blocks, then the rest."""
+    if strategy == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        kwargs = {"mp_policy": mp} if mp else {}
+        for block in model.blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model
+
+
+@contextlib.contextmanager
+def grad_sync(model: torch.nn.Module, enabled: bool):
+    """Skip the gradient all-reduce/reduce-scatter on all but the last micro-batch."""
+    if enabled:
+        yield
+    elif hasattr(model, "no_sync"):  # DDP
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def to_xy(batch: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T+1) packed rows to inputs and next-token targets, each (B, T)."""
-    t = torch.from_numpy(batch.astype(np.int64)).to(device, non_blocking=True)
+    t = torch.from_numpy(batch.astype(np.int64))
+    if device.type == "cuda":
+        t = t.pin_memory()
+    t = t.to(device, non_blocking=True)
     return t[:, :-1], t[:, 1:]
 
 
-def train_step(model, optimizer, batch: np.ndarray, lr: float, cfg: TrainConfig, device) -> float:
+def train_step(model, optimizer, micro_batches: list[np.ndarray], lr: float, cfg: TrainConfig, device,
+               bf16: bool = False) -> torch.Tensor:
+    """One optimizer step over `micro_batches`; returns their mean loss (a tensor: no device sync here)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    x, y = to_xy(batch, device)
-    _, loss = model(x, y)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    total = torch.zeros((), device=device)
+    for i, batch in enumerate(micro_batches):
+        x, y = to_xy(batch, device)
+        with grad_sync(model, i == len(micro_batches) - 1), autocast(device, bf16):
+            _, loss = model(x, y)
+            (loss / len(micro_batches)).backward()
+        total += loss.detach().float()
     if cfg.grad_clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     optimizer.step()
-    return loss.item()
+    optimizer.zero_grad(set_to_none=True)
+    return total / len(micro_batches)
+
+
+def autocast(device: torch.device, bf16: bool):
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
 @torch.no_grad()
-def evaluate(model: GPT, batches: list[np.ndarray], device) -> float:
+def evaluate(model: torch.nn.Module, batches: list[np.ndarray], device, bf16: bool = False) -> float:
     model.eval()
-    losses = [model(*to_xy(b, device))[1].item() for b in batches]
+    with autocast(device, bf16):
+        losses = [model(*to_xy(b, device))[1].item() for b in batches]
     model.train()
     return float(np.mean(losses))
 
@@ -113,8 +208,68 @@ def validation_batches(shards: list[dict], cfg: TrainConfig) -> list[np.ndarray]
     return [b for _, b in zip(range(min(cfg.eval_batches, val.steps_per_epoch)), val.from_step(0), strict=False)]
 
 
+class Prefetch:
+    """Reads batches ahead in a thread (parquet decoding releases the GIL); counts time spent waiting."""
+
+    def __init__(self, batches: Iterator[np.ndarray], depth: int = 4):
+        self.q: queue.Queue = queue.Queue(depth)
+        self.waited = 0.0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._fill, args=(batches,), daemon=True)
+        self.thread.start()
+
+    def _fill(self, batches):
+        try:
+            for b in batches:
+                while not self.stop.is_set():
+                    try:
+                        self.q.put(b, timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+                if self.stop.is_set():
+                    return
+        except BaseException as e:  # surfaces in the training thread
+            self.q.put(e)
+
+    def __next__(self) -> np.ndarray:
+        t = time.perf_counter()
+        item = self.q.get()
+        self.waited += time.perf_counter() - t
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self):
+        self.stop.set()
+
+
+def state_dicts(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
+    """Full (unsharded) model and optimizer state on rank 0's CPU; a collective for DDP and FSDP2 alike."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizer, options=opts)
+
+
+def load_state_dicts(model: torch.nn.Module, optimizer, model_state: dict, optim_state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=opts)
+    set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
+
+
 def train_loop_per_worker(config: dict) -> None:
-    """Ray Train entry: `config` holds `model`, `train`, `shards`, `val_shards`, `run_dir`."""
+    """Ray Train entry: `config` holds `model`, `train`, `shards`, `val_shards`, `run_dir`, `tokenizer`."""
     import ray.train
     import ray.train.torch
 
@@ -123,58 +278,129 @@ def train_loop_per_worker(config: dict) -> None:
     mcfg, tcfg = GPTConfig(**config["model"]), TrainConfig(**config["train"])
     run_dir = config["run_dir"]
     _record_node(run_dir, rank)
+    if config.get("threads"):
+        torch.set_num_threads(config["threads"])
     device = ray.train.torch.get_device()
+    bf16 = use_bf16(tcfg, device)
     torch.manual_seed(tcfg.seed)
     raw = GPT(mcfg).to(device)
-    optimizer = make_optimizer(raw, tcfg)
+    flops_per_token = raw.flops_per_token()
+    model = parallelize(raw, tcfg.strategy, device, bf16, world)
+    optimizer = make_optimizer(model, tcfg)
 
     start_step = 0
     checkpoint = ray.train.get_checkpoint()
     if checkpoint:
         with checkpoint.as_directory() as d:
-            state = torch.load(os.path.join(d, "state.pt"), map_location=device, weights_only=False)
-        raw.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+            state = torch.load(os.path.join(d, "state.pt"), map_location="cpu", weights_only=False)
+        load_state_dicts(model, optimizer, state["model"], state["optimizer"])
         start_step = state["step"]
-    model = ray.train.torch.prepare_model(raw)  # DDP when world > 1
+        del state
+    step_fn = torch.compile(model) if tcfg.compile else model
 
     data = TokenBatches([ShardRef(**s) for s in config["shards"]], batch_size=tcfg.batch_size,
                         rank=rank, world_size=world, seed=tcfg.seed)
-    val_batches = validation_batches(config["val_shards"], tcfg) if rank == 0 else []
+    val_batches = validation_batches(config["val_shards"], tcfg)
+    batches = Prefetch(data.from_step(start_step * tcfg.grad_accum))
+    peak = peak_flops(device, bf16)
+    tokens_per_step = tcfg.batch_size * tcfg.grad_accum * mcfg.seq_len * world
+    writer = _tensorboard(run_dir) if rank == 0 else None
+    if rank == 0:
+        _append_metrics(run_dir, {"event": "start", "start_step": start_step, "world_size": world,
+                                  "strategy": tcfg.strategy, "bf16": bf16, "device": device_name(device),
+                                  "peak_flops": peak, "flops_per_token": flops_per_token})
 
-    batches = data.from_step(start_step)
-    tokens_per_step = tcfg.batch_size * mcfg.seq_len * world
-    t_last, step_last = time.perf_counter(), start_step
-    for step in range(start_step, tcfg.max_steps):
-        lr = lr_at(step, tcfg)
-        loss = train_step(model, optimizer, next(batches), lr, tcfg, device)
-        done = step + 1
-        last = done == tcfg.max_steps
-        first = step == start_step
-        if not (first or last or done % tcfg.log_every == 0 or done % tcfg.checkpoint_every == 0):
-            continue
-        now = time.perf_counter()
-        metrics = {"step": done, "start_step": start_step, "loss": loss, "lr": lr, "epoch": step // data.steps_per_epoch,
-                   "tokens_per_s": tokens_per_step * (done - step_last) / (now - t_last), "world_size": world}
-        t_last, step_last = now, done
-        if val_batches and (last or done % tcfg.eval_every == 0):
-            metrics["val_loss"] = evaluate(raw, val_batches, device)
-        if rank == 0:
-            _append_metrics(run_dir, metrics)
-        if last or done % tcfg.checkpoint_every == 0:
-            with tempfile.TemporaryDirectory() as d:
-                ckpt = None
-                if rank == 0:
-                    torch.save({"model": raw.state_dict(), "optimizer": optimizer.state_dict(), "step": done,
-                                "model_config": config["model"], "tokenizer": config["tokenizer"],
-                                "tokenizer_definition": config.get("tokenizer_definition")},
-                               os.path.join(d, "state.pt"))
-                    with open(os.path.join(d, "meta.json"), "w") as f:
-                        json.dump({"step": done, "loss": loss}, f)
-                    ckpt = ray.train.Checkpoint.from_directory(d)
-                ray.train.report(metrics, checkpoint=ckpt)  # a barrier: every rank calls it
-        else:
-            ray.train.report(metrics)
+    started = time.perf_counter()
+    window = _Window(started, start_step, batches.waited)
+    blocked_on_checkpoints = 0.0
+    loss_sum = torch.zeros((), device=device)
+    try:
+        for step in range(start_step, tcfg.max_steps):
+            lr = lr_at(step, tcfg)
+            loss_sum += train_step(step_fn, optimizer, [next(batches) for _ in range(tcfg.grad_accum)], lr, tcfg,
+                                   device, bf16)
+            done = step + 1
+            last = done == tcfg.max_steps
+            save = last or done % tcfg.checkpoint_every == 0
+            if not (step == start_step or last or save or done % tcfg.log_every == 0):
+                continue
+            steps = done - window.step
+            if world > 1:  # the mean over all ranks' batches, not rank 0's alone
+                torch.distributed.all_reduce(loss_sum)
+                loss_sum /= world
+            loss = loss_sum.item() / steps  # syncs the device, so the window's time is the work's time
+            loss_sum.zero_()
+            now = time.perf_counter()
+            train_s = now - window.time
+            tps = tokens_per_step * steps / train_s
+            metrics = {"step": done, "start_step": start_step, "epoch": step * tcfg.grad_accum // data.steps_per_epoch,
+                       "loss": loss, "lr": lr, "tokens_per_s": tps, "tokens_per_s_per_worker": tps / world,
+                       "mfu": flops_per_token * tps / world / peak if peak else None,
+                       "data_wait": (batches.waited - window.waited) / train_s, "world_size": world}
+            if val_batches and (last or done % tcfg.eval_every == 0):
+                metrics["val_loss"] = evaluate(raw, val_batches, device, bf16)
+            ckpt_started = time.perf_counter()
+            ckpt_dir = _write_checkpoint(model, optimizer, config, done, loss, rank) if save else None
+            blocked_on_checkpoints += time.perf_counter() - ckpt_started
+            metrics["checkpoint_blocked"] = blocked_on_checkpoints / (time.perf_counter() - started)
+            ckpt_started = time.perf_counter()
+            try:  # every rank reports (a barrier); rank 0 hands over the checkpoint
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(ckpt_dir) if ckpt_dir else None)
+            finally:
+                if ckpt_dir:
+                    shutil.rmtree(ckpt_dir, ignore_errors=True)
+            if save:
+                blocked_on_checkpoints += time.perf_counter() - ckpt_started
+            if rank == 0:
+                _append_metrics(run_dir, metrics)
+                if writer:
+                    for k, v in metrics.items():
+                        if isinstance(v, int | float) and k not in ("step", "start_step"):
+                            writer.add_scalar(f"train/{k}", v, done)
+                    writer.flush()
+            window = _Window(time.perf_counter(), done, batches.waited)
+    finally:
+        batches.close()
+        if writer:
+            writer.close()
+
+
+@dataclass
+class _Window:
+    """Where the current metrics window started: time, step, data wait so far."""
+
+    time: float
+    step: int
+    waited: float
+
+
+def _write_checkpoint(model, optimizer, config: dict, step: int, loss: float, rank: int) -> str | None:
+    """Gather the full state (a collective) and write it on rank 0 to a new local directory."""
+    model_state, optim_state = state_dicts(model, optimizer)
+    if rank != 0:
+        return None
+    d = tempfile.mkdtemp(prefix="strata-ckpt-")
+    torch.save({"model": model_state, "optimizer": optim_state, "step": step,
+                "model_config": config["model"], "train_config": config["train"],
+                "tokenizer": config["tokenizer"], "tokenizer_definition": config.get("tokenizer_definition")},
+               os.path.join(d, "state.pt"))
+    with open(os.path.join(d, "meta.json"), "w") as f:
+        json.dump({"step": step, "loss": loss}, f)
+    return d
+
+
+def _tensorboard(run_dir: str):
+    """TensorBoard events under the run, when the run lives on a local or mounted filesystem."""
+    import pyarrow.fs as pafs
+
+    from strata.storage import filesystem
+
+    fs, path = filesystem(run_dir)
+    if not isinstance(fs, pafs.LocalFileSystem):
+        return None
+    from tensorboardX import SummaryWriter
+
+    return SummaryWriter(os.path.join(path, "tensorboard"))
 
 
 def _append_metrics(run_dir: str, metrics: dict) -> None:

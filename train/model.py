@@ -1,4 +1,12 @@
-"""A GPT-style decoder: pre-norm blocks, scaled-dot-product attention, tied embeddings."""
+"""A GPT-style decoder: pre-norm blocks, scaled-dot-product attention, tied embeddings.
+
+GPT-2's architecture without the linear biases (they add nothing at this
+scale and cost bandwidth): a model exports to Hugging Face's GPT-2 with zero
+biases (train/export.py). Attention is `F.scaled_dot_product_attention`, which
+takes the flash kernels on GPU.
+
+    python -m train.model      # the presets with parameters and FLOPs per token
+"""
 
 from __future__ import annotations
 
@@ -34,6 +42,8 @@ PRESETS = {
     "debug": GPTConfig(vocab_size=320, seq_len=128, n_layer=4, n_head=4, n_embd=128),
     "gpt2-124m": GPTConfig(n_layer=12, n_head=12, n_embd=768),
     "gpt2-350m": GPTConfig(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-774m": GPTConfig(n_layer=36, n_head=20, n_embd=1280),
+    "1.3b": GPTConfig(n_layer=24, n_head=16, n_embd=2048),
 }
 
 
@@ -64,7 +74,7 @@ class Block(nn.Module):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(cfg.n_embd), nn.LayerNorm(cfg.n_embd)
         self.attn = Attention(cfg)
-        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False), nn.GELU(),
+        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False), nn.GELU(approximate="tanh"),
                                  nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False))
         self.drop = nn.Dropout(cfg.dropout)
 
@@ -97,9 +107,10 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6N for the weights plus attention (PaLM appendix B)."""
+        """Training FLOPs per token: 6N for the matmuls of the weights plus 12·L·C·T for attention
+        (PaLM, appendix B). N leaves out the position table, which takes no matmul."""
         c = self.cfg
-        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * c.seq_len
+        return 6 * (self.num_params() - self.wpe.weight.numel()) + 12 * c.n_layer * c.n_embd * c.seq_len
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         B, T = idx.shape
@@ -125,3 +136,22 @@ class GPT(nn.Module):
                 logits[logits < kth] = -float("inf")
             idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
         return idx
+
+
+def describe(cfg: GPTConfig) -> dict:
+    """Parameters and training FLOPs per token of a config, without allocating its weights."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return {"params": model.num_params(), "flops_per_token": model.flops_per_token()}
+
+
+def main() -> None:
+    print(f"{'preset':10} {'layers':>6} {'heads':>5} {'width':>5} {'seq':>5} {'params':>9} {'GFLOP/token':>11}")
+    for name, cfg in PRESETS.items():
+        d = describe(cfg)
+        print(f"{name:10} {cfg.n_layer:6} {cfg.n_head:5} {cfg.n_embd:5} {cfg.seq_len:5} "
+              f"{d['params'] / 1e6:8.1f}M {d['flops_per_token'] / 1e9:11.2f}")
+
+
+if __name__ == "__main__":
+    main()

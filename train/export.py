@@ -1,0 +1,117 @@
+"""Export a checkpoint as a Hugging Face GPT-2: model.safetensors, config.json, tokenizer.
+
+    python -m train.export --run NAME --out DIR [--json]
+    python -m train.export --checkpoint CKPT_DIR --out DIR
+
+The model is GPT-2's architecture without linear biases, so it maps onto
+`GPT2LMHeadModel` with zero biases (GPT-2's Conv1D keeps weights transposed).
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads the result;
+with a tokenizer.json dataset, `AutoTokenizer.from_pretrained(DIR)` does too.
+The export is written to a temporary folder and renamed into place, so a
+crash leaves no half-written DIR.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+
+from strata.cli import parser as cli_parser
+from strata.storage import Storage
+from train.model import GPT, GPTConfig
+from train.sample import latest_checkpoint, load
+
+
+def gpt2_config(cfg: GPTConfig, eot_id: int) -> dict:
+    """config.json for transformers' GPT-2 with this model's shape."""
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size, "n_positions": cfg.seq_len, "n_embd": cfg.n_embd,
+        "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": 4 * cfg.n_embd,
+        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+        "initializer_range": 0.02, "scale_attn_weights": True, "use_cache": True,
+        "bos_token_id": eot_id, "eos_token_id": eot_id, "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    }
+
+
+def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """This model's weights under GPT-2's names and layouts (lm_head is tied to wte, so left out)."""
+    c = model.cfg.n_embd
+    sd = {"transformer.wte.weight": model.wte.weight, "transformer.wpe.weight": model.wpe.weight,
+          "transformer.ln_f.weight": model.ln_f.weight, "transformer.ln_f.bias": model.ln_f.bias}
+    for i, b in enumerate(model.blocks):
+        p = f"transformer.h.{i}."
+        linears = {"attn.c_attn": b.attn.qkv, "attn.c_proj": b.attn.proj, "mlp.c_fc": b.mlp[0], "mlp.c_proj": b.mlp[2]}
+        for name, lin in linears.items():
+            sd[p + name + ".weight"] = lin.weight.t()  # Conv1D: (in, out)
+            sd[p + name + ".bias"] = torch.zeros(lin.out_features)
+        for name, ln in (("ln_1", b.ln1), ("ln_2", b.ln2)):
+            sd[p + name + ".weight"], sd[p + name + ".bias"] = ln.weight, ln.bias
+    assert sd[f"transformer.h.{len(model.blocks) - 1}.attn.c_attn.weight"].shape == (c, 3 * c)
+    return {k: v.detach().float().contiguous().clone() for k, v in sd.items()}
+
+
+def export(checkpoint: str, out: str) -> dict:
+    from safetensors.torch import save_file
+
+    model, tok, step = load(checkpoint)
+    if os.path.exists(out) and os.listdir(out):
+        raise FileExistsError(f"{out} exists and is not empty")
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    try:
+        save_file(gpt2_state_dict(model), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(gpt2_config(model.cfg, tok.eot_id), f, indent=2)
+        files = ["model.safetensors", "config.json"]
+        definition = getattr(tok, "definition", None)
+        if definition:  # a Hugging Face tokenizer: ship it so AutoTokenizer loads it too
+            with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
+                f.write(definition)
+            eot = tok.tok.id_to_token(tok.eot_id)
+            with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
+                json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eot, "bos_token": eot,
+                           "model_max_length": model.cfg.seq_len}, f, indent=2)
+            files += ["tokenizer.json", "tokenizer_config.json"]
+        with open(os.path.join(tmp, "strata.json"), "w") as f:
+            json.dump({"checkpoint": checkpoint, "step": step, "tokenizer_vocab_size": tok.vocab_size,
+                       "eot_id": tok.eot_id, "note": f"ids >= {tok.vocab_size} are padding rows"}, f, indent=2)
+        files.append("strata.json")
+        if os.path.exists(out):
+            os.rmdir(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"checkpoint": checkpoint, "step": step, "out": out, "files": files}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = cli_parser("python -m train.export", __doc__)
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run", help="run name under $STRATA_STORAGE/runs (uses its latest checkpoint)")
+    where.add_argument("--checkpoint", help="a checkpoint directory")
+    parser.add_argument("--out", required=True, help="new directory to write the Hugging Face model to")
+    args = parser.parse_args(argv)
+    try:
+        ckpt = args.checkpoint or latest_checkpoint(Storage.from_env(args.storage).run(args.run))
+        result = export(ckpt, args.out)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    print(f"[export] step {result['step']} of {ckpt} -> {args.out} ({', '.join(result['files'])})",
+          file=sys.stderr)
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
