@@ -30,7 +30,9 @@ test: lint
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m pytest
 
 bench: install
-	$(PY) -m bench.preprocess --mb 200 --memory-gb 1
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m bench.preprocess --mb 200 --memory-gb 1
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m bench.train.step
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m bench.train.ingest
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache strata-data

@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
                 {d['duplicate']} duplicate {pre['stats']['duplicate']}, {d['rejected']} rejected {pre['stats']['rejected_by_reason']}
                 {pre['tokens']:,} tokens -> {pre['sequences']:,} packed rows in {pre['shards']} shards
         tier 2  {tr['steps']} steps, loss {tr['first_loss']:.3f} -> {tr['last_loss']:.3f} (validation {tr['val_loss']:.3f}),
-                {tr['tokens_per_s']:,.0f} tokens/s
+                {tr['params'] / 1e6:.2f}M params, {tr['strategy'].upper()}, {tr['tokens_per_s']:,.0f} tokens/s,
+                data wait {tr['data_wait']:.1%}, checkpoints {tr['checkpoint_blocked']:.1%} of wall time
         sweep   {sw['completed']}/{sw['trials']} trials ({sw['iterations']} iterations, ASHA),
                 best {best['metric_name']} {best['metric']:.3f} with {json.dumps(best['config'])}
         outputs dataset    {pre['path']}

@@ -165,3 +165,18 @@ def test_bad_strategy_or_precision_is_a_clear_error():
         TrainConfig(strategy="zero3")
     with pytest.raises(ValueError, match="precision must be one of"):
         TrainConfig(precision="fp8")
+
+
+@pytest.mark.slow
+def test_compiled_step_matches_eager():
+    cfg = preset("debug", seq_len=SEQ, n_layer=1, n_embd=32, n_head=2)
+    batch = np.random.default_rng(2).integers(0, 257, (4, SEQ + 1))
+    tcfg = TrainConfig(lr=1e-2, warmup_steps=1)
+    losses = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        opt = make_optimizer(model, tcfg)
+        step_fn = torch.compile(model) if compiled else model
+        losses.append([train_step(step_fn, opt, [batch], 1e-2, tcfg, torch.device("cpu")).item() for _ in range(3)])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import pathlib
 
 import pytest
 
@@ -46,7 +47,7 @@ def test_ddp_run_checkpoints_and_a_rerun_continues(local_ray, dataset):
     assert [r["step"] for r in rows if "val_loss" in r] == [4, 6]
     assert rows[-1]["checkpoint_blocked"] > 0
     events = [os.path.join(dp, f) for dp, _, fs in os.walk(os.path.join(first["path"], "tensorboard")) for f in fs]
-    assert events and any(b"train/loss" in open(e, "rb").read() for e in events)
+    assert events and any(b"train/loss" in pathlib.Path(e).read_bytes() for e in events)
 
     again = run(model, _cfg(10), dataset=ref, run_name="ddp", storage=storage, workers=2, use_gpu=False)
     assert (again["start_step"], again["steps"]) == (6, 4)

@@ -81,7 +81,7 @@ def trial(config: dict, *, rows: np.ndarray, val_rows: np.ndarray, model: dict, 
     device = torch.device("cpu")
     for step in range(s.steps):
         batch = rows[rng.integers(0, len(rows), tcfg.batch_size)]
-        loss = train_step(net, opt, batch, lr_at(step, tcfg), tcfg, device)
+        loss = train_step(net, opt, [batch], lr_at(step, tcfg), tcfg, device).item()
         if (step + 1) % s.report_every == 0 or step + 1 == s.steps:
             tune.report({"val_loss": evaluate(net, val_batches, device), "loss": loss, "step": step + 1,
                          "node_id": node, "pid": os.getpid()})

@@ -1,0 +1,33 @@
+"""Shared by the training benchmarks: a small real dataset made by the tier-1 pipeline, once per workdir."""
+
+from __future__ import annotations
+
+import os
+import random
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "his", "her", "they", "this", "which", "model", "data", "token", "layer", "batch", "train", "shard", "cluster", "node", "loss", "step", "sweep", "spot", "parquet", "version"]
+
+
+def make_dataset(workdir: str, mb: float = 4.0, seq_len: int = 128) -> tuple[str, str]:
+    """(storage root, dataset ref): `mb` MB of generated text preprocessed with the debug preset (bytes)."""
+    from pipelines.preprocess import debug, run
+    from strata.dataset import list_versions
+    from strata.storage import Storage
+
+    storage = Storage(os.path.join(workdir, "storage"))
+    name = f"bench-{int(mb * 1000)}kb-{seq_len}"
+    if versions := list_versions(storage, name):
+        return storage.root, f"{name}@{versions[-1]}"
+    corpus = os.path.join(workdir, "corpus", name)
+    os.makedirs(corpus, exist_ok=True)
+    rng = random.Random(0)
+    with open(os.path.join(corpus, "docs.jsonl"), "w") as f:
+        size = 0
+        while size < mb * 1e6:
+            line = '{"text": "' + " ".join(rng.choice(WORDS) for _ in range(rng.randint(80, 600))) + '."}\n'
+            f.write(line)
+            size += len(line)
+    out = run(debug(name, read={"inputs": (corpus,)}, pack={"seq_len": seq_len}), storage)
+    return storage.root, f"{name}@{out['version']}"

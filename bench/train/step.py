@@ -1,0 +1,115 @@
+"""Step time under Ray Train's TorchTrainer vs the same loop in plain PyTorch, same CPU, same run.
+
+    python -m bench.train.step [--steps 60] [--warmup 10] [--threads 1] [--workdir DIR]
+
+Both run train/loop.py's `train_step` on the debug model over the same
+tier-1 dataset (made once under --workdir), with batches read ahead by the
+same `Prefetch`, on `--threads` torch threads. Plain PyTorch runs before and
+after the trainer (their mean is the baseline, so drift on a shared machine
+hits both sides); the trainer's step time comes from its own metrics, over
+the steps after warm-up, excluding evaluation and checkpoints. Prints both
+and, as the last line, the ratio trainer/plain (target <= 1.05).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from dataclasses import replace
+
+from bench.train.common import make_dataset
+
+
+def configs(preset_name: str, batch_size: int, steps: int, warmup: int):
+    from train.loop import TRAIN_PRESETS
+    from train.model import preset
+
+    tcfg = replace(TRAIN_PRESETS[preset_name], batch_size=batch_size, max_steps=warmup + steps, log_every=warmup,
+                   eval_every=warmup + steps, checkpoint_every=warmup + steps, strategy="ddp")
+    return preset(preset_name), tcfg
+
+
+def plain_step_seconds(storage_root: str, ref: str, mcfg, tcfg, warmup: int, threads: int) -> float:
+    """Mean seconds per step after warm-up of the training loop without Ray."""
+    import torch
+
+    from strata.dataset import resolve
+    from strata.storage import Storage, join
+    from train.data import ShardRef, TokenBatches
+    from train.loop import Prefetch, lr_at, make_optimizer, train_step
+    from train.model import GPT
+
+    torch.set_num_threads(threads)
+    version = resolve(Storage(storage_root), ref)
+    shards = [ShardRef(join(version.path, s.path), s.rows) for s in version.manifest.shards if s.split == "train"]
+    torch.manual_seed(tcfg.seed)
+    model = GPT(mcfg)
+    optimizer = make_optimizer(model, tcfg)
+    batches = Prefetch(TokenBatches(shards, batch_size=tcfg.batch_size, seed=tcfg.seed).from_step(0))
+    device = torch.device("cpu")
+    loss = torch.zeros(())
+    try:
+        for step in range(tcfg.max_steps):
+            if step == warmup:
+                loss.item()
+                started = time.perf_counter()
+            loss += train_step(model, optimizer, [next(batches)], lr_at(step, tcfg), tcfg, device)
+            if (step + 1) % tcfg.log_every == 0:
+                loss.item()  # the trainer syncs at each report too
+                loss.zero_()
+        return (time.perf_counter() - started) / (tcfg.max_steps - warmup)
+    finally:
+        batches.close()
+
+
+def trainer_step_seconds(storage_root: str, ref: str, mcfg, tcfg, warmup: int, threads: int) -> float:
+    """Mean seconds per step after warm-up under TorchTrainer (one worker), from the run's own metrics."""
+    from strata.storage import Storage
+    from train.__main__ import read_metrics, run
+
+    out = run(mcfg, tcfg, dataset=ref, run_name=f"bench-step-{time.strftime('%Y%m%d-%H%M%S')}",
+              storage=Storage(storage_root), workers=1, use_gpu=False, cpus_per_worker=threads)
+    rows = read_metrics(out["path"])
+    tokens_per_step = tcfg.batch_size * mcfg.seq_len
+    seconds, steps, prev = 0.0, 0, None
+    for r in rows:
+        if prev is not None and prev >= warmup:
+            seconds += tokens_per_step * (r["step"] - prev) / r["tokens_per_s"]
+            steps += r["step"] - prev
+        prev = r["step"]
+    return seconds / steps
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60, help="timed steps (after warm-up)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides (default 1)")
+    parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "strata-bench-train"))
+    parser.add_argument("--json", action="store_true", help="print a JSON result line before the ratio")
+    args = parser.parse_args(argv)
+
+    from strata.connect import connect
+
+    root, ref = make_dataset(args.workdir)
+    connect()
+    mcfg, tcfg = configs("debug", args.batch_size, args.steps, args.warmup)
+    print(f"debug model, batch {args.batch_size} x {mcfg.seq_len}, {args.steps} timed steps after {args.warmup}, "
+          f"{args.threads} torch thread(s), dataset {ref}", flush=True)
+    before = plain_step_seconds(root, ref, mcfg, tcfg, args.warmup, args.threads)
+    trainer = trainer_step_seconds(root, ref, mcfg, tcfg, args.warmup, args.threads)
+    after = plain_step_seconds(root, ref, mcfg, tcfg, args.warmup, args.threads)
+    plain = (before + after) / 2
+    print(f"plain PyTorch   {plain * 1e3:8.2f} ms/step  (before {before * 1e3:.2f}, after {after * 1e3:.2f})")
+    print(f"TorchTrainer    {trainer * 1e3:8.2f} ms/step")
+    if args.json:
+        print(json.dumps({"plain_s": plain, "plain_before_s": before, "plain_after_s": after, "trainer_s": trainer}))
+    print(f"ratio TorchTrainer/plain step time: {trainer / plain:.3f}")
+
+
+if __name__ == "__main__":
+    main()
