@@ -6,6 +6,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from strata.tokenizer import ByteTokenizer
 from train.export import export, main
@@ -22,10 +23,10 @@ def checkpoint(tmp_path):
         for name, p in model.named_parameters():
             if name.startswith(("blocks.0.ln", "ln_f")):
                 p.add_(torch.randn_like(p) * 0.1)  # norms away from (1, 0)
-    d = tmp_path / "checkpoint_000001"
-    d.mkdir()
-    torch.save({"model": model.state_dict(), "step": 7, "model_config": asdict(cfg),
-                "tokenizer": asdict(ByteTokenizer().info()), "tokenizer_definition": None}, d / "state.pt")
+    d = tmp_path / "checkpoint-00000007"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(d), no_dist=True)
+    (d / "meta.json").write_text(json.dumps({"step": 7, "model_config": asdict(cfg),
+                                             "tokenizer": asdict(ByteTokenizer().info())}))
     return str(d), model
 
 

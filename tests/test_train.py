@@ -10,6 +10,7 @@ import pytest
 from strata.dataset import DatasetError
 from strata.storage import Storage
 from train.__main__ import run
+from train.checkpoint import committed_checkpoints
 from train.loop import TrainConfig
 from train.model import preset
 
@@ -25,7 +26,7 @@ def _metrics(path):
 
 
 @pytest.mark.slow
-def test_ddp_run_checkpoints_and_a_rerun_continues(local_ray, dataset):
+def test_ddp_run_checkpoints_and_a_rerun_continues(local_ray, dataset, capfd):
     storage = Storage.from_env()
     ref = dataset["ref"]
     model = preset("debug", n_layer=1, n_embd=32, n_head=2)
@@ -33,7 +34,13 @@ def test_ddp_run_checkpoints_and_a_rerun_continues(local_ray, dataset):
     assert (first["start_step"], first["steps"]) == (0, 6)
     assert math.isfinite(first["first_loss"]) and math.isfinite(first["last_loss"])
     assert first["val_loss"] is not None
-    assert os.path.exists(os.path.join(first["checkpoint"], "state.pt"))
+    # One directory per checkpoint: DCP's metadata, each rank's shard and RNG state, and the meta.
+    files = set(os.listdir(first["checkpoint"]))
+    assert {".metadata", "meta.json", "rng-0.pt", "rng-1.pt"} <= files
+    assert any(f.startswith("__0_") for f in files) or any(f.startswith("__1_") for f in files)
+    assert os.path.basename(first["checkpoint"]) == "checkpoint-00000006"
+    assert [os.path.basename(c) for c in committed_checkpoints(first["path"])] == \
+        ["checkpoint-00000004", "checkpoint-00000006"]
     with open(os.path.join(first["checkpoint"], "meta.json")) as f:
         assert json.load(f)["step"] == 6
     ranks = sorted(os.listdir(os.path.join(first["path"], "workers")))
@@ -49,7 +56,9 @@ def test_ddp_run_checkpoints_and_a_rerun_continues(local_ray, dataset):
     events = [os.path.join(dp, f) for dp, _, fs in os.walk(os.path.join(first["path"], "tensorboard")) for f in fs]
     assert events and any(b"train/loss" in pathlib.Path(e).read_bytes() for e in events)
 
+    capfd.readouterr()
     again = run(model, _cfg(10), dataset=ref, run_name="ddp", storage=storage, workers=2, use_gpu=False)
+    assert "[train] continuing run ddp from step 6" in capfd.readouterr().err
     assert (again["start_step"], again["steps"]) == (6, 4)
     with open(os.path.join(again["checkpoint"], "meta.json")) as f:
         assert json.load(f)["step"] == 10

@@ -25,6 +25,7 @@ from strata.connect import connect
 from strata.dataset import DatasetError, check_compatible, resolve
 from strata.runinfo import run_info
 from strata.storage import Storage, check_name, exists, filesystem, join, write_json_atomic
+from train.checkpoint import committed_checkpoints, read_meta
 from train.loop import TRAIN_PRESETS, TrainConfig, resolve_strategy, train_loop_per_worker
 from train.model import PRESETS, GPTConfig, describe, preset
 
@@ -64,7 +65,12 @@ def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name:
         _check_continuation(run_dir, run_name, model_cfg, m.tokenizer.hash)
     size = describe(model_cfg)
     train_cfg = resolve_strategy(train_cfg, size["params"])
-    print(f"[train] {'continuing' if resuming else 'starting'} run {run_name}: {size['params'] / 1e6:.2f}M params, "
+    latest = committed_checkpoints(run_dir)
+    if latest:
+        what = f"continuing run {run_name} from step {read_meta(latest[-1])['step']} ({latest[-1]})"
+    else:
+        what = f"{'restarting' if resuming else 'starting'} run {run_name} (no checkpoint yet)"
+    print(f"[train] {what}: {size['params'] / 1e6:.2f}M params, "
           f"{size['flops_per_token'] / 1e6:.1f} MFLOP/token, {workers} worker(s), "
           f"{'GPU' if use_gpu else 'CPU'}, {train_cfg.strategy.upper()}, dataset {version.ref}", file=sys.stderr)
     record = run_info("train", {"model": asdict(model_cfg), "train": asdict(train_cfg), "dataset": version.ref,
@@ -84,7 +90,7 @@ def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name:
                                      resources_per_worker={"CPU": cpus_per_worker},
                                      label_selector=tiers.selector(tiers.Tier.GPU)),
         run_config=RunConfig(name=run_name, storage_path=storage.runs(),
-                             checkpoint_config=CheckpointConfig(num_to_keep=2),
+                             checkpoint_config=CheckpointConfig(num_to_keep=train_cfg.keep_checkpoints),
                              failure_config=FailureConfig(max_failures=max_failures)),
     )
     started = time.time()

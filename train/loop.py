@@ -15,8 +15,6 @@ import json
 import math
 import os
 import queue
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +23,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from train.checkpoint import AsyncCheckpointer
+from train.checkpoint import dir_name as checkpoint_dir_name
+from train.checkpoint import load as load_checkpoint
 from train.data import ShardRef, TokenBatches
 from train.hardware import device_name, peak_flops
 from train.model import GPT, GPTConfig
@@ -56,8 +57,12 @@ class TrainConfig:
     """Validation loss every this many steps (and at the end)."""
     eval_batches: int = 4
     """Validation batches per evaluation."""
-    checkpoint_every: int = 100
-    """Checkpoint every this many steps (and at the end)."""
+    checkpoint_every: int = 0
+    """Also checkpoint every this many steps (0: by time only). There is always one at the end."""
+    checkpoint_every_s: float = 300.0
+    """Checkpoint when this many seconds passed since the last one (checked at each report; 0: off)."""
+    keep_checkpoints: int = 3
+    """Registered checkpoints to keep (Ray Train deletes older ones)."""
     log_every: int = 10
     """Report metrics every this many steps."""
     seed: int = 0
@@ -74,9 +79,11 @@ class TrainConfig:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, not {self.strategy!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
-        for name in ("max_steps", "batch_size", "grad_accum", "eval_every", "checkpoint_every", "log_every"):
+        for name in ("max_steps", "batch_size", "grad_accum", "eval_every", "log_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.checkpoint_every < 0 or self.checkpoint_every_s < 0:
+            raise ValueError("checkpoint_every and checkpoint_every_s must be >= 0")
 
 
 def resolve_strategy(cfg: TrainConfig, params: int) -> TrainConfig:
@@ -89,14 +96,10 @@ def resolve_strategy(cfg: TrainConfig, params: int) -> TrainConfig:
 # Train-loop defaults per model preset; flags override them.
 TRAIN_PRESETS = {
     "debug": TrainConfig(max_steps=200, batch_size=16, lr=3e-3, warmup_steps=20),
-    "gpt2-124m": TrainConfig(max_steps=5000, batch_size=8, lr=6e-4, warmup_steps=500, eval_every=250,
-                             checkpoint_every=500),
-    "gpt2-350m": TrainConfig(max_steps=5000, batch_size=4, lr=3e-4, warmup_steps=500, eval_every=250,
-                             checkpoint_every=500),
-    "gpt2-774m": TrainConfig(max_steps=5000, batch_size=4, lr=2.5e-4, warmup_steps=500, eval_every=250,
-                             checkpoint_every=500),
-    "1.3b": TrainConfig(max_steps=5000, batch_size=4, lr=2e-4, warmup_steps=500, eval_every=250,
-                        checkpoint_every=500),
+    "gpt2-124m": TrainConfig(max_steps=5000, batch_size=8, lr=6e-4, warmup_steps=500, eval_every=250),
+    "gpt2-350m": TrainConfig(max_steps=5000, batch_size=4, lr=3e-4, warmup_steps=500, eval_every=250),
+    "gpt2-774m": TrainConfig(max_steps=5000, batch_size=4, lr=2.5e-4, warmup_steps=500, eval_every=250),
+    "1.3b": TrainConfig(max_steps=5000, batch_size=4, lr=2e-4, warmup_steps=500, eval_every=250),
 }
 
 
@@ -244,30 +247,6 @@ class Prefetch:
         self.stop.set()
 
 
-def state_dicts(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
-    """Full (unsharded) model and optimizer state on rank 0's CPU; a collective for DDP and FSDP2 alike."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizer, options=opts)
-
-
-def load_state_dicts(model: torch.nn.Module, optimizer, model_state: dict, optim_state: dict) -> None:
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    opts = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, model_state, options=opts)
-    set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
-
-
 def train_loop_per_worker(config: dict) -> None:
     """Ray Train entry: `config` holds `model`, `train`, `shards`, `val_shards`, `run_dir`, `tokenizer`."""
     import ray.train
@@ -288,14 +267,15 @@ def train_loop_per_worker(config: dict) -> None:
     model = parallelize(raw, tcfg.strategy, device, bf16, world)
     optimizer = make_optimizer(model, tcfg)
 
-    start_step = 0
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint:
+    # Checkpoints travel on a gloo group of their own: the background write's collectives
+    # must not interleave with training's.
+    ckpt_pg = torch.distributed.new_group(backend="gloo") if torch.distributed.is_initialized() else None
+    checkpointer = AsyncCheckpointer(model, optimizer, rank, ckpt_pg)
+    start_step, resumed_from = 0, None
+    if checkpoint := ray.train.get_checkpoint():
         with checkpoint.as_directory() as d:
-            state = torch.load(os.path.join(d, "state.pt"), map_location="cpu", weights_only=False)
-        load_state_dicts(model, optimizer, state["model"], state["optimizer"])
-        start_step = state["step"]
-        del state
+            start_step = load_checkpoint(d, model, optimizer, rank, ckpt_pg)["step"]
+        resumed_from = checkpoint.path
     step_fn = torch.compile(model) if tcfg.compile else model
 
     data = TokenBatches([ShardRef(**s) for s in config["shards"]], batch_size=tcfg.batch_size,
@@ -306,53 +286,70 @@ def train_loop_per_worker(config: dict) -> None:
     tokens_per_step = tcfg.batch_size * tcfg.grad_accum * mcfg.seq_len * world
     writer = _tensorboard(run_dir) if rank == 0 else None
     if rank == 0:
-        _append_metrics(run_dir, {"event": "start", "start_step": start_step, "world_size": world,
-                                  "strategy": tcfg.strategy, "bf16": bf16, "device": device_name(device),
-                                  "peak_flops": peak, "flops_per_token": flops_per_token})
+        _append_metrics(run_dir, {"event": "start", "start_step": start_step, "resumed_from": resumed_from,
+                                  "world_size": world, "strategy": tcfg.strategy, "bf16": bf16,
+                                  "device": device_name(device), "peak_flops": peak,
+                                  "flops_per_token": flops_per_token})
 
     started = time.perf_counter()
     window = _Window(started, start_step, batches.waited)
-    blocked_on_checkpoints = 0.0
-    loss_sum = torch.zeros((), device=device)
+    blocked = 0.0  # seconds training waited on checkpoints
+    last_save = started
+    saved_for_preemption = False
+    step_losses: list[torch.Tensor] = []  # this window's, on the device: no sync per step
     try:
         for step in range(start_step, tcfg.max_steps):
-            lr = lr_at(step, tcfg)
-            loss_sum += train_step(step_fn, optimizer, [next(batches) for _ in range(tcfg.grad_accum)], lr, tcfg,
-                                   device, bf16)
+            step_losses.append(train_step(step_fn, optimizer, [next(batches) for _ in range(tcfg.grad_accum)],
+                                          lr_at(step, tcfg), tcfg, device, bf16))
             done = step + 1
             last = done == tcfg.max_steps
-            save = last or done % tcfg.checkpoint_every == 0
-            if not (step == start_step or last or save or done % tcfg.log_every == 0):
+            by_steps = bool(tcfg.checkpoint_every) and done % tcfg.checkpoint_every == 0
+            if not (step == start_step or last or by_steps or done % tcfg.log_every == 0):
                 continue
+            # Every rank reaches this point at the same steps; agree on what to do next.
+            time_due = bool(tcfg.checkpoint_every_s) and time.perf_counter() - last_save >= tcfg.checkpoint_every_s
+            losses, time_due, all_written = _agree(step_losses, time_due,
+                                                   checkpointer.written() or not checkpointer.pending, world)
+            step_losses.clear()
             steps = done - window.step
-            if world > 1:  # the mean over all ranks' batches, not rank 0's alone
-                torch.distributed.all_reduce(loss_sum)
-                loss_sum /= world
-            loss = loss_sum.item() / steps  # syncs the device, so the window's time is the work's time
-            loss_sum.zero_()
-            now = time.perf_counter()
-            train_s = now - window.time
+            loss = sum(losses) / steps  # syncing the device (in _agree) ends the window
+            train_s = time.perf_counter() - window.time
             tps = tokens_per_step * steps / train_s
-            metrics = {"step": done, "start_step": start_step, "epoch": step * tcfg.grad_accum // data.steps_per_epoch,
-                       "loss": loss, "lr": lr, "tokens_per_s": tps, "tokens_per_s_per_worker": tps / world,
+            metrics = {"step": done, "start_step": start_step, "loss": loss, "lr": lr_at(step, tcfg),
+                       "epoch": step * tcfg.grad_accum // data.steps_per_epoch,
+                       "tokens_per_s": tps, "tokens_per_s_per_worker": tps / world,
                        "mfu": flops_per_token * tps / world / peak if peak else None,
                        "data_wait": (batches.waited - window.waited) / train_s, "world_size": world}
             if val_batches and (last or done % tcfg.eval_every == 0):
                 metrics["val_loss"] = evaluate(raw, val_batches, device, bf16)
-            ckpt_started = time.perf_counter()
-            ckpt_dir = _write_checkpoint(model, optimizer, config, done, loss, rank) if save else None
-            blocked_on_checkpoints += time.perf_counter() - ckpt_started
-            metrics["checkpoint_blocked"] = blocked_on_checkpoints / (time.perf_counter() - started)
-            ckpt_started = time.perf_counter()
-            try:  # every rank reports (a barrier); rank 0 hands over the checkpoint
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(ckpt_dir) if ckpt_dir else None)
-            finally:
-                if ckpt_dir:
-                    shutil.rmtree(ckpt_dir, ignore_errors=True)
+            preempted = not saved_for_preemption and ray.train.get_preemption_info() is not None  # a barrier too
+            save = last or by_steps or time_due or preempted
+            reason = "end" if last else "preemption" if preempted else "interval"
+
+            t = time.perf_counter()
+            reports = []  # (checkpoint step, local dir, upload synchronously?) to hand to Ray, in order
+            if checkpointer.pending and (all_written or save):
+                reports.append((*checkpointer.take(), False))
             if save:
-                blocked_on_checkpoints += time.perf_counter() - ckpt_started
+                checkpointer.start(done, {"loss": loss, "reason": reason, "data_position": done * tcfg.grad_accum,
+                                          "world_size": world, "model_config": config["model"],
+                                          "train_config": config["train"], "tokenizer": config["tokenizer"],
+                                          "tokenizer_definition": config.get("tokenizer_definition")})
+                last_save = time.perf_counter()
+                saved_for_preemption = saved_for_preemption or preempted
+                if last or preempted:  # must be registered before the run ends or the node goes
+                    reports.append((*checkpointer.take(), True))
+            blocked += time.perf_counter() - t
+            metrics["checkpoint_blocked"] = blocked / (time.perf_counter() - started)
+            t = time.perf_counter()
+            for ckpt_step, local, sync in reports or [(None, None, False)]:
+                _report(metrics, ckpt_step, local, sync)
+            if reports:
+                blocked += time.perf_counter() - t
             if rank == 0:
-                _append_metrics(run_dir, metrics)
+                if preempted:
+                    print(f"[train] rank 0: a node of this run is being drained; checkpointed at step {done}")
+                _append_metrics(run_dir, {**metrics, "step_losses": losses})
                 if writer:
                     for k, v in metrics.items():
                         if isinstance(v, int | float) and k not in ("step", "start_step"):
@@ -361,8 +358,35 @@ def train_loop_per_worker(config: dict) -> None:
             window = _Window(time.perf_counter(), done, batches.waited)
     finally:
         batches.close()
+        checkpointer.discard()
         if writer:
             writer.close()
+
+
+def _agree(step_losses: list[torch.Tensor], time_due: bool, written: bool, world: int) -> tuple[list, bool, bool]:
+    """One all-reduce: (each step's loss averaged over ranks, any rank's checkpoint interval elapsed,
+    every rank's checkpoint write done)."""
+    device = step_losses[0].device
+    flags = torch.cat([torch.stack(step_losses).float(),
+                       torch.tensor([float(time_due), float(not written)], device=device)])
+    if world > 1:
+        torch.distributed.all_reduce(flags)
+    values = flags.tolist()
+    return [v / world for v in values[:-2]], values[-2] > 0, values[-1] == 0
+
+
+def _report(metrics: dict, ckpt_step: int | None, local: str | None, sync: bool) -> None:
+    """Every rank reports (a barrier); with a checkpoint, each hands over its own part of it."""
+    import ray.train
+    from ray.train import CheckpointUploadMode
+
+    if local is None:
+        ray.train.report(metrics)
+        return
+    mode = CheckpointUploadMode.SYNC if sync else CheckpointUploadMode.ASYNC
+    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(local),
+                     checkpoint_dir_name=checkpoint_dir_name(ckpt_step), checkpoint_upload_mode=mode,
+                     delete_local_checkpoint_after_upload=True)
 
 
 @dataclass
@@ -372,21 +396,6 @@ class _Window:
     time: float
     step: int
     waited: float
-
-
-def _write_checkpoint(model, optimizer, config: dict, step: int, loss: float, rank: int) -> str | None:
-    """Gather the full state (a collective) and write it on rank 0 to a new local directory."""
-    model_state, optim_state = state_dicts(model, optimizer)
-    if rank != 0:
-        return None
-    d = tempfile.mkdtemp(prefix="strata-ckpt-")
-    torch.save({"model": model_state, "optimizer": optim_state, "step": step,
-                "model_config": config["model"], "train_config": config["train"],
-                "tokenizer": config["tokenizer"], "tokenizer_definition": config.get("tokenizer_definition")},
-               os.path.join(d, "state.pt"))
-    with open(os.path.join(d, "meta.json"), "w") as f:
-        json.dump({"step": step, "loss": loss}, f)
-    return d
 
 
 def _tensorboard(run_dir: str):

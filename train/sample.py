@@ -5,42 +5,52 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import tempfile
 
 import pyarrow.fs as pafs
 import torch
 
 from strata.cli import parser as cli_parser
 from strata.dataset import TokenizerInfo
-from strata.storage import Storage, filesystem, join
+from strata.storage import Storage, filesystem
 from strata.tokenizer import from_info
+from train.checkpoint import META, committed_checkpoints, load_model_state
 from train.model import GPT, GPTConfig
 
 
 def latest_checkpoint(run_dir: str) -> str:
-    """The checkpoint directory of a run with the highest step."""
-    fs, base = filesystem(run_dir)
-    found = []
-    for info in fs.get_file_info(pafs.FileSelector(base, allow_not_found=True)):
-        meta = join(run_dir, info.base_name, "meta.json")
-        if info.base_name.startswith("checkpoint_") and fs.get_file_info(filesystem(meta)[1]).is_file:
-            with fs.open_input_stream(filesystem(meta)[1]) as f:
-                found.append((json.loads(f.read())["step"], join(run_dir, info.base_name)))
+    """The run's newest checkpoint that Ray Train registered (complete: never one being written)."""
+    found = committed_checkpoints(run_dir)
     if not found:
-        raise FileNotFoundError(f"no checkpoint in {run_dir}")
-    return max(found)[1]
+        raise FileNotFoundError(f"no committed checkpoint in {run_dir}")
+    return found[-1]
+
+
+@contextlib.contextmanager
+def local_copy(directory: str):
+    """A local directory with the checkpoint's files (a download when it lives in an object store)."""
+    fs, path = filesystem(directory)
+    if isinstance(fs, pafs.LocalFileSystem):
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="strata-ckpt-") as d:
+        pafs.copy_files(path, d, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        yield d
 
 
 def load(checkpoint: str) -> tuple[GPT, object, int]:
     """Model, tokenizer and step from a checkpoint directory."""
-    fs, path = filesystem(join(checkpoint, "state.pt"))
-    with fs.open_input_file(path) as f:  # torch.load needs a seekable file
-        state = torch.load(f, map_location="cpu", weights_only=False)
-    model = GPT(GPTConfig(**state["model_config"]))
-    model.load_state_dict(state["model"])
-    return model.eval(), from_info(TokenizerInfo(**state["tokenizer"]), state.get("tokenizer_definition")), state["step"]
+    with local_copy(checkpoint) as d:
+        with open(os.path.join(d, META)) as f:
+            meta = json.load(f)
+        model = GPT(GPTConfig(**meta["model_config"]))
+        load_model_state(d, model)
+    tok = from_info(TokenizerInfo(**meta["tokenizer"]), meta.get("tokenizer_definition"))
+    return model.eval(), tok, meta["step"]
 
 
 def sample(checkpoint: str, prompt: str, tokens: int, samples: int, temperature: float, seed: int) -> list[str]:

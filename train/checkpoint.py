@@ -1,0 +1,156 @@
+"""Sharded, asynchronous checkpoints: torch.distributed.checkpoint (DCP) written beside training,
+handed to Ray Train, which uploads them and keeps the last N.
+
+A checkpoint directory `checkpoint-<step>` holds
+
+    .metadata, __<rank>_0.distcp   model and optimizer, sharded: every rank writes its own part
+    rng-<rank>.pt                  that rank's RNG states
+    meta.json                      step, data position, loss, reason, model/train config, tokenizer
+
+Saving (`AsyncCheckpointer.start`): every rank copies its shards to CPU memory
+(the only time training waits), then a background thread writes them to a
+local directory while training goes on. Once every rank's write is done, the
+directories go to `ray.train.report` with an asynchronous upload: Ray Train
+merges them into one directory under the run's storage (local, NFS or object
+store) and registers the checkpoint only when every rank's files are there.
+Readers (`committed_checkpoints`) take only checkpoints Ray Train has
+registered, never a directory still being written.
+
+The learning-rate schedule is a pure function of the step, and the data
+position is the step times the micro-batches per step, so (step, model,
+optimizer, RNG) is the whole training state: a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+
+META = "meta.json"
+SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of registered checkpoints
+
+
+def dir_name(step: int) -> str:
+    return f"checkpoint-{step:08d}"
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class AsyncCheckpointer:
+    """One checkpoint in flight at a time, per rank; `pg` is a gloo group used only for checkpoints,
+    so the background write's collectives never interleave with training's."""
+
+    def __init__(self, model, optimizer, rank: int, pg=None):
+        self.model, self.optimizer, self.rank, self.pg = model, optimizer, rank, pg
+        self.future = None
+        self.pending: tuple[int, str, dict] | None = None  # (step, local dir, meta)
+
+    def start(self, step: int, meta: dict) -> None:
+        """Stage this rank's shards to CPU and start writing them; returns once staged."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        assert self.pending is None, "finish the previous checkpoint first"
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        local = tempfile.mkdtemp(prefix=f"strata-{dir_name(step)}-rank{self.rank}-")
+        torch.save(_rng_state(), os.path.join(local, f"rng-{self.rank}.pt"))
+        if self.rank == 0:
+            with open(os.path.join(local, META), "w") as f:
+                json.dump({"step": step, **meta, "saved_at": time.time()}, f)
+        self.future = dcp.async_save({"model": model_state, "optim": optim_state}, checkpoint_id=local,
+                                     process_group=self.pg)
+        self.pending = (step, local, meta)
+
+    def written(self) -> bool:
+        """Whether this rank's background write is done (raising its error if it failed)."""
+        if self.future is None or not self.future.done():
+            return False
+        self.future.result()
+        return True
+
+    def wait(self) -> None:
+        if self.future is not None:
+            self.future.result()
+
+    def take(self) -> tuple[int, str]:
+        """The written checkpoint's (step, local dir), now the caller's to hand over."""
+        self.wait()
+        step, local, _ = self.pending
+        self.future, self.pending = None, None
+        return step, local
+
+    def discard(self) -> None:
+        if self.pending:
+            try:
+                self.wait()
+            finally:
+                shutil.rmtree(self.pending[1], ignore_errors=True)
+                self.future, self.pending = None, None
+
+
+def load(directory: str, model, optimizer, rank: int, pg=None) -> dict:
+    """Restore model, optimizer and this rank's RNG from a checkpoint directory; returns its meta."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=directory, process_group=pg)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rng = os.path.join(directory, f"rng-{rank}.pt")
+    if os.path.exists(rng):  # absent when the world grew since the save: seeds then differ from a straight run
+        _set_rng_state(torch.load(rng, weights_only=False))
+    with open(os.path.join(directory, META)) as f:
+        return json.load(f)
+
+
+def load_model_state(directory: str, model) -> dict:
+    """The model's weights alone, in one process (sample, export); returns the meta."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=directory, no_dist=True)
+    model.load_state_dict(state["model"])
+    with open(os.path.join(directory, META)) as f:
+        return json.load(f)
+
+
+def read_meta(directory: str) -> dict:
+    from strata.storage import filesystem, join
+
+    fs, path = filesystem(join(directory, META))
+    with fs.open_input_stream(path) as f:
+        return json.loads(f.read())
+
+
+def committed_checkpoints(run_dir: str) -> list[str]:
+    """The run's checkpoints Ray Train has registered (all files present), oldest first."""
+    from strata.storage import exists, filesystem, join
+
+    snapshot = join(run_dir, SNAPSHOT)
+    if not exists(snapshot):
+        return []
+    fs, path = filesystem(snapshot)
+    with fs.open_input_stream(path) as f:
+        state = json.loads(f.read())
+    if isinstance(state, str):  # stored as a JSON string of the JSON
+        state = json.loads(state)
+    results = state.get("checkpoint_results", []) + [state.get("latest_checkpoint_result") or {}]
+    names = {r["checkpoint_dir_name"] for r in results if r.get("checkpoint_dir_name")}
+    return [join(run_dir, n) for n in sorted(names) if exists(join(run_dir, n, META))]
