@@ -4,6 +4,7 @@ embedded local Ray on loopback whose node satisfies every tier selector."""
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 
 from strata import tiers
@@ -23,6 +24,19 @@ def _use_loopback() -> None:
     from ray._private import ray_constants
 
     ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def dashboard_port(preferred: int = 8265) -> int:
+    """Ray's usual dashboard port if it is free on 127.0.0.1, else any free one (two embedded Rays on
+    one machine, e.g. two demos or a test run beside a notebook, must not collide)."""
+    for port in (preferred, 0):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free port on 127.0.0.1")
 
 
 def connect(*, address: str | None = None, num_cpus: int | None = None,
@@ -49,6 +63,7 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
         labels=tiers.local_node_labels(),
         include_dashboard=True,  # Ray Train's state queries need it
         dashboard_host="127.0.0.1",
+        dashboard_port=dashboard_port(),
         log_to_driver=log_to_driver,
         _temp_dir=temp_dir,
     )

@@ -103,6 +103,7 @@ def simulated_cluster(nodes: list[tuple[tuple, int]]):
     from ray.cluster_utils import Cluster
 
     from strata import tiers
+    from strata.connect import dashboard_port
 
     ray.shutdown()  # replaces the session's local Ray; ensure_local_ray() brings it back
     temp = tempfile.mkdtemp(prefix="rayc-", dir="/tmp")
@@ -110,7 +111,8 @@ def simulated_cluster(nodes: list[tuple[tuple, int]]):
     old_tmpdir = os.environ.get("RAY_TMPDIR")
     os.environ["RAY_TMPDIR"] = temp  # every node, and the cluster's address file, under our own dir
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "object_store_memory": 100 << 20, "include_dashboard": True, "dashboard_host": "127.0.0.1"})
+        "num_cpus": 0, "object_store_memory": 100 << 20, "include_dashboard": True, "dashboard_host": "127.0.0.1",
+        "dashboard_port": dashboard_port()})
     try:
         added = [cluster.add_node(num_cpus=cpus, labels=tiers.node_labels(*node_tiers), object_store_memory=100 << 20)
                  for node_tiers, cpus in nodes]
@@ -144,5 +146,8 @@ def dataset(storage_root, corpus):
     from strata.storage import Storage
 
     ensure_local_ray()
-    out = run(debug("corpus", read={"inputs": (corpus["path"],)}), Storage.from_env())
+    # Document ids carry the (random) temp path and pick the split by hash: 30% keeps a validation
+    # split all but certain (0.7^42) whatever the path, so tests that need one never flake.
+    out = run(debug("corpus", read={"inputs": (corpus["path"],)}, pack={"validation_fraction": 0.3}),
+              Storage.from_env())
     return {**out, "ref": f"{out['dataset']}@{out['version']}"}  # later tests add versions: pin this one

@@ -100,4 +100,4 @@ def test_submitted_training_job_reads_the_submitted_dataset(head, dataset, stora
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith("{")))
     assert (summary["run"], summary["start_step"], summary["steps"]) == ("submitted", 0, 2)
-    assert os.path.exists(os.path.join(summary["checkpoint"], "state.pt"))
+    assert {".metadata", "meta.json"} <= set(os.listdir(summary["checkpoint"]))

@@ -26,7 +26,13 @@ from strata.dataset import DatasetError, check_compatible, resolve
 from strata.runinfo import run_info
 from strata.storage import Storage, check_name, exists, filesystem, join, write_json_atomic
 from train.checkpoint import committed_checkpoints, read_meta
-from train.loop import TRAIN_PRESETS, TrainConfig, resolve_strategy, train_loop_per_worker
+from train.loop import (
+    TRAIN_PRESETS,
+    TrainConfig,
+    resolve_strategy,
+    train_loop_per_worker,
+    with_hyperparameters,
+)
 from train.model import PRESETS, GPTConfig, describe, preset
 
 
@@ -114,6 +120,15 @@ def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name:
     }
 
 
+def _best_of_sweep(storage: Storage, sweep: str) -> dict:
+    path = join(storage.sweep(sweep), "best.json")
+    if not exists(path):
+        raise FileNotFoundError(f"sweep {sweep!r} has no best.json under {storage.sweeps()}")
+    fs, p = filesystem(path)
+    with fs.open_input_stream(p) as f:
+        return json.loads(f.read())
+
+
 def _mean(rows: list[dict], key: str) -> float | None:
     values = [r[key] for r in rows if r.get(key) is not None]
     return sum(values) / len(values) if values else None
@@ -136,8 +151,11 @@ def _check_continuation(run_dir: str, run_name: str, model_cfg: GPTConfig, token
 
 def main(argv: list[str] | None = None) -> dict:
     parser = cli_parser("python -m train", __doc__)
-    parser.add_argument("--dataset", required=True, help="NAME or NAME@VERSION of a tier-1 dataset")
-    parser.add_argument("--preset", default="debug", choices=sorted(PRESETS), help="model preset (default: debug)")
+    parser.add_argument("--dataset", help="NAME or NAME@VERSION of a tier-1 dataset (default: the sweep's, "
+                        "with --from-sweep)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="model preset (default: the sweep's, else debug)")
+    parser.add_argument("--from-sweep", metavar="SWEEP", help="train with the best config of this sweep "
+                        "($STRATA_STORAGE/sweeps/SWEEP/best.json); flags still override it")
     parser.add_argument("--run", help="run name; an existing run continues (default: DATASET-PRESET-TIME)")
     parser.add_argument("--workers", type=int, help="training workers (default: GPUs of the gpu tier, else 1)")
     parser.add_argument("--use-gpu", action=argparse.BooleanOptionalAction,
@@ -146,15 +164,24 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-failures", type=int, default=2, help="worker-group restarts from checkpoint")
     add_config_arguments(parser, TrainConfig)
     args = parser.parse_args(argv)
-    name = args.dataset.partition("@")[0]
-    run_name = args.run or f"{name}-{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    storage = Storage.from_env(args.storage)
     try:
+        best = _best_of_sweep(storage, args.from_sweep) if args.from_sweep else {}
+        dataset = args.dataset or best.get("dataset")
+        if not dataset:
+            raise ValueError("give --dataset (or --from-sweep SWEEP)")
+        preset_name = args.preset or best.get("preset") or "debug"
+        run_name = args.run or f"{dataset.partition('@')[0]}-{preset_name}-{time.strftime('%Y%m%d-%H%M%S')}"
         check_name(run_name, "run name")
-        train_cfg = TrainConfig(**{**asdict(TRAIN_PRESETS[args.preset]), **overrides(args, TrainConfig)})
-        summary = run(preset(args.preset), train_cfg, dataset=args.dataset, run_name=run_name,
-                      storage=Storage.from_env(args.storage), workers=args.workers, use_gpu=args.use_gpu,
-                      cpus_per_worker=args.cpus_per_worker, max_failures=args.max_failures)
-    except (DatasetError, ValueError) as e:
+        model_cfg, train_cfg = with_hyperparameters(best.get("config", {}), preset(preset_name),
+                                                    TRAIN_PRESETS[preset_name])
+        train_cfg = TrainConfig(**{**asdict(train_cfg), **overrides(args, TrainConfig)})
+        if best:
+            print(f"[train] best config of sweep {args.from_sweep}: {json.dumps(best['config'])}", file=sys.stderr)
+        summary = run(model_cfg, train_cfg, dataset=dataset, run_name=run_name, storage=storage,
+                      workers=args.workers, use_gpu=args.use_gpu, cpus_per_worker=args.cpus_per_worker,
+                      max_failures=args.max_failures)
+    except (DatasetError, ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
     if summary["steps"] == 0:
         print(f"[train] run {run_name} is already at step {summary['start_step']}: nothing to do", file=sys.stderr)

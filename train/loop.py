@@ -103,6 +103,21 @@ TRAIN_PRESETS = {
 }
 
 
+# The hyperparameters a sweep may tune: TrainConfig fields and model-shape fields.
+TRAIN_KEYS = ("lr", "batch_size", "warmup_steps", "weight_decay", "grad_clip", "min_lr_ratio")
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "dropout")
+
+
+def with_hyperparameters(config: dict, model: GPTConfig, train: TrainConfig) -> tuple[GPTConfig, TrainConfig]:
+    """A sweep's config (a trial's, or the best) applied to a model and a train config."""
+    unknown = set(config) - set(TRAIN_KEYS + MODEL_KEYS)
+    if unknown:
+        raise ValueError(f"unknown hyperparameters {sorted(unknown)}; known: {', '.join(TRAIN_KEYS + MODEL_KEYS)}")
+    m = {k: v for k, v in config.items() if k in MODEL_KEYS}
+    t = {k: v for k, v in config.items() if k in TRAIN_KEYS}
+    return replace(model, **m), replace(train, **t)  # each config checks itself
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup, then cosine decay to lr * min_lr_ratio at max_steps."""
     if step < cfg.warmup_steps:

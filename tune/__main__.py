@@ -1,9 +1,11 @@
 """Sweep entry point: Ray Tune over train's loop, trials on spot-tier nodes.
 
-    python -m tune --dataset NAME[@VERSION] --preset debug [--num-samples N] [--json]
+    python -m tune --dataset NAME[@VERSION] --preset debug [--space lr-batch|small|FILE.yaml]
+                   [--search random|optuna] [--num-samples N] [--max-concurrent N] [--json]
 
 ASHA stops weak trials early by default. The best config is written to
-`$STRATA_STORAGE/sweeps/SWEEP/best.json`.
+`$STRATA_STORAGE/sweeps/SWEEP/best.json`; `python -m train --from-sweep SWEEP`
+trains with it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from strata.runinfo import run_info
 from strata.storage import Storage, check_name, join, write_json_atomic
 from train.loop import TRAIN_PRESETS
 from train.model import preset
-from tune.sweep import SweepConfig, load_rows, search_space, trial
+from tune.sweep import SweepConfig, load_rows, load_space, to_tune, trial
 
 METRIC, MODE = "val_loss", "min"
 
@@ -60,10 +62,10 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
                  if cfg.scheduler == "asha" else FIFOScheduler())
     tuner = tune.Tuner(
         trainable,
-        param_space=search_space(model_preset),
+        param_space=to_tune(load_space(cfg.space)),
         tune_config=tune.TuneConfig(metric=METRIC, mode=MODE, num_samples=cfg.num_samples,
                                     max_concurrent_trials=cfg.max_concurrent or None, scheduler=scheduler,
-                                    search_alg=tune.search.BasicVariantGenerator(random_state=cfg.seed)),
+                                    search_alg=_searcher(cfg)),
         run_config=tune.RunConfig(name=sweep_name, storage_path=storage.sweeps(),
                                   callbacks=[CSVLoggerCallback()], verbose=1),
     )
@@ -76,7 +78,8 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
                "node_id": (r.metrics or {}).get("node_id"), "error": str(r.error) if r.error else None}
               for r in grid]
     write_json_atomic(join(sweep_dir, "best.json"), {"config": best.config, METRIC: best_metric,
-                                                     "preset": model_preset, "dataset": version.ref})
+                                                     "preset": model_preset, "dataset": version.ref,
+                                                     "space": cfg.space, "search": cfg.search})
     write_json_atomic(join(sweep_dir, "trials.json"), {"trials": trials})
     return {
         "sweep": sweep_name, "path": sweep_dir, "dataset": version.ref,
@@ -84,6 +87,21 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
         "best": {"config": best.config, "metric": best_metric, "metric_name": METRIC},
         "iterations": sum(t["iterations"] or 0 for t in trials), "seconds": round(time.time() - started, 1),
     }
+
+
+def _searcher(cfg: SweepConfig):
+    from ray import tune
+
+    if cfg.search == "optuna":
+        try:
+            from ray.tune.search.optuna import OptunaSearch
+        except ImportError:
+            raise ValueError("--search optuna needs the optuna package: pip install optuna") from None
+        try:
+            return OptunaSearch(seed=cfg.seed)  # TPE
+        except (ImportError, AssertionError):
+            raise ValueError("--search optuna needs the optuna package: pip install optuna") from None
+    return tune.search.BasicVariantGenerator(random_state=cfg.seed)
 
 
 def main(argv: list[str] | None = None) -> dict:
