@@ -100,11 +100,12 @@ def read_json(path: str) -> dict:
 
 
 def write_json_atomic(path: str, obj: dict) -> None:
-    """Write JSON so a reader sees the old file, or the whole new one, never a part.
+    """Write JSON so a reader sees the old file, or the whole new one, never a part."""
+    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
-    Local: write a temp file, then rename over. Object stores: one PUT is atomic.
-    """
-    data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+def write_bytes_atomic(path: str, data: bytes) -> None:
+    """Local: write a temp file, then rename over. Object stores: one PUT is atomic."""
     fs, p = filesystem(path)
     fs.create_dir(p.rsplit("/", 1)[0])
     if isinstance(fs, pafs.LocalFileSystem):

@@ -22,6 +22,25 @@ def test_sweep_runs_trials_and_writes_the_best_config(local_ray, dataset):
     with open(os.path.join(out["path"], "trials.json")) as f:
         trials = json.load(f)["trials"]
     assert min(t["best"] for t in trials) == pytest.approx(out["best"]["metric"])
+    assert [t["status"] for t in trials] == ["completed"] * 3  # fifo stops nothing
+    import csv
+
+    with open(os.path.join(out["path"], "trials.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert [float(r["best_val_loss"]) for r in rows] == sorted(t["best"] for t in trials)
+    assert {r["trial"] for r in rows} == {t["trial"] for t in trials} and len(rows) == 3
+    assert set(rows[0]) == {"trial", "status", "iterations", "best_val_loss", "lr", "batch_size"}
+
+
+def test_trials_table_ranks_trials_and_counts_statuses():
+    from tune.__main__ import trials_table
+
+    trials = [{"trial": "a", "config": {"lr": 0.01}, "iterations": 2, "best": 3.0, "status": "stopped early"},
+              {"trial": "b", "config": {"lr": 0.001}, "iterations": 4, "best": 2.5, "status": "completed"},
+              {"trial": "c", "config": {"lr": 0.1}, "iterations": 0, "best": None, "status": "error"}]
+    lines = trials_table(trials, top=2).splitlines()
+    assert "1 completed, 1 stopped early, 1 error" in lines[0]
+    assert lines[2].startswith("2.5000") and lines[3].startswith("3.0000") and len(lines) == 4
 
 
 def test_search_spaces_by_name_or_file_are_checked(tmp_path):

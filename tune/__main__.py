@@ -21,7 +21,7 @@ from strata.cli import parser as cli_parser
 from strata.connect import connect
 from strata.dataset import DatasetError, check_compatible, resolve
 from strata.runinfo import run_info
-from strata.storage import Storage, check_name, join, write_json_atomic
+from strata.storage import Storage, check_name, join, write_bytes_atomic, write_json_atomic
 from train.loop import TRAIN_PRESETS
 from train.model import preset
 from tune.sweep import SweepConfig, load_rows, load_space, to_tune, trial
@@ -73,20 +73,57 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
     grid = tuner.fit()
     best = grid.get_best_result(METRIC, MODE, scope="all")
     best_metric = float(best.metrics_dataframe[METRIC].min())
-    trials = [{"config": r.config, "iterations": r.metrics.get("training_iteration"),
+    trials = [{"trial": os.path.basename(r.path or ""), "config": r.config,
+               "iterations": r.metrics.get("training_iteration"),
                "best": float(r.metrics_dataframe[METRIC].min()) if r.metrics_dataframe is not None else None,
+               "status": "error" if r.error else "completed" if r.metrics.get("training_iteration") == max_t
+               else "stopped early",
                "node_id": (r.metrics or {}).get("node_id"), "error": str(r.error) if r.error else None}
               for r in grid]
     write_json_atomic(join(sweep_dir, "best.json"), {"config": best.config, METRIC: best_metric,
                                                      "preset": model_preset, "dataset": version.ref,
                                                      "space": cfg.space, "search": cfg.search})
     write_json_atomic(join(sweep_dir, "trials.json"), {"trials": trials})
+    write_bytes_atomic(join(sweep_dir, "trials.csv"), trials_csv(trials).encode())
+    print(trials_table(trials), file=sys.stderr)
     return {
         "sweep": sweep_name, "path": sweep_dir, "dataset": version.ref,
         "trials": len(grid), "completed": sum(1 for r in grid if r.error is None), "errors": grid.num_errors,
         "best": {"config": best.config, "metric": best_metric, "metric_name": METRIC},
         "iterations": sum(t["iterations"] or 0 for t in trials), "seconds": round(time.time() - started, 1),
     }
+
+
+def trials_csv(trials: list[dict]) -> str:
+    """One row per trial: id, status, iterations, best metric, then each hyperparameter."""
+    import csv
+    import io
+
+    keys = sorted({k for t in trials for k in t["config"]})
+    out = io.StringIO()
+    w = csv.writer(out)
+    w.writerow(["trial", "status", "iterations", f"best_{METRIC}", *keys])
+    for t in sorted(trials, key=_rank):
+        w.writerow([t["trial"], t["status"], t["iterations"], t["best"], *(t["config"].get(k) for k in keys)])
+    return out.getvalue()
+
+
+def trials_table(trials: list[dict], top: int = 10) -> str:
+    """The best trials as an aligned table, with a count by status."""
+    keys = sorted({k for t in trials for k in t["config"]})
+    rows = [[f"{t['best']:.4f}" if t["best"] is not None else "-", str(t["iterations"] or 0), t["status"],
+             *(f"{v:.4g}" if isinstance(v := t["config"].get(k), float) else str(v) for k in keys)]
+            for t in sorted(trials, key=_rank)[:top]]
+    head = [METRIC, "iters", "status", *keys]
+    widths = [max(len(c) for c in col) for col in zip(head, *rows, strict=True)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [head, *rows]]
+    counts = {s: sum(t["status"] == s for t in trials) for s in ("completed", "stopped early", "error")}
+    return "\n".join([f"[tune] best {min(top, len(trials))} of {len(trials)} trials "
+                      f"({', '.join(f'{n} {s}' for s, n in counts.items())}):", *lines])
+
+
+def _rank(t: dict) -> tuple:
+    return (t["best"] is None, t["best"] if t["best"] is not None else 0.0)
 
 
 def _searcher(cfg: SweepConfig):
