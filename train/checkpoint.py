@@ -59,7 +59,7 @@ class AsyncCheckpointer:
     def __init__(self, model, optimizer, rank: int, pg=None):
         self.model, self.optimizer, self.rank, self.pg = model, optimizer, rank, pg
         self.future = None
-        self.pending: tuple[int, str, dict] | None = None  # (step, local dir, meta)
+        self.pending: tuple[int, str] | None = None  # (step, local dir)
 
     def start(self, step: int, meta: dict) -> None:
         """Stage this rank's shards to CPU and start writing them; returns once staged."""
@@ -75,7 +75,7 @@ class AsyncCheckpointer:
                 json.dump({"step": step, **meta, "saved_at": time.time()}, f)
         self.future = dcp.async_save({"model": model_state, "optim": optim_state}, checkpoint_id=local,
                                      process_group=self.pg)
-        self.pending = (step, local, meta)
+        self.pending = (step, local)
 
     def written(self) -> bool:
         """Whether this rank's background write is done (raising its error if it failed)."""
@@ -91,9 +91,9 @@ class AsyncCheckpointer:
     def take(self) -> tuple[int, str]:
         """The written checkpoint's (step, local dir), now the caller's to hand over."""
         self.wait()
-        step, local, _ = self.pending
+        taken = self.pending
         self.future, self.pending = None, None
-        return step, local
+        return taken
 
     def discard(self) -> None:
         if self.pending:

@@ -36,6 +36,7 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
     from ray.tune.logger import CSVLoggerCallback
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
+    space = to_tune(load_space(cfg.space))  # read and checked once, on the driver, before anything starts
     print(f"[tune] {connect()}", file=sys.stderr)
     model_cfg = preset(model_preset)
     version = resolve(storage, dataset)
@@ -62,7 +63,7 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
                  if cfg.scheduler == "asha" else FIFOScheduler())
     tuner = tune.Tuner(
         trainable,
-        param_space=to_tune(load_space(cfg.space)),
+        param_space=space,
         tune_config=tune.TuneConfig(metric=METRIC, mode=MODE, num_samples=cfg.num_samples,
                                     max_concurrent_trials=cfg.max_concurrent or None, scheduler=scheduler,
                                     search_alg=_searcher(cfg)),
@@ -132,11 +133,9 @@ def _searcher(cfg: SweepConfig):
     if cfg.search == "optuna":
         try:
             from ray.tune.search.optuna import OptunaSearch
-        except ImportError:
-            raise ValueError("--search optuna needs the optuna package: pip install optuna") from None
-        try:
+
             return OptunaSearch(seed=cfg.seed)  # TPE
-        except (ImportError, AssertionError):
+        except (ImportError, AssertionError):  # Ray asserts optuna is importable
             raise ValueError("--search optuna needs the optuna package: pip install optuna") from None
     return tune.search.BasicVariantGenerator(random_state=cfg.seed)
 

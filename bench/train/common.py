@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
+import tempfile
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
@@ -31,3 +33,24 @@ def make_dataset(workdir: str, mb: float = 4.0, seq_len: int = 128) -> tuple[str
             size += len(line)
     out = run(debug(name, read={"inputs": (corpus,)}, pack={"seq_len": seq_len}), storage)
     return storage.root, f"{name}@{out['version']}"
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's parser with the flags they share: --batch-size, --threads, --workdir, --json."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "strata-bench-train"))
+    p.add_argument("--json", action="store_true", help="print a JSON result line before the ratio")
+    return p
+
+
+def train_shards(storage_root: str, ref: str):
+    """(dataset version, its train shards as ShardRefs)."""
+    from strata.dataset import resolve
+    from strata.storage import Storage, join
+    from train.data import ShardRef
+
+    version = resolve(Storage(storage_root), ref)
+    return version, [ShardRef(join(version.path, s.path), s.rows) for s in version.manifest.shards
+                     if s.split == "train"]

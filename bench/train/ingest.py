@@ -12,26 +12,20 @@ line, the ratio delivered/consumed (target >= 10).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import tempfile
 import time
 
-from bench.train.common import make_dataset
+from bench.train import common
 from bench.train.step import configs, plain_step_seconds
 
 
 def delivered_tokens_per_s(storage_root: str, ref: str, batch_size: int, world_size: int, seconds: float) -> float:
     import torch
 
-    from strata.dataset import resolve
-    from strata.storage import Storage, join
-    from train.data import ShardRef, TokenBatches
+    from train.data import TokenBatches
     from train.loop import to_xy
 
-    version = resolve(Storage(storage_root), ref)
-    shards = [ShardRef(join(version.path, s.path), s.rows) for s in version.manifest.shards if s.split == "train"]
+    version, shards = common.train_shards(storage_root, ref)
     data = TokenBatches(shards, batch_size=batch_size, rank=0, world_size=world_size, seed=0)
     seq_len = version.manifest.seq_len
     tokens, started, device = 0, time.perf_counter(), torch.device("cpu")
@@ -44,20 +38,16 @@ def delivered_tokens_per_s(storage_root: str, ref: str, batch_size: int, world_s
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.parser(__doc__)
     parser.add_argument("--seconds", type=float, default=10, help="how long to pull batches")
     parser.add_argument("--world-size", type=int, default=2, help="the iterator runs as rank 0 of this many")
-    parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=30, help="timed steps of the consumer")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "strata-bench-train"))
-    parser.add_argument("--json", action="store_true", help="print a JSON result line before the ratio")
     args = parser.parse_args(argv)
 
     import torch
 
     torch.set_num_threads(args.threads)
-    root, ref = make_dataset(args.workdir)
+    root, ref = common.make_dataset(args.workdir)
     mcfg, tcfg = configs("debug", args.batch_size, args.steps, 5)
     delivered = delivered_tokens_per_s(root, ref, args.batch_size, args.world_size, args.seconds)
     consumed = args.batch_size * mcfg.seq_len / plain_step_seconds(root, ref, mcfg, tcfg, 5, args.threads)

@@ -14,14 +14,11 @@ checkpoints. Prints every run and, as the last line, the ratio trainer/plain
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import tempfile
 import time
 from dataclasses import replace
 
-from bench.train.common import make_dataset
+from bench.train import common
 
 
 def configs(preset_name: str, batch_size: int, steps: int, warmup: int):
@@ -37,15 +34,12 @@ def plain_step_seconds(storage_root: str, ref: str, mcfg, tcfg, warmup: int, thr
     """Mean seconds per step after warm-up of the training loop without Ray."""
     import torch
 
-    from strata.dataset import resolve
-    from strata.storage import Storage, join
-    from train.data import ShardRef, TokenBatches
+    from train.data import TokenBatches
     from train.loop import Prefetch, lr_at, make_optimizer, train_step
     from train.model import GPT
 
     torch.set_num_threads(threads)
-    version = resolve(Storage(storage_root), ref)
-    shards = [ShardRef(join(version.path, s.path), s.rows) for s in version.manifest.shards if s.split == "train"]
+    _, shards = common.train_shards(storage_root, ref)
     torch.manual_seed(tcfg.seed)
     model = GPT(mcfg)
     optimizer = make_optimizer(model, tcfg)
@@ -85,19 +79,15 @@ def trainer_step_seconds(storage_root: str, ref: str, mcfg, tcfg, warmup: int, t
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.parser(__doc__)
     parser.add_argument("--steps", type=int, default=60, help="timed steps (after warm-up)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
-    parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2, help="trainer runs, each between two plain ones")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides (default 1)")
-    parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "strata-bench-train"))
-    parser.add_argument("--json", action="store_true", help="print a JSON result line before the ratio")
     args = parser.parse_args(argv)
 
     from strata.connect import connect
 
-    root, ref = make_dataset(args.workdir)
+    root, ref = common.make_dataset(args.workdir)
     connect()
     mcfg, tcfg = configs("debug", args.batch_size, args.steps, args.warmup)
     print(f"debug model, batch {args.batch_size} x {mcfg.seq_len}, {args.steps} timed steps after {args.warmup}, "
