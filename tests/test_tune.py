@@ -92,3 +92,54 @@ def test_an_optuna_sweep_over_the_model_shape_and_training_from_its_best_config(
     for k in ("n_layer", "n_embd", "n_head", "dropout"):
         assert used["model"][k] == best[k]
     assert used["train"]["lr"] == pytest.approx(best["lr"]) and used["train"]["batch_size"] == best["batch_size"]
+
+
+def test_packed_configs_are_sampled_by_index_and_asha_rule_keeps_the_better_half():
+    from tune.sweep import asha_keeps, rungs, sample
+
+    space = SPACES["small"]
+    assert sample(space, 0, 7) == sample(space, 0, 7) and sample(space, 0, 7) != sample(space, 0, 8)
+    draws = [sample(space, 1, i) for i in range(300)]
+    for key, dist in space.items():
+        (name, args), = dist.items()
+        values = [d[key] for d in draws]
+        if name == "choice":
+            assert set(values) == set(args)  # every choice drawn, nothing else
+        else:
+            assert all(args[0] <= v < args[1] for v in values) and len(set(values)) > 1
+    assert rungs(8) == [2, 4] and rungs(2) == [] and rungs(1) == []
+    assert asha_keeps([], 9.0)  # nothing to compare with yet
+    recorded = [1.0, 2.0, 3.0, 4.0]
+    assert asha_keeps(recorded, 2.0) and asha_keeps(recorded, 2.5) and not asha_keeps(recorded, 2.6)
+    with pytest.raises(ValueError, match="one config per Tune trial"):
+        SweepConfig(search="optuna", num_samples=5000)
+    big = SweepConfig(num_samples=50_000)
+    assert big.pack_size == 50 and big.packs == 1000
+    assert [len(big.pack_range(i)) for i in (0, 999)] == [50, 50] and big.pack_range(999)[-1] == 49_999
+    odd = SweepConfig(num_samples=7, pack=3)
+    assert odd.packs == 3 and list(odd.pack_range(2)) == [6]
+
+
+@pytest.mark.slow
+def test_a_packed_sweep_accounts_for_every_config_and_plots_it(local_ray, dataset):
+    from tune.sweep import load_space, sample
+
+    cfg = SweepConfig(num_samples=7, pack=3, steps=8, report_every=2, max_rows=64, eval_rows=8,
+                      checkpoint_every_s=0, space="small", seed=3)
+    out = run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name="packed", storage=Storage.from_env())
+    assert out["tune_trials"] == 3 and out["trials"] == 7 and out["errors"] == 0 and out["pack"] == 3
+    with open(os.path.join(out["path"], "trials.json")) as f:
+        trials = json.load(f)["trials"]
+    by_index = {int(t["trial"].rsplit(":", 1)[1]): t for t in trials}
+    assert sorted(by_index) == list(range(7))
+    space = load_space("small")
+    for i, t in by_index.items():
+        assert t["config"] == sample(space, 3, i)  # the config is a function of its index
+        assert t["iterations"] == {"completed": 4, "stopped early": 2}[t["status"]]  # rungs at 2 (and 4 = max_t)
+        assert t["best"] == min(t["curve"]) and len(t["curve"]) == t["iterations"]
+    assert out["iterations"] == sum(t["iterations"] for t in trials)
+    with open(os.path.join(out["path"], "progress.json")) as f:
+        assert json.load(f)["done"] == 7
+    for path in out["plots"]:
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"

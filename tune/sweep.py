@@ -3,11 +3,25 @@
 Trials are plain function trainables (a `TorchTrainer` per trial costs seconds
 of start-up each), placed on spot-tier nodes by label selector. The rows they
 train on are read once by the driver and shared through the object store.
+
+Scale: Ray Tune pays about 0.2-0.6 s of driver and raylet work per trial and
+holds each trial's state on the driver. A large sweep therefore runs its
+configs in *packs*: one Tune trial trains `pack` configs one after another,
+sampled from the space by their index (so anyone can recompute them), with
+ASHA's rule applied inside the pack. Every Tune trial, packed or not,
+checkpoints what it has done (`pack.json`, plus the model state while a
+single config is in flight), so a lost spot node or a killed driver costs at
+most a checkpoint interval.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import shutil
+import tempfile
+import time
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -49,12 +63,53 @@ class SweepConfig:
     """Validation rows each report is scored on."""
     seed: int = 0
     """Seed of the search and of every trial's init and data order."""
+    pack: int = 0
+    """Configs per Tune trial (0: 1 up to 1,000 trials, else enough to keep Tune at 1,000 trials)."""
+    checkpoint_every_s: float = 30.0
+    """A pack checkpoints what it has done at the first config boundary after this many seconds."""
+    max_failures: int = 3
+    """Times a trial is restarted from its checkpoint after its node is lost."""
+    cpus_per_trial: float = 1.0
+    """CPUs each trial reserves on its spot node."""
 
     def __post_init__(self):
         if self.scheduler not in ("asha", "fifo"):
             raise ValueError(f"scheduler must be asha or fifo, not {self.scheduler!r}")
         if self.search not in ("random", "optuna"):
             raise ValueError(f"search must be random or optuna, not {self.search!r}")
+        if self.num_samples < 1 or self.steps < 1 or self.report_every < 1:
+            raise ValueError("num_samples, steps and report_every must be at least 1")
+        if self.cpus_per_trial <= 0:
+            raise ValueError(f"cpus_per_trial must be positive, not {self.cpus_per_trial}")
+        if self.pack < 0:
+            raise ValueError(f"pack must be 0 (auto) or more, not {self.pack}")
+        if self.search == "optuna" and self.pack_size > 1:
+            raise ValueError("--search optuna proposes one config per Tune trial: use --pack 1 "
+                             "(or sweep at most 1,000 trials)")
+
+    @property
+    def pack_size(self) -> int:
+        if self.pack:
+            return self.pack
+        return 1 if self.num_samples <= TUNE_TRIALS else math.ceil(self.num_samples / TUNE_TRIALS)
+
+    @property
+    def packs(self) -> int:
+        """Tune trials the sweep needs."""
+        return math.ceil(self.num_samples / self.pack_size)
+
+    @property
+    def reports(self) -> int:
+        """Reports (ASHA's time unit) of a config that runs to the end."""
+        return math.ceil(self.steps / self.report_every)
+
+    def pack_range(self, pack: int) -> range:
+        """The config indices of pack number `pack`."""
+        return range(pack * self.pack_size, min((pack + 1) * self.pack_size, self.num_samples))
+
+
+TUNE_TRIALS = 1000  # Tune trials a packed sweep aims at: few enough for the driver, enough to spread
+GRACE, REDUCTION = 2, 2  # ASHA: first rung after 2 reports, keep the best half at each rung
 
 
 DISTRIBUTIONS = {"loguniform": 2, "uniform": 2, "randint": 2, "choice": 1}
@@ -122,6 +177,42 @@ def to_tune(space: dict) -> dict:
     return {k: make[name](*args) for k, d in space.items() for name, args in d.items()}
 
 
+def sample(space: dict, seed: int, index: int) -> dict:
+    """Config number `index` of a packed sweep: a pure function of (space, seed, index)."""
+    rng = np.random.default_rng([seed, index])
+    out = {}
+    for key in sorted(space):
+        (name, args), = space[key].items()
+        if name == "loguniform":
+            v = float(math.exp(rng.uniform(math.log(args[0]), math.log(args[1]))))
+        elif name == "uniform":
+            v = float(rng.uniform(args[0], args[1]))
+        elif name == "randint":  # Tune's convention: high excluded
+            v = int(rng.integers(args[0], args[1]))
+        else:
+            v = args[int(rng.integers(len(args)))]
+        out[key] = v
+    return out
+
+
+def rungs(max_t: int) -> list[int]:
+    """ASHA's milestones (in reports) below max_t: GRACE, GRACE*REDUCTION, ..."""
+    out, t = [], min(GRACE, max_t)
+    while t < max_t:
+        out.append(t)
+        t *= REDUCTION
+    return out
+
+
+def asha_keeps(recorded: list[float], metric: float) -> bool:
+    """ASHA's rule for a metric to minimise: go on unless worse than the best 1/REDUCTION recorded so far."""
+    if not recorded:
+        return True
+    return not metric > float(np.nanpercentile(recorded, 100 / REDUCTION))
+
+
+
+
 def load_rows(version: DatasetVersion, split: str, limit: int) -> np.ndarray:
     """Up to `limit` rows (n, seq_len + 1) of a split, in manifest order."""
     out, n = [], 0
@@ -135,27 +226,122 @@ def load_rows(version: DatasetVersion, split: str, limit: int) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros((0, width), dtype=np.uint16)
 
 
-def trial(config: dict, *, rows: np.ndarray, val_rows: np.ndarray, model: dict, train: dict,
-          sweep: dict) -> None:
-    """One trial: train a fresh model for `steps` steps, reporting validation loss."""
+class ModelFit:
+    """One config's training on the shared rows; `advance` trains to the next report and scores it."""
+
+    def __init__(self, hp: dict, state: dict | None, *, rows: np.ndarray, val_rows: np.ndarray, model: dict,
+                 train: dict, sweep: dict):
+        s = SweepConfig(**sweep)
+        base = TrainConfig(**train)
+        base = replace(base, max_steps=s.steps, warmup_steps=min(base.warmup_steps, s.steps // 4))
+        mcfg, self.tcfg = with_hyperparameters(hp, GPTConfig(**model), base)
+        self.rows, self.every, self.steps = rows, s.report_every, s.steps
+        self.val_batches = [val_rows[i: i + 32] for i in range(0, len(val_rows), 32)]
+        self.device = torch.device("cpu")
+        torch.manual_seed(s.seed)
+        self.net = GPT(mcfg)
+        self.opt = make_optimizer(self.net, self.tcfg)
+        self.rng = np.random.default_rng(s.seed)
+        self.step = 0
+        if state is not None:
+            self.net.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["opt"])
+            self.rng.bit_generator.state = state["rng"]
+            torch.set_rng_state(state["torch_rng"])
+            self.step = state["step"]
+
+    def advance(self) -> float:
+        end = min(self.steps, self.step + self.every)
+        while self.step < end:
+            batch = self.rows[self.rng.integers(0, len(self.rows), self.tcfg.batch_size)]
+            train_step(self.net, self.opt, [batch], lr_at(self.step, self.tcfg), self.tcfg, self.device)
+            self.step += 1
+        return evaluate(self.net, self.val_batches, self.device)
+
+    def state(self) -> dict:
+        return {"model": self.net.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
+                "rng": self.rng.bit_generator.state, "torch_rng": torch.get_rng_state()}
+
+
+def trial(config: dict, *, rows: np.ndarray, val_rows: np.ndarray, model: dict, train: dict, sweep: dict,
+          space: dict) -> None:
+    """The sweep's Tune trainable: one config, or a pack of them, of train's loop on the shared rows."""
+
+    def make_fit(hp, state):
+        return ModelFit(hp, state, rows=rows, val_rows=val_rows, model=model, train=train, sweep=sweep)
+
+    run_trial(config, sweep=sweep, space=space, make_fit=make_fit)
+
+
+def run_trial(config: dict, *, sweep: dict, space: dict, make_fit) -> None:
+    """Run a Tune trial's configs, resuming from its checkpoint when it has one.
+
+    A single config (`config` is the hyperparameters) reports after every
+    `report_every` steps with its full state, and Tune's scheduler decides.
+    A pack (`config` is {"pack": i}) trains its configs in turn, applies ASHA's
+    rule at the rungs, and checkpoints its book of finished configs at config
+    boundaries every `checkpoint_every_s`, and at the end.
+    """
     import ray
     from ray import tune
 
     s = SweepConfig(**sweep)
-    base = replace(TrainConfig(**train), max_steps=s.steps,
-                   warmup_steps=min(TrainConfig(**train).warmup_steps, s.steps // 4))
-    mcfg, tcfg = with_hyperparameters(config, GPTConfig(**model), base)
-    torch.manual_seed(s.seed)
-    net = GPT(mcfg)
-    opt = make_optimizer(net, tcfg)
-    rng = np.random.default_rng(s.seed)
-    val_batches = [val_rows[i: i + 32] for i in range(0, len(val_rows), 32)]
     node = ray.get_runtime_context().get_node_id()
-    device = torch.device("cpu")
-    for step in range(s.steps):
-        batch = rows[rng.integers(0, len(rows), tcfg.batch_size)]
-        loss = train_step(net, opt, [batch], lr_at(step, tcfg), tcfg, device).item()
-        if (step + 1) % s.report_every == 0 or step + 1 == s.steps:
-            tune.report({"val_loss": evaluate(net, val_batches, device), "loss": loss, "step": step + 1,
-                         "node_id": node, "pid": os.getpid()})
+    single = "pack" not in config
+    book, state = {"done": [], "current": None, "rungs": {}, "restores": []}, None
+    if (ckpt := tune.get_checkpoint()) is not None:
+        with ckpt.as_directory() as d:
+            with open(os.path.join(d, "pack.json")) as f:
+                book = json.load(f)
+            if os.path.exists(os.path.join(d, "state.pt")):
+                state = torch.load(os.path.join(d, "state.pt"), weights_only=False)
+        book["restores"].append(node)
+    todo = [(None, config)] if single else [(i, sample(space, s.seed, i)) for i in s.pack_range(config["pack"])]
+    finished = {r["index"] for r in book["done"]}
+    milestones = set(rungs(s.reports)) if s.scheduler == "asha" else set()
+    last_checkpoint = time.monotonic()
+    for index, hp in todo:
+        if index in finished:
+            continue
+        cur = book["current"]
+        if cur is None or cur["index"] != index:
+            cur = book["current"] = {"index": index, "config": hp, "curve": []}
+            state = None
+        fit = make_fit(hp, state)
+        status = "completed"
+        while len(cur["curve"]) < s.reports:
+            metric = fit.advance()
+            cur["curve"].append(metric)
+            t = len(cur["curve"])
+            if single:  # Tune's scheduler decides; every report is a checkpoint to resume from
+                _report({"val_loss": metric, "node_id": node}, book, fit.state())
+            elif t in milestones:
+                recorded = book["rungs"].setdefault(str(t), [])
+                keep = asha_keeps(recorded, metric)
+                recorded.append(metric)
+                if not keep:
+                    status = "stopped early"
+                    break
+        if single:
+            return
+        book["done"].append({**cur, "status": status})
+        book["current"] = None
+        if index == todo[-1][0] or time.monotonic() - last_checkpoint >= s.checkpoint_every_s:
+            best = min(min(r["curve"]) for r in book["done"])
+            _report({"val_loss": best, "configs_done": len(book["done"]), "node_id": node}, book, None)
+            last_checkpoint = time.monotonic()
 
+
+def _report(metrics: dict, book: dict, state: dict | None) -> None:
+    """tune.report with a checkpoint of the book (and the in-flight state); Tune persists it before returning."""
+    from ray import tune
+
+    d = tempfile.mkdtemp(prefix="strata-trial-")
+    try:
+        with open(os.path.join(d, "pack.json"), "w") as f:
+            json.dump(book, f)
+        if state is not None:
+            torch.save(state, os.path.join(d, "state.pt"))
+        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

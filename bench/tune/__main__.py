@@ -1,20 +1,30 @@
-"""Ray Tune's per-trial cost at scale: trivial trials, driver time and memory, extrapolated to 50,000.
+"""Sweeps at scale: Tune's per-trial cost with and without packing, and what ASHA saves.
 
-    python -m bench.tune [--trials 2000] [--max-concurrent 200] [--loggers compact|default]
+    python -m bench.tune [--trials 2000] [--max-concurrent 200] [--baseline-trials 200] [--asha-trials 16]
 
-Each trial reports one number and ends, so what is measured is Tune's own
-bookkeeping: wall time per trial on the driver, and the driver's resident
-memory growth per 1,000 trials (its RSS after the sweep minus before; the
-trials' results stay held, as a sweep's would). `--loggers compact` is what
-`python -m tune` runs (no per-trial JSON/TensorBoard loggers, one CSV per
-trial); `default` is Tune's default set, for comparison. The last line
-extrapolates both figures to 50,000 trials (targets: <= 10 ms per trial,
-<= 60 MB per 1,000 trials).
+1. ASHA's worth: the same seeded random configs of the debug model on a small
+   generated dataset, swept twice, with ASHA and without early stopping (fifo).
+   Printed: trial iterations used (compute) and the best validation loss reached.
+2. Overhead: trivial trials (each reports one number) run through the
+   sweep's real driver path (`tune.__main__.make_tuner` and `collect`: the
+   checkpointed book, the result table), packed as `python -m tune` packs a
+   50,000-trial sweep, at `--trials` and at half that (alternating, the
+   fastest of `--rounds` each). The slope between the
+   two is the marginal cost of a trial; what is left is the fixed cost of
+   starting `--max-concurrent` trial actors, which a longer sweep pays once.
+   The baseline, measured in the same run, is the same path with one config
+   per Tune trial (`--baseline-trials`). Driver memory is the driver's RSS
+   growth over the larger packed sweep, per 1,000 trials (an upper bound).
+
+The last line extrapolates to 50,000 trials: fixed cost + 50,000 x marginal
+cost, per trial, and the memory (targets: <= 10 ms per trial, <= 60 MB per
+1,000 trials).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -22,6 +32,9 @@ import tempfile
 import time
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+
+TARGET_TRIALS = 50_000
 
 
 def _rss_mb() -> float:
@@ -32,63 +45,122 @@ def _rss_mb() -> float:
     return float("nan")
 
 
-def trivial(config: dict) -> None:
+class TrivialFit:
+    """A config that costs nothing to train: its metric is a function of its hyperparameters."""
+
+    def __init__(self, hp: dict, state: dict | None):
+        self.hp = hp
+
+    def advance(self) -> float:
+        return abs(self.hp["lr"] - 3e-3) + self.hp["batch_size"] / 1000
+
+    def state(self) -> dict:
+        return {}
+
+
+def trivial(config: dict, *, sweep: dict, space: dict) -> None:
+    from tune.sweep import run_trial
+
+    run_trial(config, sweep=sweep, space=space, make_fit=TrivialFit)
+
+
+def overhead(trials: int, pack: int, max_concurrent: int, root: str) -> dict:
+    """Trivial trials through the sweep's driver path; wall time and driver RSS growth."""
+    from dataclasses import asdict
+
+    import ray
     from ray import tune
 
-    tune.report({"score": config["x"]})
+    from tune.__main__ import collect, make_tuner
+    from tune.sweep import SweepConfig, load_space
 
-
-def sweep(trials: int, max_concurrent: int, loggers: str, storage: str) -> dict:
-    if loggers == "compact":
-        os.environ["TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"] = "1"
-    from ray import tune
-    from ray.tune.logger import CSVLoggerCallback
-
-    callbacks = [CSVLoggerCallback()] if loggers == "compact" else None
-    tuner = tune.Tuner(
-        tune.with_resources(trivial, {"CPU": 0.01}),
-        param_space={"x": tune.uniform(0, 1)},
-        tune_config=tune.TuneConfig(metric="score", mode="max", num_samples=trials,
-                                    max_concurrent_trials=max_concurrent, reuse_actors=True),
-        run_config=tune.RunConfig(name=f"bench-{loggers}-{trials}", storage_path=storage, callbacks=callbacks,
-                                  verbose=0),
-    )
-    before = _rss_mb()
-    started = time.perf_counter()
-    grid = tuner.fit()
+    cfg = SweepConfig(num_samples=trials, pack=pack, steps=1, report_every=1, max_concurrent=max_concurrent,
+                      scheduler="fifo", cpus_per_trial=ray.cluster_resources()["CPU"] / max_concurrent)  # all at once
+    space = load_space(cfg.space)
+    trainable = tune.with_parameters(trivial, sweep=asdict(cfg), space=space)
+    tuner = make_tuner(trainable, cfg, space, os.path.join(root, f"overhead-{trials}-{pack}"), progress=False)
+    gc.collect()
+    before, started = _rss_mb(), time.perf_counter()
+    rows = collect(tuner.fit(), cfg, space)
     seconds = time.perf_counter() - started
+    gc.collect()
     after = _rss_mb()
-    assert len(grid) == trials and grid.num_errors == 0
-    return {"trials": trials, "seconds": seconds, "ms_per_trial": 1e3 * seconds / trials,
-            "driver_rss_mb_before": before, "driver_rss_mb_after": after,
-            "mb_per_1000_trials": (after - before) * 1000 / trials}
+    if len(rows) != trials or any(r["status"] != "completed" for r in rows):
+        raise RuntimeError(f"{sum(r['status'] != 'completed' for r in rows)} of {trials} trivial trials failed")
+    return {"trials": trials, "pack": cfg.pack_size, "tune_trials": cfg.packs, "seconds": seconds,
+            "ms_per_trial": 1e3 * seconds / trials, "mb_per_1000": (after - before) * 1000 / trials}
+
+
+def asha_vs_random(trials: int, root: str) -> dict:
+    """The same seeded configs swept with ASHA and with no early stopping."""
+    from bench.train.common import make_dataset
+    from strata.storage import Storage
+    from tune.__main__ import run
+    from tune.sweep import SweepConfig
+
+    storage_root, ref = make_dataset(root, mb=2.0)
+    out = {}
+    for scheduler in ("asha", "fifo"):
+        cfg = SweepConfig(num_samples=trials, steps=80, report_every=10, max_rows=1024, eval_rows=64,
+                          scheduler=scheduler, space="small", seed=0)
+        r = run(cfg, dataset=ref, model_preset="debug", sweep_name=f"asha-{scheduler}",
+                storage=Storage(storage_root), progress=False)
+        out[scheduler] = {"iterations": r["iterations"], "best": r["best"]["metric"], "seconds": r["seconds"]}
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trials", type=int, default=2000)
-    parser.add_argument("--max-concurrent", type=int, default=200)
-    parser.add_argument("--loggers", choices=["compact", "default"], default="compact")
+    parser.add_argument("--trials", type=int, default=2000, help="trivial trials, packed (default 2000)")
+    parser.add_argument("--baseline-trials", type=int, default=200, help="trivial trials, one per Tune trial")
+    parser.add_argument("--max-concurrent", type=int, default=8,
+                        help="trial actors at once (default 8: what 2 cores hold; use 200 on a spot fleet)")
+    parser.add_argument("--asha-trials", type=int, default=16, help="trials of each ASHA/random sweep (0: skip)")
+    parser.add_argument("--rounds", type=int, default=2, help="packed sweeps of each size; the fastest counts")
     parser.add_argument("--json", action="store_true", help="print a JSON result line before the last line")
     args = parser.parse_args(argv)
 
     from strata.connect import connect
+    from tune.sweep import SweepConfig
 
     connect()
-    storage = tempfile.mkdtemp(prefix="strata-bench-tune-")
+    root = tempfile.mkdtemp(prefix="strata-bench-tune-")
+    result = {}
     try:
-        r = sweep(args.trials, args.max_concurrent, args.loggers, storage)
+        if args.asha_trials:
+            a = result["asha"] = asha_vs_random(args.asha_trials, root)
+            print(f"ASHA vs random search, {args.asha_trials} trials each (debug model, 80 steps, same configs): "
+                  f"ASHA used {a['asha']['iterations']} trial iterations for best val_loss {a['asha']['best']:.4f}; "
+                  f"no early stopping used {a['fifo']['iterations']} for {a['fifo']['best']:.4f} "
+                  f"(compute ratio {a['asha']['iterations'] / a['fifo']['iterations']:.2f}, "
+                  f"wall {a['asha']['seconds']:.0f} s vs {a['fifo']['seconds']:.0f} s)")
+        base = result["baseline"] = overhead(args.baseline_trials, 1, args.max_concurrent, root)
+        pack = SweepConfig(num_samples=TARGET_TRIALS).pack_size
+        runs = {n: [] for n in (args.trials // 2, args.trials)}
+        for i in range(args.rounds):  # alternating sizes, fastest of each: the machine is shared and noisy
+            for n in runs:
+                runs[n].append(overhead(n, pack, args.max_concurrent, os.path.join(root, str(i))))
+        half, full = (min(r, key=lambda x: x["seconds"]) for r in runs.values())
+        result["half"], result["packed"] = half, full
     finally:
-        shutil.rmtree(storage, ignore_errors=True)
-    print(f"{r['trials']:,} trivial trials ({args.loggers} loggers, {args.max_concurrent} concurrent): "
-          f"{r['seconds']:.1f} s, {r['ms_per_trial']:.1f} ms per trial; driver RSS "
-          f"{r['driver_rss_mb_before']:.0f} -> {r['driver_rss_mb_after']:.0f} MB, "
-          f"{r['mb_per_1000_trials']:.1f} MB per 1,000 trials")
+        shutil.rmtree(root, ignore_errors=True)
+    for r, what in ((base, "one per Tune trial"), (half, f"packs of {pack}"), (full, f"packs of {pack}")):
+        print(f"{r['trials']:,} trivial trials, {what} ({r['tune_trials']:,} Tune trials, "
+              f"{args.max_concurrent} concurrent): {r['seconds']:.1f} s, {r['ms_per_trial']:.2f} ms per trial, "
+              f"driver {r['mb_per_1000']:+.1f} MB per 1,000 trials")
+    marginal = max(0.0, (full["seconds"] - half["seconds"]) / (full["trials"] - half["trials"]))
+    fixed = max(0.0, full["seconds"] - marginal * full["trials"])
+    at_target = 1e3 * (fixed / TARGET_TRIALS + marginal)
+    print(f"packed: {1e3 * marginal:.2f} ms per extra trial, {fixed:.1f} s fixed (starting {args.max_concurrent} "
+          f"trial actors); all-in {base['ms_per_trial'] / full['ms_per_trial']:.0f}x less per trial than one "
+          f"config per Tune trial")
+    result["extrapolated"] = {"ms_per_trial": at_target, "mb_per_1000": full["mb_per_1000"]}
     if args.json:
-        print(json.dumps(r))
-    print(f"extrapolated to 50,000 trials: {r['ms_per_trial'] * 50:.0f} s of Tune overhead "
-          f"({r['ms_per_trial']:.1f} ms/trial, target <= 10), driver memory +{r['mb_per_1000_trials'] * 50:,.0f} MB "
-          f"({r['mb_per_1000_trials']:.1f} MB per 1,000 trials, target <= 60)")
+        print(json.dumps(result))
+    print(f"extrapolated to {TARGET_TRIALS:,} trials (packs of {pack}): {at_target * TARGET_TRIALS / 1e3:.0f} s "
+          f"of overhead ({at_target:.2f} ms/trial, target <= 10), driver memory "
+          f"{full['mb_per_1000'] * TARGET_TRIALS / 1000:+,.0f} MB "
+          f"({full['mb_per_1000']:.1f} MB per 1,000 trials, target <= 60)")
 
 
 if __name__ == "__main__":

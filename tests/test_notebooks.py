@@ -1,0 +1,47 @@
+"""notebooks/sweep.ipynb runs top to bottom in a fresh kernel against an embedded local Ray."""
+
+import glob
+import json
+import os
+import shutil
+
+import pytest
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_sweep_notebook_runs_top_to_bottom(storage_root, tmp_path):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    import ray
+
+    path = os.path.join(REPO, "notebooks", "sweep.ipynb")
+    nb = nbformat.read(path, as_version=4)
+    assert all(not c.get("outputs") and not c.get("execution_count") for c in nb.cells if c.cell_type == "code"), \
+        "commit the notebook with its outputs stripped"
+    ray.shutdown()  # the kernel starts its own embedded Ray; two on 2 CPUs would only slow each other
+    temps = set(glob.glob("/tmp/strata-ray-*"))
+    env = {"STRATA_STORAGE": str(tmp_path / "storage"), "STRATA_SWEEP": "nb", "STRATA_NUM_SAMPLES": "3",
+           "STRATA_SWEEP_STEPS": "8", "STRATA_TRAIN_STEPS": "4", "STRATA_SPACE": "lr-batch"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the kernel inherits this process's environment
+    try:
+        nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": REPO}}).execute()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for d in set(glob.glob("/tmp/strata-ray-*")) - temps:
+            shutil.rmtree(d, ignore_errors=True)
+    text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("name") == "stdout")
+    assert "finished:" in text and "best config:" in text
+    images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert len(images) == 2  # params.png and curves.png
+    sweep = tmp_path / "storage" / "sweeps" / "nb"
+    best = json.loads((sweep / "best.json").read_text())
+    run = json.loads((tmp_path / "storage" / "runs" / "nb-best" / "run.json").read_text())
+    assert run["config"]["train"]["lr"] == pytest.approx(best["config"]["lr"])
+    assert json.loads((sweep / "progress.json").read_text())["done"] == 3
