@@ -34,6 +34,7 @@ bench: install
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m bench.train.step
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m bench.train.ingest
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m bench.train.checkpoint
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m bench.tune
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache strata-data

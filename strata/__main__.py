@@ -6,7 +6,8 @@ import sys
 
 
 def main() -> None:
-    commands = {"demo": "run the main job end to end on an embedded local Ray"}
+    commands = {"demo": "run the main job end to end on an embedded local Ray",
+                "submit": "submit preprocess, train or tune to a Ray cluster (see submit --help)"}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         print("usage: python -m strata COMMAND [args]\n\ncommands:")
         for name, what in commands.items():
@@ -16,6 +17,10 @@ def main() -> None:
         from strata.demo import main as demo
 
         demo(sys.argv[2:])
+    elif sys.argv[1] == "submit":
+        from strata.submit import main as submit
+
+        sys.exit(submit(sys.argv[2:]))
 
 
 if __name__ == "__main__":

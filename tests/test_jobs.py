@@ -101,3 +101,51 @@ def test_submitted_training_job_reads_the_submitted_dataset(head, dataset, stora
     summary = json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith("{")))
     assert (summary["run"], summary["start_step"], summary["steps"]) == ("submitted", 0, 2)
     assert {".metadata", "meta.json"} <= set(os.listdir(summary["checkpoint"]))
+
+
+def _submit(head, *args, env=None):
+    return subprocess.run([sys.executable, "-m", "strata", "submit", *args], env=env or head["env"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_strata_submit_runs_a_scheduled_slot_once(head, corpus, storage_root):
+    env = {**head["env"], "STRATA_STORAGE": storage_root}
+    args = ["preprocess", "--address", head["address"], "--slot", "hourly", "--slot-time", "2026-11-30T10:17:00",
+            "--", "--input", corpus["path"], "--dataset", "slotted", "--json"]
+    first = _submit(head, *args, env=env)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "strata-preprocess-slotted-20261130T100000 SUCCEEDED" in first.stderr
+    summary = json.loads(next(line for line in reversed(first.stdout.splitlines()) if line.startswith("{")))
+    assert summary["documents"]["kept"] == len(corpus["good"])
+    again = _submit(head, *args[:5], "--slot-time", "2026-11-30T10:59:59", *args[7:], env=env)  # the same hour
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already submitted for this slot (SUCCEEDED); nothing to do" in again.stderr
+    assert len(list_versions(Storage(storage_root), "slotted")) == 1
+    jobs = _job(head, "list").stdout
+    assert jobs.count("submission_id='strata-preprocess-slotted-20261130T100000'") == 1
+
+
+@pytest.mark.slow
+def test_a_submitted_working_dir_leaves_secrets_behind(head, tmp_path):
+    from strata.submit import runtime_env
+
+    work = tmp_path / "project"
+    secrets_ = [".env", ".env.production", "id_rsa", "id_ed25519.pub", "deploy.pem", "tls/server.key",
+                ".aws/credentials", ".ssh/config", "credentials.json", "gcp-credentials.json", ".netrc", "api.token"]
+    kept = ["job.py", "data/notes.txt", "environment.md"]
+    for name in secrets_ + kept:
+        (work / name).parent.mkdir(parents=True, exist_ok=True)
+        (work / name).write_text("sk-secret-value\n" if name in secrets_ else "fine\n")
+    (work / "job.py").write_text("import os\nfor d, _, fs in os.walk('.'):\n"
+                                 "    for f in fs:\n        print('FILE', os.path.relpath(os.path.join(d, f)))\n")
+    submissions = {  # the wrapper's runtime env, and plain `ray job submit` with platform/runtime-env.yaml
+        "strata submit": ["--runtime-env-json", json.dumps(runtime_env(str(work), None))],
+        "ray job submit": ["--working-dir", str(work), "--runtime-env", os.path.join(REPO, "platform", "runtime-env.yaml")],
+    }
+    for how, flags in submissions.items():
+        out = _job(head, "submit", *flags, "--", "python", "job.py")
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        arrived = {line.split(" ", 1)[1] for line in out.stdout.splitlines() if line.startswith("FILE ")}
+        assert set(kept) <= arrived, f"{how}: the code did not arrive: {arrived}"
+        assert not set(secrets_) & arrived, f"{how}: secrets were uploaded: {set(secrets_) & arrived}"

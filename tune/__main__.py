@@ -45,6 +45,9 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
     """Run (or, when the sweep directory holds an unfinished one, resume) a sweep; write its results."""
     # Per-trial JSON/TensorBoard loggers cost driver memory and time; keep CSV only.
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+    # Single configs keep their last 2 checkpoints (model state), so Tune snapshots the experiment every
+    # 2 checkpoints of a trial: expected, at most 1,000 trials; packs keep all (small) and force none.
+    os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     from ray import tune
 
     space = load_space(cfg.space)  # read and checked once, on the driver, before anything starts
@@ -132,7 +135,9 @@ def make_tuner(trainable, cfg: SweepConfig, space: dict, sweep_dir: str, *, prog
         run_config=tune.RunConfig(
             name=name, storage_path=storage_path, verbose=0,  # SweepProgress and the final table instead
             callbacks=[CSVLoggerCallback(), *([SweepProgress(cfg, sweep_dir)] if progress else [])],
-            checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
+            # A pack's checkpoints are small books and all are kept: with num_to_keep set, Tune snapshots
+            # the whole experiment every num_to_keep checkpoints of any trial, which at scale is the cost.
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=None if packed else 2),
             failure_config=tune.FailureConfig(max_failures=cfg.max_failures)),
     )
 
@@ -186,7 +191,8 @@ def _book(checkpoint) -> dict:
 def _record(trial_id: str, rec: dict, status: str, error: str | None, restores: int) -> dict:
     curve = [float(v) for v in rec["curve"]]
     return {"trial": trial_id, "config": rec["config"], "status": status, "iterations": len(curve),
-            "best": min(curve) if curve else None, "curve": curve, "restores": restores, "error": error}
+            "best": min(curve) if curve else None, "curve": curve, "node_id": rec.get("node"),
+            "restores": restores, "error": error}
 
 
 class SweepProgress(Callback):

@@ -17,6 +17,7 @@ most a checkpoint interval.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -286,6 +287,7 @@ def run_trial(config: dict, *, sweep: dict, space: dict, make_fit) -> None:
     from ray import tune
 
     s = SweepConfig(**sweep)
+    logging.getLogger("ray.train._internal.storage").setLevel(logging.WARNING)  # a line per checkpoint otherwise
     node = ray.get_runtime_context().get_node_id()
     single = "pack" not in config
     book, state = {"done": [], "current": None, "rungs": {}, "restores": []}, None
@@ -312,6 +314,7 @@ def run_trial(config: dict, *, sweep: dict, space: dict, make_fit) -> None:
         while len(cur["curve"]) < s.reports:
             metric = fit.advance()
             cur["curve"].append(metric)
+            cur["node"] = node  # where the config last trained
             t = len(cur["curve"])
             if single:  # Tune's scheduler decides; every report is a checkpoint to resume from
                 _report({"val_loss": metric, "node_id": node}, book, fit.state())

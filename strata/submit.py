@@ -1,0 +1,166 @@
+"""Submit a strata job to a Ray cluster: `python -m strata submit preprocess|train|tune [options] -- ARGS`.
+
+What `ray job submit` leaves to you, filled in:
+
+- the runtime env of `platform/runtime-env.yaml`, the working directory
+  (default `.`) and excludes that keep secrets (`.env`, keys, credential
+  files) out of the upload;
+- the driver's placement: 1 CPU on an on-demand cpu-tier node (never a GPU
+  node, never a spot node that could take the driver with it);
+- the token: the client sends it whenever one is found (`RAY_AUTH_TOKEN`,
+  `RAY_AUTH_TOKEN_PATH`, `~/.strata/ray-token`, `~/.ray/auth_token`);
+- for scheduled runs, `--slot hourly|daily|SECONDS`: the submission id is
+  derived from the slot the current time falls in, so the same slot submitted
+  twice runs once (the second call says so and exits 0). Preprocessing also
+  gets the slot as its `--run-id`, so even a resubmitted slot commits no
+  second version.
+
+Cron (incremental preprocessing every hour, idempotent per slot):
+
+    0 * * * * cd /opt/strata && .venv/bin/python -m strata submit preprocess --slot hourly --no-wait \\
+        --address http://HEAD:8265 -- --preset web --input s3://raw/web/ --dataset web --incremental
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from strata import tiers
+
+MODULES = {"preprocess": "pipelines.preprocess", "train": "train", "tune": "tune"}
+SLOTS = {"hourly": 3600, "daily": 86400}
+RUNTIME_ENV = Path(__file__).resolve().parent.parent / "platform" / "runtime-env.yaml"
+# Never uploaded with a working directory, whatever the runtime env says.
+SECRET_EXCLUDES = [
+    ".env", ".env.*", "**/.env", "**/.env.*", "*.pem", "*.key", "*.p12", "*.pfx", "id_rsa*", "id_ecdsa*",
+    "id_ed25519*", ".ssh/", ".aws/", ".gcp/", ".azure/", ".kube/", "*credentials*",
+    "service-account*.json", ".netrc", ".git-credentials", ".pypirc", "*.token", "*-token", "auth_token",
+]
+TOKEN_FILES = ("~/.strata/ray-token", "~/.ray/auth_token")
+
+
+def slot_start(slot: str, now: float | None = None) -> dt.datetime:
+    """The UTC start of the slot `now` falls in: hourly, daily, or every N seconds."""
+    period = SLOTS.get(slot) or (int(slot) if slot.isdigit() and int(slot) > 0 else None)
+    if period is None:
+        raise ValueError(f"--slot takes hourly, daily or a number of seconds, not {slot!r}")
+    t = time.time() if now is None else now
+    return dt.datetime.fromtimestamp(t - t % period, dt.UTC)
+
+
+def submission_id(kind: str, args: list[str], slot: str, now: float | None = None) -> str:
+    """strata-KIND[-DATASET]-YYYYMMDDTHHMMSS: the same for every call within one slot."""
+    dataset = args[args.index("--dataset") + 1] if "--dataset" in args[:-1] else ""
+    name = re.sub(r"[^A-Za-z0-9_-]+", "-", dataset.partition("@")[0]).strip("-")
+    return "-".join(filter(None, ["strata", kind, name, slot_start(slot, now).strftime("%Y%m%dT%H%M%S")]))
+
+
+def runtime_env(working_dir: str, env_file: str | None) -> dict:
+    import yaml
+
+    path = Path(env_file) if env_file else RUNTIME_ENV
+    env = (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
+    if working_dir:
+        env["working_dir"] = working_dir
+        env["excludes"] = list(dict.fromkeys([*env.get("excludes", []), *SECRET_EXCLUDES]))
+    storage = os.environ.get("STRATA_STORAGE")
+    if storage:  # the submitter's storage wins over the file's default
+        env.setdefault("env_vars", {})["STRATA_STORAGE"] = storage
+    return env
+
+
+def use_token() -> str | None:
+    """Make the Ray client send the token if one is at hand; returns where it came from."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        where = "RAY_AUTH_TOKEN"
+    elif os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        where = os.environ["RAY_AUTH_TOKEN_PATH"]
+    else:
+        found = next((p for p in map(os.path.expanduser, TOKEN_FILES) if os.path.isfile(p)), None)
+        if found is None:
+            return None
+        os.environ["RAY_AUTH_TOKEN_PATH"] = where = found
+    os.environ.setdefault("RAY_AUTH_MODE", "token")  # Ray's client sends it only with this set
+    return where
+
+
+def submit(kind: str, args: list[str], *, address: str, slot: str | None = None, sub_id: str | None = None,
+           working_dir: str = ".", env_file: str | None = None, wait: bool = True, at: float | None = None,
+           out=sys.stderr) -> dict:
+    """Submit; returns {"submission_id", "status", "duplicate"}. Waits and streams logs unless wait=False."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    if kind not in MODULES:
+        raise ValueError(f"unknown job kind {kind!r}: one of {', '.join(MODULES)}")
+    if slot:
+        sub_id = sub_id or submission_id(kind, args, slot, at)
+        if kind == "preprocess" and "--run-id" not in args:
+            args = [*args, "--run-id", sub_id]  # idempotent at the data level too
+    entrypoint = shlex.join(["python", "-m", MODULES[kind], *args])
+    where = use_token()
+    print(f"[submit] {entrypoint} -> {address}" + (f" as {sub_id}" if sub_id else "")
+          + ("" if where else " (no token found: the cluster will refuse this if it has auth on)"), file=out)
+    try:
+        client = JobSubmissionClient(address)
+        job = client.submit_job(entrypoint=entrypoint, submission_id=sub_id,
+                                runtime_env=runtime_env(working_dir, env_file), entrypoint_num_cpus=1,
+                                entrypoint_label_selector=tiers.selector(tiers.Tier.CPU),
+                                metadata={"strata.kind": kind, **({"strata.slot": slot} if slot else {})})
+    except RuntimeError as e:
+        if sub_id and "already exists" in str(e):
+            status = str(JobSubmissionClient(address).get_job_status(sub_id))
+            print(f"[submit] {sub_id} was already submitted for this slot ({status}); nothing to do", file=out)
+            return {"submission_id": sub_id, "status": status, "duplicate": True}
+        raise
+    print(f"[submit] submitted {job}", file=out)
+    if not wait:
+        return {"submission_id": job, "status": str(client.get_job_status(job)), "duplicate": False}
+    shown, done = 0, {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
+    while True:
+        status = client.get_job_status(job)
+        logs = client.get_job_logs(job)
+        print(logs[shown:], end="", flush=True)
+        shown = len(logs)
+        if status in done:
+            break
+        time.sleep(2)
+    print(f"[submit] {job} {status}", file=out)
+    return {"submission_id": job, "status": str(status), "duplicate": False}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    head, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(prog="python -m strata submit", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("kind", choices=sorted(MODULES), help="which stage to run")
+    p.add_argument("--address", default=os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS"),
+                   help="the cluster's dashboard address, e.g. http://127.0.0.1:8265 (default: $RAY_ADDRESS)")
+    p.add_argument("--slot", help="hourly, daily or SECONDS: one submission per slot (for cron)")
+    p.add_argument("--slot-time", help="submit the slot of this UTC time (ISO 8601) instead of now: a backfill")
+    p.add_argument("--submission-id", help="an explicit submission id (default: Ray's, or the slot's)")
+    p.add_argument("--working-dir", default=".", help="directory to upload (default: .; '' uploads nothing)")
+    p.add_argument("--runtime-env", help=f"runtime env YAML (default: {RUNTIME_ENV.relative_to(RUNTIME_ENV.parents[1])})")
+    p.add_argument("--no-wait", action="store_true", help="return once submitted instead of streaming logs")
+    a = p.parse_args(head)
+    if not a.address:
+        p.error("--address (or RAY_ADDRESS) is required: the cluster's dashboard, e.g. http://127.0.0.1:8265")
+    try:
+        at = dt.datetime.fromisoformat(a.slot_time).replace(tzinfo=dt.UTC).timestamp() if a.slot_time else None
+        if at is not None and not a.slot:
+            raise ValueError("--slot-time needs --slot")
+        r = submit(a.kind, rest, address=a.address, slot=a.slot, sub_id=a.submission_id,
+                   working_dir=a.working_dir, env_file=a.runtime_env, wait=not a.no_wait, at=at)
+    except ValueError as e:
+        p.error(str(e))
+    except Exception as e:  # the client's errors (refused token, unreachable head) are the user's to read
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0 if r["status"] in ("SUCCEEDED", "PENDING", "RUNNING") or (a.no_wait and r["status"] != "FAILED") else 1

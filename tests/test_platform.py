@@ -1,0 +1,216 @@
+"""cluster.yaml and platform/, checked offline: Ray's own validation, KubeRay's CRD schemas
+(strict: an unknown or misspelt field is an error), and the rules strata relies on."""
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO
+from ray._private.label_utils import validate_node_label_syntax
+
+from strata import tiers
+
+ROOT = Path(REPO)
+SCHEMAS = ROOT.parent / "shared" / "schemas" / "kuberay"
+K8S = ROOT / "platform" / "k8s"
+CRDS = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml", "RayCronJob": "ray.io_raycronjobs.yaml"}
+MODULES = {"pipelines.preprocess", "train", "tune"}
+
+
+def _load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return _load(ROOT / "cluster.yaml")
+
+
+@pytest.fixture(scope="module")
+def manifests():
+    return {p.name: _load(p) for p in sorted(K8S.glob("*.yaml"))}
+
+
+def test_cluster_yaml_follows_our_rules(cluster):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    validate_config(prepare_config(cluster))
+    types = cluster["available_node_types"]
+    head = types[cluster["head_node_type"]]
+    assert head["resources"].get("CPU") == 0 and not head.get("labels"), "the head runs no work"
+    assert "InstanceMarketOptions" not in head["node_config"], "the head is on-demand"
+    for name, t in types.items():
+        assert t["resources"] and all(isinstance(v, int) for v in t["resources"].values()), name
+        labels = t.get("labels") or {}
+        validate_node_label_syntax(labels)
+        assert not any(k.startswith("ray.io/") for k in labels), f"{name}: ray.io/ is Ray's prefix"
+        assert t["node_config"].get("SecurityGroupIds"), f"{name}: supply security groups (Ray's own opens SSH)"
+        if name != cluster["head_node_type"]:
+            assert t.get("idle_timeout_s", 0) > 0, f"{name}: no idle timeout"
+    assert cluster["idle_timeout_minutes"] > 0
+    assert cluster["max_workers"] >= sum(t.get("max_workers", 0) for t in types.values())
+    for rule in (cluster["provider"].get("security_group") or {}).get("IpPermissions", []):
+        opens_ssh = rule.get("FromPort", 0) <= 22 <= rule.get("ToPort", 65535)
+        assert not (opens_ssh and any(r.get("CidrIp") == "0.0.0.0/0" for r in rule.get("IpRanges", [])))
+    spot = [t for t in types.values() if tiers.Tier.SPOT in tiers.tiers_of(t.get("labels") or {})]
+    markets = [t["node_config"].get("InstanceMarketOptions", {}).get("MarketType") for t in spot]
+    assert "spot" in markets and None in markets, "spot types, plus an on-demand fallback"
+    fallback = next(t for t in spot if "InstanceMarketOptions" not in t["node_config"])
+    assert fallback["priority"] < max(t.get("priority", 0) for t in spot), "the fallback ranks below spot"
+    starts = cluster["head_start_ray_commands"] + cluster["worker_start_ray_commands"]
+    for cmd in (c for c in starts if "ray start" in c):
+        assert "RAY_AUTH_MODE=token" in cmd, f"token auth off in: {cmd}"
+    head_start = next(c for c in cluster["head_start_ray_commands"] if "ray start" in c)
+    host = re.search(r"--dashboard-host[= ](\S+)", head_start)
+    assert host and host.group(1) in ("127.0.0.1", "localhost"), "the dashboard stays on the head's localhost"
+    assert any("pip install" in c and "~/strata" in c for c in cluster["setup_commands"])
+    images = {cluster["docker"]["image"]} | {t["docker"]["worker_image"] for t in types.values() if "docker" in t}
+    assert images == set(_images().values())
+
+
+def _images() -> dict:
+    """{'cpu': tag, 'gpu': tag} from the Dockerfiles' build comments."""
+    out = {}
+    for kind in ("cpu", "gpu"):
+        text = (ROOT / "platform" / "docker" / f"{kind}.Dockerfile").read_text()
+        out[kind] = re.search(r"docker build .* -t (\S+) \.", text).group(1)
+    return out
+
+
+def test_both_images_carry_the_same_code_and_pinned_deps():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = [line.strip() for line in (ROOT / "platform" / "requirements.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+    assert all("==" in p for p in pins), "every image dependency is pinned"
+    pinned = {re.split(r"[\[=]", p)[0].lower() for p in pins}
+    declared = {re.split(r"[\[<>=~ ]", d)[0].lower() for d in project["dependencies"] + project["optional-dependencies"]["sweeps"]}
+    assert declared - {"torch"} <= pinned, f"not pinned for the images: {declared - {'torch'} - pinned}"
+    ray_pin = next(p for p in pins if p.startswith("ray["))
+    assert re.search(r"ray\[[^\]]+\]==2\.60\.\*", " ".join(project["dependencies"]))
+    assert ray_pin.endswith("==2.60.0")
+    makefile_torch = re.search(r"TORCH_SPEC \?= torch==(\S+)", (ROOT / "Makefile").read_text()).group(1)
+    packages = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"])
+    for kind in ("cpu", "gpu"):
+        text = (ROOT / "platform" / "docker" / f"{kind}.Dockerfile").read_text()
+        assert re.search(rf"^FROM rayproject/ray:2\.60\.0-py311-{kind}$", text, re.M), kind
+        assert re.search(rf"ARG TORCH_VERSION={re.escape(makefile_torch)}$", text, re.M), kind
+        assert "-r platform/requirements.txt" in text and "--no-deps -e ." in text
+        copied = set(re.findall(r"^COPY --chown=ray (\w+) \1$", text, re.M))
+        assert {p.rstrip("*") for p in packages} == copied, f"{kind} image copies {copied}"
+
+
+def _strict(schema):
+    """A CRD's openAPIV3Schema as strict JSON Schema: x-kubernetes-* dropped, unknown fields refused."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _strict(v) for k, v in schema.items() if not k.startswith("x-kubernetes-")}
+    if "properties" in schema and "additionalProperties" not in schema \
+            and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    if schema.get("x-kubernetes-int-or-string"):
+        out.pop("type", None)
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    return out
+
+
+def _validator(kind: str):
+    jsonschema = pytest.importorskip("jsonschema")
+    crd = _load(SCHEMAS / CRDS[kind])
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    return jsonschema.Draft7Validator(_strict(version["schema"]["openAPIV3Schema"]))
+
+
+@pytest.mark.skipif(not SCHEMAS.is_dir(), reason="KubeRay CRD schemas (../shared/schemas/kuberay) not present")
+def test_kuberay_manifests_validate_strictly_against_the_crds(manifests):
+    ray_kinds = {name: m for name, m in manifests.items() if m["kind"] in CRDS}
+    assert {m["kind"] for m in ray_kinds.values()} == set(CRDS)
+    for name, m in ray_kinds.items():
+        errors = [f"{'.'.join(map(str, e.path))}: {e.message}" for e in _validator(m["kind"]).iter_errors(m)]
+        assert not errors, f"{name}: {errors}"
+    # The check has teeth: a misspelt field is refused.
+    bad = {**manifests["raycluster.yaml"], "spec": {**manifests["raycluster.yaml"]["spec"], "authOption": {}}}
+    assert any("authOption" in e.message for e in _validator("RayCluster").iter_errors(bad))
+
+
+def test_the_kuberay_cluster_matches_cluster_yaml(cluster, manifests):
+    rc = manifests["raycluster.yaml"]
+    spec = rc["spec"]
+    assert spec["authOptions"]["mode"] == "token"
+    assert spec["rayVersion"] == "2.60.0"
+    assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    assert spec["headGroupSpec"].get("serviceType", "ClusterIP") == "ClusterIP"
+    types = cluster["available_node_types"]
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    assert set(groups) == set(types) - {cluster["head_node_type"]}
+    images = _images()
+    for name, g in groups.items():
+        t = types[name]
+        assert g["labels"] == t["labels"], name
+        assert g["maxReplicas"] == t["max_workers"] and g.get("priority", 0) == t.get("priority", 0), name
+        container = g["template"]["spec"]["containers"][0]
+        gpus = int(container["resources"]["limits"].get("nvidia.com/gpu", 0))
+        assert gpus == t["resources"].get("GPU", 0), name
+        assert container["image"] == images["gpu" if gpus else "cpu"], name
+        market = g["template"]["spec"].get("nodeSelector", {}).get("karpenter.sh/capacity-type")
+        is_spot = t["node_config"].get("InstanceMarketOptions", {}).get("MarketType") == "spot"
+        assert (market == "spot") == is_spot, name
+
+
+def _help(module: str) -> str:
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    return subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120, check=True).stdout
+
+
+def _check_command(argv: list[str], helps: dict) -> str:
+    """argv = python -m MODULE ARGS: a real module, and every flag one its CLI has."""
+    assert argv[:2] == ["python", "-m"] and argv[2] in MODULES | {"strata"}, argv
+    module = argv[2]
+    if module == "strata":  # strata submit KIND [opts] -- ARGS
+        assert argv[3] == "submit"
+        kind = argv[4]
+        rest = argv[argv.index("--") + 1:]
+        module = {"preprocess": "pipelines.preprocess", "train": "train", "tune": "tune"}[kind]
+        argv = ["python", "-m", module, *rest]
+    text = helps.setdefault(module, _help(module))
+    for flag in (a for a in argv[3:] if a.startswith("--")):
+        assert re.search(rf"{re.escape(flag)}\b", text), f"python -m {module} has no {flag}"
+    return module
+
+
+def test_jobs_and_schedules_run_real_commands_on_the_strata_cluster(manifests):
+    import shlex
+
+    helps: dict = {}
+    name = manifests["raycluster.yaml"]["metadata"]["name"]
+    secret = manifests["raycluster.yaml"]["spec"]["authOptions"]["secretName"]
+    seen = set()
+    for fname, m in manifests.items():
+        if m["kind"] == "RayJob":
+            job = m["spec"]
+        elif m["kind"] == "RayCronJob":
+            job = m["spec"]["jobTemplate"]
+        else:
+            continue
+        assert job["clusterSelector"] == {"ray.io/cluster": name}, fname
+        assert "jobId" not in job, f"{fname}: a fixed jobId makes the second run fail"
+        seen.add(_check_command(shlex.split(job["entrypoint"]), helps))
+        assert "STRATA_STORAGE" in yaml.safe_load(job["runtimeEnvYAML"])["env_vars"], fname
+    assert seen == MODULES
+    cron = manifests["cronjob-preprocess.yaml"]
+    assert cron["apiVersion"] == "batch/v1" and cron["kind"] == "CronJob"
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid"
+    pod = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["image"] == _images()["cpu"]
+    assert _check_command(container["command"], helps) == "pipelines.preprocess"
+    assert "--slot" in container["command"], "a scheduled submission is idempotent per slot"
+    token = next(e for e in container["env"] if e["name"] == "RAY_AUTH_TOKEN")
+    assert token["valueFrom"]["secretKeyRef"]["name"] == secret
