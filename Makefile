@@ -30,11 +30,7 @@ test: lint
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m pytest
 
 bench: install
-	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m bench.preprocess --mb 200 --memory-gb 1
-	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m bench.train.step
-	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m bench.train.ingest
-	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m bench.train.checkpoint
-	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m bench.tune
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache strata-data

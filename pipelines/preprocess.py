@@ -25,6 +25,7 @@ from strata import tiers
 from strata.cli import add_config_arguments, finish, overrides
 from strata.cli import parser as cli_parser
 from strata.connect import connect
+from strata.cost import UsageMonitor
 from strata.dataset import (
     DatasetError,
     DocumentCounts,
@@ -34,6 +35,7 @@ from strata.dataset import (
     resolve,
     token_dtype,
 )
+from strata.records import write_record
 from strata.runinfo import run_info
 from strata.storage import Storage, check_name, filesystem, join, write_json_atomic
 from strata.tokenizer import TOKENIZER_FILE, check_spec
@@ -172,7 +174,8 @@ def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "") -> dict:
     record = run_info("preprocess", {**asdict(cfg), "run_id": run_id})
     write_json_atomic(join(staging, "run.json"), record)
     try:
-        stats = _run_passes(cfg, ray, units, work, staging, cpus, _prior_state(earlier, cfg))
+        with UsageMonitor() as usage:
+            stats = _run_passes(cfg, ray, units, work, staging, cpus, _prior_state(earlier, cfg))
         fs.delete_dir(filesystem(work)[1])
         if not stats["shards"]:
             fs.delete_dir(staging_path)
@@ -184,7 +187,15 @@ def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "") -> dict:
     except BaseException:
         fs.delete_dir(staging_path)  # a failed run leaves no staging behind
         raise
-    return _summary(version)
+    table = version.manifest.stats
+    figures = {k: table.get(k) for k in ("documents", "tokens", "bytes", "mb_per_s_per_cpu", "tokens_per_s_per_cpu",
+                                          "peak_worker_rss_mb")}
+    figures["tokens_per_s"] = version.manifest.tokens / max(usage.ended - usage.started, 1e-9)
+    figures["version"] = version.manifest.version
+    rec = write_record(storage, record, name=cfg.dataset, usage=usage, work_nodes=stats["nodes"], figures=figures,
+                       beside=join(storage.dataset(cfg.dataset), f"{version.manifest.version}.record.json"))
+    return {**_summary(version), "cost": rec["cost"], "node_hours": rec["node_hours"],
+            "cpu_busy": rec["utilization"]["cpu_busy"]}
 
 
 def _run_passes(cfg, ray, units, work, staging, cpus, prior) -> dict:

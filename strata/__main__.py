@@ -7,7 +7,10 @@ import sys
 
 def main() -> None:
     commands = {"demo": "run the main job end to end on an embedded local Ray",
-                "submit": "submit preprocess, train or tune to a Ray cluster (see submit --help)"}
+                "submit": "submit preprocess, train or tune to a Ray cluster (see submit --help)",
+                "runs": "list every recorded run with its cost and key figures",
+                "report": "summarise one run and write an HTML report with plots: report RUN",
+                "plan": "estimate wall time and cost of a workload on each node type"}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         print("usage: python -m strata COMMAND [args]\n\ncommands:")
         for name, what in commands.items():
@@ -17,6 +20,14 @@ def main() -> None:
         from strata.demo import main as demo
 
         demo(sys.argv[2:])
+    elif sys.argv[1] in ("runs", "report"):
+        from strata.report import main as report
+
+        sys.exit(report(sys.argv[1:]))
+    elif sys.argv[1] == "plan":
+        from strata.plan import main as plan
+
+        sys.exit(plan(sys.argv[2:]))
     elif sys.argv[1] == "submit":
         from strata.submit import main as submit
 

@@ -92,6 +92,10 @@ class Storage:
     def sweep(self, name: str) -> str:
         return join(self.root, "sweeps", check_name(name, "sweep name"))
 
+    def records(self) -> str:
+        """One JSON record per run of any kind (`python -m strata runs` lists them)."""
+        return join(self.root, "records")
+
 
 def read_json(path: str) -> dict:
     fs, p = filesystem(path)

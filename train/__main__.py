@@ -22,9 +22,19 @@ from strata import tiers
 from strata.cli import add_config_arguments, finish, overrides
 from strata.cli import parser as cli_parser
 from strata.connect import connect
+from strata.cost import UsageMonitor
 from strata.dataset import DatasetError, check_compatible, resolve
+from strata.records import write_record
 from strata.runinfo import run_info
-from strata.storage import Storage, check_name, exists, filesystem, join, write_json_atomic
+from strata.storage import (
+    Storage,
+    check_name,
+    exists,
+    filesystem,
+    join,
+    read_json,
+    write_json_atomic,
+)
 from train.checkpoint import committed_checkpoints, read_meta
 from train.loop import (
     TRAIN_PRESETS,
@@ -100,14 +110,15 @@ def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name:
                              failure_config=FailureConfig(max_failures=max_failures)),
     )
     started = time.time()
-    result = trainer.fit()
+    with UsageMonitor() as usage:
+        result = trainer.fit()
     history = read_metrics(run_dir)
     mine = [h for h in history if h["time"] >= started]
     checkpoint = result.checkpoint.path if result.checkpoint else None
     start_step = mine[0]["start_step"] if mine else (history[-1]["step"] if history else 0)
     steady = mine[1:] or mine  # the first report holds start-up (and compilation)
     last = mine[-1] if mine else {}
-    return {
+    summary = {
         "run": run_name, "path": run_dir, "dataset": version.ref, "strategy": train_cfg.strategy,
         "workers": workers, "use_gpu": use_gpu, **size,
         "start_step": start_step, "steps": (last["step"] - start_step) if mine else 0,
@@ -118,6 +129,21 @@ def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name:
         "checkpoint_blocked": last.get("checkpoint_blocked"),
         "checkpoint": checkpoint, "seconds": round(time.time() - started, 1),
     }
+    figures = {k: summary[k] for k in ("steps", "first_loss", "last_loss", "val_loss", "tokens_per_s",
+                                       "tokens_per_s_per_worker", "mfu", "data_wait", "checkpoint_blocked")}
+    rec = write_record(storage, record, name=run_name, beside=join(run_dir, "record.json"), usage=usage,
+                       work_nodes=_worker_nodes(run_dir, workers), figures=figures)
+    return {**summary, "cost": rec["cost"], "node_hours": rec["node_hours"], "cpu_busy": rec["utilization"]["cpu_busy"]}
+
+
+def _worker_nodes(run_dir: str, workers: int) -> list[str]:
+    """The nodes of this run's ranks (as each rank recorded at start)."""
+    out = []
+    for rank in range(workers):
+        path = join(run_dir, "workers", f"rank-{rank}.json")
+        if exists(path):
+            out.append(read_json(path)["node_id"])
+    return out
 
 
 def _best_of_sweep(storage: Storage, sweep: str) -> dict:

@@ -22,7 +22,9 @@ from strata import tiers
 from strata.cli import add_config_arguments, finish, overrides
 from strata.cli import parser as cli_parser
 from strata.connect import connect
+from strata.cost import UsageMonitor
 from strata.dataset import DatasetError, check_compatible, resolve
+from strata.records import write_record
 from strata.runinfo import run_info
 from strata.storage import (
     Storage,
@@ -82,7 +84,8 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
                                      train=asdict(TRAIN_PRESETS[model_preset]), sweep=asdict(cfg), space=space)
     tuner = make_tuner(trainable, cfg, space, sweep_dir, progress=progress, resume=resuming)
     started = time.time()
-    grid = tuner.fit()
+    with UsageMonitor() as usage:
+        grid = tuner.fit()
     trials = collect(grid, cfg, space)
     done = [t for t in trials if t["best"] is not None]
     if not done:
@@ -98,7 +101,16 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
     plots = write_plots(trials, space, cfg, sweep_dir)
     print(trials_table(trials), file=sys.stderr)
     counts = status_counts(trials)
+    hours = (usage.ended - usage.started) / 3600
+    figures = {"trials": len(trials), **{k.replace(" ", "_"): v for k, v in counts.items()},
+               "iterations": sum(t["iterations"] for t in trials), "best": best["best"], "metric": METRIC,
+               "trials_per_hour": len(trials) / hours if hours else None, "pack": cfg.pack_size,
+               "curves": [t["curve"] for t in sorted(done, key=lambda t: t["best"])[:5]]}
+    info = read_json(join(sweep_dir, "sweep.json"))
+    rec = write_record(storage, info, name=sweep_name, beside=join(sweep_dir, "record.json"), usage=usage,
+                       work_nodes=[t["node_id"] for t in trials if t["node_id"]], figures=figures)
     return {
+        "cost": rec["cost"], "node_hours": rec["node_hours"], "cpu_busy": rec["utilization"]["cpu_busy"],
         "sweep": sweep_name, "path": sweep_dir, "dataset": version.ref, "resumed": resuming,
         "trials": len(trials), "completed": counts["completed"] + counts["stopped early"],
         "stopped_early": counts["stopped early"], "errors": counts["error"], "tune_trials": len(grid),

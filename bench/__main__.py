@@ -1,0 +1,89 @@
+"""Every benchmark, one results file: `python -m bench` (what `make bench` runs).
+
+Runs each benchmark as its own process (its own embedded Ray), reads the JSON
+line each prints with --json and the ratio line it prints last, and writes
+bench/results/latest.json (everything, with the date and machine) and
+bench/results/latest.md (a table of the ratios). The README quotes its figures
+from there; `python -m strata plan` reads measured throughput from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "results"
+# name -> (module, arguments, what its last line's ratio means, target)
+BENCHMARKS = {
+    "preprocess": ("bench.preprocess", ["--mb", "100", "--memory-gb", "0.5"],
+                   "tier-1 throughput, pipeline / hand-written multiprocessing", ">= 0.9"),
+    "train.step": ("bench.train.step", [], "step time, TorchTrainer / plain PyTorch", "<= 1.05"),
+    "train.ingest": ("bench.train.ingest", [], "tokens/s delivered / consumed by the debug model", ">= 10"),
+    "train.checkpoint": ("bench.train.checkpoint", [], "wall time blocked by checkpoints", "< 1%"),
+    "tune": ("bench.tune", ["--asha-trials", "12"], "50,000-trial sweep: overhead per trial, driver memory",
+             "<= 10 ms, <= 60 MB/1,000"),
+}
+
+
+def run_one(module: str, args: list[str]) -> dict:
+    started = time.time()
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    proc = subprocess.run([sys.executable, "-m", module, *args, "--json"], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).resolve().parent.parent)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    result = next((json.loads(line) for line in reversed(lines) if line.startswith(("{", "["))), None)
+    return {"ok": proc.returncode == 0, "seconds": round(time.time() - started, 1), "result": result,
+            "last_line": lines[-1] if lines else "", "stdout": "\n".join(lines[-40:]),
+            "stderr_tail": proc.stderr[-2000:] if proc.returncode else ""}
+
+
+def machine() -> str:
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{os.cpu_count()} cores, {mem:.0f} GiB, {platform.machine()}, {platform.system()}"
+
+
+def markdown(results: dict) -> str:
+    lines = [f"# Benchmarks, {results['date']}", "", f"Machine: {results['machine']}. Total {results['seconds']:,.0f} s.",
+             "", "| benchmark | measures | target | result (its last line) | seconds |", "|---|---|---|---|---|"]
+    for name, (_, _, what, target) in BENCHMARKS.items():
+        r = results["benchmarks"].get(name)
+        if r is None:
+            continue
+        line = r["last_line"] if r["ok"] else f"FAILED: {r['stderr_tail'][-200:]}"
+        lines.append(f"| {name} | {what} | {target} | {line.replace('|', '/')} | {r['seconds']:,.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", action="append", choices=sorted(BENCHMARKS), help="run just these (repeatable)")
+    p.add_argument("--out", default=str(OUT), help="results directory (default bench/results)")
+    a = p.parse_args(argv)
+    started = time.time()
+    out = Path(a.out)
+    earlier = json.loads((out / "latest.json").read_text()) if a.only and (out / "latest.json").exists() else {}
+    results = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "benchmarks": earlier.get("benchmarks", {})}
+    for name, (module, args, _, _) in BENCHMARKS.items():
+        if a.only and name not in a.only:
+            continue
+        print(f"[bench] {name}: python -m {module} {' '.join(args)}", file=sys.stderr, flush=True)
+        r = results["benchmarks"][name] = run_one(module, args)
+        print(f"[bench] {name}: {'ok' if r['ok'] else 'FAILED'} in {r['seconds']:,.0f} s: {r['last_line']}",
+              file=sys.stderr, flush=True)
+    results["seconds"] = round(time.time() - started, 1)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "latest.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "latest.md").write_text(markdown(results))
+    print(markdown(results))
+    return 0 if all(r["ok"] for r in results["benchmarks"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""`python -m strata runs` lists every run with its cost; `python -m strata report RUN` explains one:
+a terminal summary, and an HTML page with plots (loss, throughput, utilization, cost)."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import io
+import json
+import sys
+
+from strata.records import describe_age, find_record, list_records
+from strata.storage import Storage, exists, filesystem, join, write_bytes_atomic
+
+
+def _money(v, currency="USD") -> str:
+    return "unpriced" if v is None else f"{v:,.4f} {currency}" if v < 1 else f"{v:,.2f} {currency}"
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
+def _headline(r: dict) -> str:
+    f = r.get("figures", {})
+    if r["kind"] == "train":
+        return f"{f.get('steps', 0)} steps, loss {f.get('last_loss') or 0:.3f}, {f.get('tokens_per_s') or 0:,.0f} tok/s"
+    if r["kind"] == "preprocess":
+        return f"{f.get('version')}: {f.get('tokens') or 0:,} tokens, {f.get('tokens_per_s') or 0:,.0f} tok/s"
+    return f"{f.get('trials', 0)} trials, best {f.get('metric', '')} {f.get('best') or 0:.4f}"
+
+
+def runs_table(records: list[dict]) -> str:
+    head = ["started", "kind", "name", "seconds", "node-h", "cost", "cpu busy", "result"]
+    rows = [[describe_age(r["started_at"]), r["kind"], r["name"], f"{r['seconds']:,.0f}", f"{r['node_hours']:.3f}",
+             _money(r["cost"], r.get("currency") or ""), _pct(r["utilization"]["cpu_busy"]), _headline(r)]
+            for r in records]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in [head, *rows])
+
+
+def summary(r: dict) -> str:
+    cur = r.get("currency") or ""
+    lines = [f"{r['kind']} run {r['name']} ({describe_age(r['started_at'])}, {r['seconds']:,.0f} s, "
+             f"code {r.get('code_version')}, ray {r.get('libraries', {}).get('ray')})",
+             f"  result       {_headline(r)}",
+             f"  cost         {_money(r['cost'], cur)} for {r['node_hours']:.3f} node-hours "
+             f"(prices as of {r.get('prices_as_of')})"]
+    for name, t in sorted(r["by_type"].items()):
+        price = "unpriced" if t["price_per_hour"] is None else f"{t['price_per_hour']}/h {t['market']}"
+        lines.append(f"    {name:<14} {t['nodes']} node(s), {t['hours']:.3f} h at {price}: {_money(t['cost'], cur)}")
+    u = r["utilization"]
+    lines.append(f"  utilization  CPU busy {_pct(u['cpu_busy'])}, GPU busy {_pct(u['gpu_busy'])}, "
+                 f"MFU {_pct(u['mfu'])}")
+    if u["cpu_busy"] is not None and u["cpu_busy"] < 0.5 and not u["gpu_busy"]:
+        lines.append("  note         the nodes were idle more than half the time: fewer or smaller nodes would do")
+    if u["gpu_busy"] is not None and u["gpu_busy"] < 0.5:
+        lines.append("  note         the GPUs were idle more than half the time: look at data wait and batch size")
+    return "\n".join(lines)
+
+
+def _png(fig) -> str:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def plots(r: dict, storage: Storage) -> dict[str, str]:
+    """{title: base64 PNG}: loss, throughput over time, utilization over time, cost by node type."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = {}
+    metrics = _train_metrics(r)
+    if metrics:
+        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], label="train loss")
+        val = [m for m in metrics if m.get("val_loss") is not None]
+        if val:
+            ax.plot([m["step"] for m in val], [m["val_loss"] for m in val], "o-", label="validation loss")
+        ax.set_xlabel("step"), ax.set_ylabel("loss"), ax.legend(), ax.grid(alpha=0.3)
+        out["Loss"] = _png(fig)
+        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        t0 = metrics[0]["time"]
+        ax.plot([m["time"] - t0 for m in metrics], [m.get("tokens_per_s", 0) for m in metrics])
+        ax.set_xlabel("seconds"), ax.set_ylabel("tokens/s"), ax.grid(alpha=0.3)
+        out["Throughput over time"] = _png(fig)
+    elif r["kind"] == "sweep" and r["figures"].get("curves"):
+        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        for i, curve in enumerate(r["figures"]["curves"]):
+            ax.plot(range(1, len(curve) + 1), curve, marker="o", label=f"#{i + 1}")
+        ax.set_xlabel("report"), ax.set_ylabel(r["figures"]["metric"]), ax.legend(), ax.grid(alpha=0.3)
+        out["Loss (best trials)"] = _png(fig)
+    if any(n["samples"] for n in r["nodes"]):
+        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        for n in r["nodes"]:
+            if n["samples"]:
+                t0 = r["started_at"]
+                ax.plot([s[0] - t0 for s in n["samples"]], [100 * s[1] for s in n["samples"]],
+                        label=f"{n['type']} {n['node_id'][:8]} CPU")
+                gpu = [(s[0] - t0, 100 * s[2]) for s in n["samples"] if s[2] is not None]
+                if gpu:
+                    ax.plot(*zip(*gpu, strict=True), "--", label=f"{n['type']} {n['node_id'][:8]} GPU")
+        ax.set_ylim(0, 105), ax.set_xlabel("seconds"), ax.set_ylabel("busy %"), ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        out["Utilization"] = _png(fig)
+    priced = {k: t["cost"] for k, t in r["by_type"].items() if t["cost"] is not None}
+    if priced:
+        fig, ax = plt.subplots(figsize=(6.4, 2 + 0.4 * len(priced)))
+        ax.barh(list(priced), list(priced.values()))
+        ax.set_xlabel(f"cost ({r.get('currency')})"), ax.grid(alpha=0.3, axis="x")
+        out["Cost by node type"] = _png(fig)
+    return out
+
+
+def _train_metrics(r: dict) -> list[dict]:
+    if r["kind"] != "train":
+        return []
+    path = join(r["outputs"], "metrics.jsonl")
+    if not exists(path):
+        return []
+    fs, p = filesystem(path)
+    with fs.open_input_stream(p) as f:
+        rows = [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
+    return [m for m in rows if "loss" in m and "step" in m and r["started_at"] - 5 <= m.get("time", 0) <= r["ended_at"] + 5]
+
+
+def html_page(r: dict, images: dict[str, str]) -> str:
+    figs = "\n".join(f"<h2>{html.escape(t)}</h2>\n<img alt='{html.escape(t)}' src='data:image/png;base64,{b}'>"
+                     for t, b in images.items())
+    rows = "\n".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(json.dumps(v))}</td></tr>"
+                     for k, v in sorted(r["figures"].items()) if k != "curves")
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>strata {html.escape(r['kind'])} run {html.escape(r['name'])}</title>
+<style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}pre{{background:#f4f4f4;padding:1em}}
+td{{padding:0.2em 1em;vertical-align:top}}img{{max-width:100%}}</style></head><body>
+<h1>{html.escape(r['kind'])} run {html.escape(r['name'])}</h1>
+<pre>{html.escape(summary(r))}</pre>
+<h2>Figures</h2><table>{rows}</table>
+{figs}
+<h2>Configuration</h2><pre>{html.escape(json.dumps(r.get('config'), indent=1))}</pre>
+</body></html>
+"""
+
+
+def report(ref: str, storage: Storage, out: str | None = None) -> tuple[str, str]:
+    """(terminal summary, path of the HTML page written)."""
+    r = find_record(storage, ref)
+    path = out or join(r["outputs"], f"report-{r['kind']}-{r['name']}.html")
+    write_bytes_atomic(path, html_page(r, plots(r, storage)).encode())
+    return summary(r), path
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m strata", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("runs", help="list every recorded run with its cost")
+    rp = sub.add_parser("report", help="summarise one run and write its HTML report")
+    rp.add_argument("run", help="a run's name, or KIND/NAME (kind: preprocess, train, sweep)")
+    rp.add_argument("--out", help="where to write the HTML page (default: beside the run's outputs)")
+    for s in sub.choices.values():
+        s.add_argument("--storage", help="storage root (default: $STRATA_STORAGE or ~/strata-data)")
+        s.add_argument("--json", action="store_true", help="print JSON instead")
+    a = p.parse_args(argv)
+    storage = Storage.from_env(a.storage)
+    if a.command == "runs":
+        records = list_records(storage)
+        if a.json:
+            print(json.dumps([{k: r[k] for k in ("kind", "name", "started_at", "seconds", "node_hours", "cost")}
+                              for r in records]))
+        else:
+            print(runs_table(records) if records else f"no runs recorded under {storage.records()}")
+        return 0
+    try:
+        text, path = report(a.run, storage, a.out)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps({"report": path}) if a.json else f"{text}\n  report       {path}")
+    return 0
