@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from strata import tiers
+from strata.runinfo import code_version
 
 MODULES = {"preprocess": "pipelines.preprocess", "train": "train", "tune": "tune"}
 SLOTS = {"hourly": 3600, "daily": 86400}
@@ -70,9 +71,10 @@ def runtime_env(working_dir: str, env_file: str | None) -> dict:
     if working_dir:
         env["working_dir"] = working_dir
         env["excludes"] = list(dict.fromkeys([*env.get("excludes", []), *SECRET_EXCLUDES]))
-    storage = os.environ.get("STRATA_STORAGE")
-    if storage:  # the submitter's storage wins over the file's default
-        env.setdefault("env_vars", {})["STRATA_STORAGE"] = storage
+    env_vars = env.setdefault("env_vars", {})
+    if storage := os.environ.get("STRATA_STORAGE"):  # the submitter's storage wins over the file's default
+        env_vars["STRATA_STORAGE"] = storage
+    env_vars.setdefault("STRATA_CODE_VERSION", code_version())  # the upload has no .git to ask
     return env
 
 
@@ -163,4 +165,5 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # the client's errors (refused token, unreachable head) are the user's to read
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    return 0 if r["status"] in ("SUCCEEDED", "PENDING", "RUNNING") or (a.no_wait and r["status"] != "FAILED") else 1
+    # A slot already submitted and still going, or a --no-wait submission, is not a failure.
+    return 0 if r["status"] in ("SUCCEEDED", "PENDING", "RUNNING") else 1

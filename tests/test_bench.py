@@ -40,3 +40,27 @@ def test_ingest_benchmark_prints_its_ratio_last(tmp_path):
     lines = _run("bench.train.ingest", "--seconds", "0.5", "--steps", "3", "--workdir", str(tmp_path))
     assert lines[-1].startswith("ratio delivered/consumed: ")
     assert float(lines[-1].rsplit(" ", 1)[1]) > 0
+
+
+@pytest.mark.slow
+def test_tune_benchmark_extrapolates_to_50000_trials_last():
+    lines = _run("bench.tune", "--trials", "200", "--baseline-trials", "10", "--asha-trials", "0", "--rounds", "1",
+                 "--max-concurrent", "4", "--json")
+    result = json.loads(lines[-2])
+    assert result["packed"]["trials"] == 200 and result["packed"]["pack"] == 50 and result["half"]["trials"] == 100
+    assert result["baseline"]["tune_trials"] == 10 and result["packed"]["tune_trials"] == 4
+    assert lines[-1].startswith("extrapolated to 50,000 trials (packs of 50): ")
+
+
+def test_the_results_table_has_a_row_per_benchmark_run():
+    sys.path.insert(0, REPO)
+    from bench.__main__ import BENCHMARKS, markdown
+
+    ok = {"ok": True, "seconds": 12.0, "last_line": "ratio delivered/consumed: 4571.0", "stderr_tail": ""}
+    bad = {"ok": False, "seconds": 3.0, "last_line": "", "stderr_tail": "Traceback ... boom"}
+    text = markdown({"date": "2026-11-30", "machine": "2 cores", "seconds": 15.0,
+                     "benchmarks": {"train.ingest": ok, "tune": bad}})
+    rows = [line for line in text.splitlines() if line.startswith("| train.") or line.startswith("| tune")]
+    assert len(rows) == 2
+    assert BENCHMARKS["train.ingest"][2] in rows[0] and "ratio delivered/consumed: 4571.0" in rows[0]
+    assert "FAILED" in rows[1] and "boom" in rows[1]

@@ -122,6 +122,11 @@ def test_strata_submit_runs_a_scheduled_slot_once(head, corpus, storage_root):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already submitted for this slot (SUCCEEDED); nothing to do" in again.stderr
     assert len(list_versions(Storage(storage_root), "slotted")) == 1
+    from strata.dataset import resolve
+    from strata.runinfo import code_version
+
+    # The upload has no .git: the submitter's code version travels with it.
+    assert resolve(Storage(storage_root), "slotted").manifest.run["code_version"] == code_version()
     jobs = _job(head, "list").stdout
     assert jobs.count("submission_id='strata-preprocess-slotted-20261130T100000'") == 1
 
