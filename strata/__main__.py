@@ -1,7 +1,8 @@
-"""strata's own commands: `python -m strata demo`."""
+"""strata's own commands: demo, submit, runs, report, plan (`python -m strata` lists them)."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -24,10 +25,8 @@ def main() -> None:
         from strata.report import main as report
 
         sys.exit(report(sys.argv[1:]))
-    elif sys.argv[1] == "plan":
-        from strata.plan import main as plan
-
-        sys.exit(plan(sys.argv[2:]))
+    elif sys.argv[1] == "plan":  # the planner thinks in model FLOPs, so it lives in train: run it, never import it
+        os.execv(sys.executable, [sys.executable, "-m", "train.plan", *sys.argv[2:]])
     elif sys.argv[1] == "submit":
         from strata.submit import main as submit
 

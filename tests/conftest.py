@@ -11,6 +11,7 @@ import os
 import random
 import shutil
 import tempfile
+import time
 
 import pytest
 
@@ -93,6 +94,16 @@ def ensure_local_ray():
 @pytest.fixture
 def local_ray(storage_root):
     return ensure_local_ray()
+
+
+def wait_for(predicate, what: str, timeout: float = 300) -> None:
+    """Poll `predicate` until true; a TimeoutError naming `what` after `timeout` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"timed out waiting for {what}")
 
 
 @contextlib.contextmanager

@@ -106,7 +106,7 @@ def test_train_and_sweep_runs_write_priced_records_and_reports(local_ray, datase
 
 
 def test_the_planner_prices_per_run_and_says_what_it_assumed(tmp_path):
-    from strata.plan import main
+    from train.plan import main
 
     env = {**os.environ, "STRATA_STORAGE": str(tmp_path)}  # no run records: assumptions or bench results
     out = subprocess.run([sys.executable, "-m", "strata", "plan", "--sweep-trials", "50000", "--steps", "40",

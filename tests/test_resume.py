@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from conftest import simulated_cluster
+from conftest import simulated_cluster, wait_for
 
 from strata import tiers
 from strata.storage import Storage
@@ -58,15 +58,6 @@ def _start(env, name, cfg):
     return thread, result
 
 
-def _wait(predicate, what, timeout=240):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"timed out waiting for {what}")
-
-
 def _node_of_rank(env, run_dir, rank):
     with open(os.path.join(run_dir, "workers", f"rank-{rank}.json")) as f:
         node_id = json.load(f)["node_id"]
@@ -103,7 +94,7 @@ def test_a_lost_node_resumes_from_the_latest_checkpoint_exactly(train_cluster):
     env = train_cluster
     run_dir = env["storage"].run("node-lost")
     thread, result = _start(env, "node-lost", _cfg())
-    _wait(lambda: committed_checkpoints(run_dir) and _steps_done(run_dir) >= 15, "a checkpoint and step 15")
+    wait_for(lambda: committed_checkpoints(run_dir) and _steps_done(run_dir) >= 15, "a checkpoint and step 15")
     victim = _node_of_rank(env, run_dir, 1)
     killed_at = _steps_done(run_dir)
     env["cluster"].remove_node(victim, allow_graceful=False)
@@ -128,13 +119,13 @@ def test_a_drained_node_checkpoints_before_it_goes_and_the_run_resumes_from_it(t
     env["cluster"].wait_for_nodes()
     run_dir = env["storage"].run("drained")
     thread, result = _start(env, "drained", _cfg(checkpoint_every=0))  # no periodic checkpoints at all
-    _wait(lambda: _steps_done(run_dir) >= 10, "step 10")
+    wait_for(lambda: _steps_done(run_dir) >= 10, "step 10")
     victim = _node_of_rank(env, run_dir, 1)
     accepted, why = GcsClient(address=env["cluster"].gcs_address).drain_node(
         victim.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), "spot reclaim (test)",
         int(time.time() * 1000) + 60_000)
     assert accepted, why
-    _wait(lambda: committed_checkpoints(run_dir), "the preemption checkpoint")
+    wait_for(lambda: committed_checkpoints(run_dir), "the preemption checkpoint")
     meta = read_meta(committed_checkpoints(run_dir)[0])
     assert meta["reason"] == "preemption" and meta["step"] < STEPS
     env["cluster"].remove_node(victim, allow_graceful=False)  # the reclaim

@@ -7,10 +7,9 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
-from conftest import REPO, simulated_cluster
+from conftest import REPO, simulated_cluster, wait_for
 
 from strata import tiers
 from strata.storage import Storage
@@ -24,15 +23,6 @@ pytestmark = pytest.mark.slow
 def spot_cluster(dataset, storage_root):
     with simulated_cluster([((tiers.Tier.SPOT,), 1)] * 2) as (cluster, nodes):
         yield {"cluster": cluster, "nodes": list(nodes), "dataset": dataset["ref"], "storage": Storage.from_env()}
-
-
-def _wait(predicate, what, timeout=300):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def _progress(sweep_dir) -> dict:
@@ -68,7 +58,7 @@ def test_a_killed_driver_resumes_the_sweep_when_the_command_is_rerun(spot_cluste
     env = {**os.environ, "RAY_ADDRESS": spot_cluster["cluster"].address}
     first = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait(lambda: _progress(sweep_dir).get("done", 0) >= 1 or first.poll() is not None, "a finished trial")
+        wait_for(lambda: _progress(sweep_dir).get("done", 0) >= 1 or first.poll() is not None, "a finished trial")
         assert first.poll() is None, first.communicate()[1][-3000:]
         assert _progress(sweep_dir)["done"] < 4 and glob.glob(os.path.join(sweep_dir, "experiment_state-*.json"))
         before = set(glob.glob(os.path.join(sweep_dir, "trial_*")))
@@ -101,7 +91,7 @@ def test_a_lost_spot_node_costs_its_trials_only_the_work_since_their_checkpoint(
     def checkpointed() -> int:  # packs with at least one config done and on record
         return len(glob.glob(os.path.join(sweep_dir, "trial_*", "checkpoint_*", "pack.json")))
 
-    _wait(lambda: checkpointed() >= 2 or not thread.is_alive(), "both packs to checkpoint")
+    wait_for(lambda: checkpointed() >= 2 or not thread.is_alive(), "both packs to checkpoint")
     assert thread.is_alive()
     victim = spot_cluster["nodes"][0]
     spot_cluster["cluster"].remove_node(victim, allow_graceful=False)

@@ -212,8 +212,6 @@ def asha_keeps(recorded: list[float], metric: float) -> bool:
     return not metric > float(np.nanpercentile(recorded, 100 / REDUCTION))
 
 
-
-
 def load_rows(version: DatasetVersion, split: str, limit: int) -> np.ndarray:
     """Up to `limit` rows (n, seq_len + 1) of a split, in manifest order."""
     out, n = [], 0

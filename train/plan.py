@@ -1,4 +1,6 @@
-"""`python -m strata plan`: where should a run go? Wall time and cost per run on each node type.
+"""`python -m strata plan` (or `python -m train.plan`): where should a run go? Wall time and cost per run
+on each node type. It lives in train because it plans in model FLOPs (train.model) and GPU peaks
+(train.hardware); `strata` imports none of the stage packages and starts it as a process.
 
     python -m strata plan --preprocess-tokens 2e10
     python -m strata plan --train gpt2-124m --tokens 1e10
@@ -23,6 +25,8 @@ from pathlib import Path
 
 from strata.cost import REPO, cluster_types, hourly_price, load_prices
 from strata.storage import Storage
+from train.hardware import PEAK_TFLOPS
+from train.model import describe, preset
 
 BENCH_RESULTS = REPO / "bench" / "results" / "latest.json"
 ASSUMED = {
@@ -45,8 +49,6 @@ def _measure(storage: Storage) -> dict:
         out["preprocess_tokens_per_s_per_core"] = (pre["tokens"] / pre["seconds"] / cores,
                                                    f"bench.preprocess ({bench.get('date')})")
     if (ing := bench.get("train.ingest", {}).get("result")) and ing.get("consumed_tokens_per_s"):
-        from train.model import describe, preset
-
         flops = describe(preset("debug"))["flops_per_token"]
         out["cpu_flops_per_core"] = (ing["consumed_tokens_per_s"] * flops, f"bench.train.ingest ({bench.get('date')})")
     if (tune := bench.get("tune", {}).get("result", {}).get("asha")) and tune["fifo"]["iterations"]:
@@ -81,8 +83,6 @@ def _gpu_flops(type_name: str, prices: dict, types: dict, measured: dict) -> tup
     gpu = prices["node_types"].get(type_name, {}).get("gpu")
     if not gpu:
         return None
-    from train.hardware import PEAK_TFLOPS
-
     peak = next((half for frag, half, _ in PEAK_TFLOPS if frag == gpu), None)
     if peak is None:
         return None
@@ -102,8 +102,6 @@ def plan(args, storage: Storage) -> dict:
             if t["cpus"] and "gpu" not in t["tiers"]:
                 options.append((name, args.preprocess_tokens / (rate * t["cpus"]), "cpu" in t["tiers"]))
     else:
-        from train.model import describe, preset
-
         model = preset(args.train or args.preset)
         fpt = describe(model)["flops_per_token"]
         cpu_rate, cpu_src = _get(measured, "cpu_flops_per_core")
@@ -219,3 +217,9 @@ def main(argv: list[str]) -> int:
         p.error(f"unknown preset {e}")
     print(json.dumps(result) if a.json else format_plan(result))
     return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))
