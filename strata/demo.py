@@ -52,6 +52,14 @@ def stage(title: str, module: str, *args: str) -> dict:
     return json.loads(last)
 
 
+def _cost(summary: dict) -> str:
+    return "unpriced" if summary.get("cost") is None else f"{summary['cost']:.4f}"
+
+
+def _busy(summary: dict) -> str:
+    return "-" if summary.get("cpu_busy") is None else f"{summary['cpu_busy']:.0%}"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m strata demo", description=__doc__)
     parser.add_argument("--steps", type=int, default=300, help="training steps (default: 300)")
@@ -85,6 +93,9 @@ def main(argv: list[str] | None = None) -> None:
                 data wait {tr['data_wait']:.1%}, checkpoints {tr['checkpoint_blocked']:.1%} of wall time
         sweep   {sw['completed']}/{sw['trials']} trials ({sw['iterations']} iterations, ASHA),
                 best {best['metric_name']} {best['metric']:.3f} with {json.dumps(best['config'])}
+        cost    preprocess {_cost(pre)}, train {_cost(tr)}, sweep {_cost(sw)} for {pre['node_hours'] + tr['node_hours'] + sw['node_hours']:.3f} node-hours
+                (prices.yaml charges 0 for the local node); CPU busy {_busy(pre)} / {_busy(tr)} / {_busy(sw)}
+                (`python -m strata runs`; `python -m strata report NAME` writes an HTML report)
         outputs dataset    {pre['path']}
                 checkpoint {tr['checkpoint']}
                 sweep      {sw['path']} (best config: {join(sw['path'], 'best.json')})
