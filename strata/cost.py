@@ -37,7 +37,7 @@ def load_prices(path: str | None = None) -> dict:
 
 
 def cluster_types(path: str | None = None) -> dict:
-    """cluster.yaml's node types: {name: {"cpus", "gpus", "market", "tiers"}}."""
+    """cluster.yaml's node types: {name: {"cpus", "gpus", "max_workers", "market", "tiers"}}."""
     p = Path(path or REPO / "cluster.yaml")
     if not p.exists():
         return {}
@@ -45,7 +45,7 @@ def cluster_types(path: str | None = None) -> dict:
     for name, t in yaml.safe_load(p.read_text())["available_node_types"].items():
         market = t["node_config"].get("InstanceMarketOptions", {}).get("MarketType", "on_demand")
         out[name] = {"cpus": t["resources"].get("CPU", 0), "gpus": t["resources"].get("GPU", 0),
-                     "market": "spot" if market == "spot" else "on_demand",
+                     "max_workers": t.get("max_workers") or 1, "market": "spot" if market == "spot" else "on_demand",
                      "tiers": sorted(tiers.tiers_of(t.get("labels") or {}))}
     return out
 

@@ -3,8 +3,6 @@ again under `records/` so that `python -m strata runs` finds every run of any ki
 
 from __future__ import annotations
 
-import time
-
 from strata.cost import UsageMonitor, load_prices
 from strata.storage import Storage, filesystem, join, read_json, write_json_atomic
 
@@ -61,7 +59,3 @@ def find_record(storage: Storage, ref: str) -> dict:
         raise FileNotFoundError(f"no run named {ref!r} under {storage.records()}"
                                 + (f"; runs: {', '.join(known[-20:])}" if known else "; no runs recorded yet"))
     return matches[-1]
-
-
-def describe_age(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(t))

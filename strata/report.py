@@ -9,9 +9,14 @@ import html
 import io
 import json
 import sys
+import time
 
-from strata.records import describe_age, find_record, list_records
+from strata.records import find_record, list_records
 from strata.storage import Storage, exists, filesystem, join, write_bytes_atomic
+
+
+def describe_age(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
 
 
 def _money(v, currency="USD") -> str:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from pathlib import Path
 
 from strata.cost import REPO, cluster_types, hourly_price, load_prices
 from strata.storage import Storage
@@ -134,8 +133,8 @@ def plan(args, storage: Storage) -> dict:
         hours = seconds / 3600
         rows.append({"type": name, "market": market, "fits_tier": fits, "node_hours": hours,
                      "price_per_hour": price, "cost": None if price is None else hours * price,
-                     "wall_hours_1_node": hours, "max_nodes": _max_workers(name),
-                     "wall_hours_max_nodes": hours / max(1, _max_workers(name))})
+                     "wall_hours_1_node": hours, "max_nodes": types[name]["max_workers"],
+                     "wall_hours_max_nodes": hours / types[name]["max_workers"]})
     priced = [r for r in rows if r["cost"] is not None]
     fit = [r for r in priced if r["fits_tier"]]
     best = min(fit, key=lambda r: r["cost"]) if fit else None
@@ -153,15 +152,6 @@ def _others(priced: list[dict], fit: list[dict], best: dict | None, tier: str) -
                      f"and {r['node_hours'] / best['node_hours']:,.1f}x the node-hours at "
                      f"{r['price_per_hour'] / best['price_per_hour']:,.2f}x the hourly price")
     return "".join(lines)
-
-
-def _max_workers(name: str) -> int:
-    import yaml
-
-    path = REPO / "cluster.yaml"
-    if not Path(path).exists():
-        return 1
-    return yaml.safe_load(path.read_text())["available_node_types"].get(name, {}).get("max_workers", 1) or 1
 
 
 def _why(best: dict | None, priced: list[dict], tier: str) -> str:

@@ -68,12 +68,13 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
     what = {"sweep": asdict(cfg), "dataset": version.ref, "preset": model_preset}
     resuming = tune.Tuner.can_restore(sweep_dir)
     if resuming:
-        before = read_json(join(sweep_dir, "sweep.json"))["config"]
-        if before != json.loads(json.dumps(what)):
-            raise ValueError(f"sweep {sweep_name} already exists with other settings ({before}); "
+        info = read_json(join(sweep_dir, "sweep.json"))
+        if info["config"] != json.loads(json.dumps(what)):
+            raise ValueError(f"sweep {sweep_name} already exists with other settings ({info['config']}); "
                              "rerun it with the same ones to resume it, or pick another --sweep name")
     else:
-        write_json_atomic(join(sweep_dir, "sweep.json"), run_info("sweep", what))
+        info = run_info("sweep", what)
+        write_json_atomic(join(sweep_dir, "sweep.json"), info)
     packed = cfg.pack_size > 1
     print(f"[tune] {'resuming' if resuming else 'starting'} sweep {sweep_name}: {cfg.num_samples} trials"
           f"{f' in {cfg.packs} packs of {cfg.pack_size}' if packed else ''} on {len(rows)} rows of {version.ref}",
@@ -106,7 +107,6 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
                "iterations": sum(t["iterations"] for t in trials), "best": best["best"], "metric": METRIC,
                "trials_per_hour": len(trials) / hours if hours else None, "pack": cfg.pack_size,
                "curves": [t["curve"] for t in sorted(done, key=lambda t: t["best"])[:5]]}
-    info = read_json(join(sweep_dir, "sweep.json"))
     rec = write_record(storage, info, name=sweep_name, beside=join(sweep_dir, "record.json"), usage=usage,
                        work_nodes=[t["node_id"] for t in trials if t["node_id"]], figures=figures)
     return {
