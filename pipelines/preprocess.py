@@ -15,6 +15,7 @@ import json
 import math
 import sys
 import time
+import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
@@ -30,14 +31,26 @@ from strata.dataset import (
     DatasetError,
     DocumentCounts,
     Shard,
+    abandoned_run_files,
+    check_extends,
     commit,
     list_versions,
     resolve,
     token_dtype,
 )
+from strata.lease import Lease, LeaseBusy
 from strata.records import write_record
 from strata.runinfo import run_info
-from strata.storage import Storage, check_name, filesystem, join, write_json_atomic
+from strata.storage import (
+    Storage,
+    check_name,
+    delete_dir,
+    filesystem,
+    join,
+    make_dirs,
+    write_bytes_atomic,
+    write_json_atomic,
+)
 from strata.tokenizer import TOKENIZER_FILE, check_spec
 
 
@@ -124,7 +137,7 @@ def _prior_state(earlier: list, cfg: PreprocessConfig) -> dict[str, list[str]]:
         for table in files:
             if table == "band" and state.get("params") != cfg.dedup.params():
                 continue  # different shingles/bands: signatures are not comparable
-            files[table] += [join(v.path, p) for p in state.get("files", {}).get(table, [])]
+            files[table] += [v.file(p) for p in state.get("files", {}).get(table, [])]
     return files
 
 
@@ -132,13 +145,33 @@ def _identity(f: dict) -> tuple:
     return f["path"], f["size"], f["mtime_ns"]
 
 
-def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "") -> dict:
+EXIT_BUSY = 75  # EX_TEMPFAIL: another run holds the dataset (with --no-wait)
+
+
+def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "", *, wait: bool = True) -> dict:
     """Run the three passes over what is new and commit a version; returns the summary.
 
-    Input files an earlier version consumed (same path, size and mtime) are
-    skipped; with nothing new, no version is made. A `run_id` (a scheduled
-    slot) that an earlier version already carries returns that version.
+    The run holds the dataset's lease from deciding what is new until its commit,
+    so concurrent runs (overlapping schedule slots, a person beside cron) publish
+    each input once: a second run waits, then processes only what is still new
+    (`wait=False` raises LeaseBusy instead). Input files an earlier version
+    consumed (same path, size and mtime) are skipped; with nothing new, no version
+    is made. A `run_id` (a scheduled slot) that an earlier version already carries
+    returns that version.
     """
+    lease = Lease(storage.dataset(cfg.dataset), f"dataset {cfg.dataset}",
+                  purpose=f"preprocess{f' run {run_id}' if run_id else ''}")
+    lease.acquire(wait=wait, log=_log)
+    try:
+        for leftover in abandoned_run_files(storage, cfg.dataset, lease.gen):
+            _log(f"deleting {leftover}: files of a run that ended before its commit")
+            delete_dir(leftover)
+        return _run_leased(cfg, storage, run_id, lease)
+    finally:
+        lease.release()
+
+
+def _run_leased(cfg: PreprocessConfig, storage: Storage, run_id: str, lease: Lease) -> dict:
     import ray
 
     started = time.time()
@@ -146,6 +179,10 @@ def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "") -> dict:
     if run_id and (done := next((v for v in earlier if v.manifest.run_id == run_id), None)):
         _log(f"run {run_id!r} already produced {done.ref}: nothing to do")
         return {**_summary(done), "already_existed": True}
+    parent = earlier[-1] if earlier else None
+    if parent and not cfg.pack.tokenizer.startswith("train:"):
+        check_extends(parent, _tokenizer(cfg, _tokenizer_definition(cfg, None, None, [], None)).info(),
+                      cfg.pack.seq_len)
     files = list_inputs(list(cfg.read.inputs))
     if cfg.read.incremental:
         consumed = {_identity(f) for v in earlier for f in v.manifest.inputs if "mtime_ns" in f}
@@ -166,30 +203,25 @@ def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "") -> dict:
     total_bytes = sum(f["size"] for f in files)
     _log(f"{len(files)} input files, {total_bytes / 1e6:.1f} MB in {len(units)} work units")
 
-    staging = storage.staging(cfg.dataset)
+    staging = storage.run_files(cfg.dataset, f"g{lease.gen:08d}-{uuid.uuid4().hex[:8]}")
     work = join(staging, "_work")
-    fs, staging_path = filesystem(staging)
-    for sub in (join(work, "docs"), join(work, "packed"), join(staging, "dedup")):
-        fs.create_dir(filesystem(sub)[1])
+    make_dirs(join(work, "docs"), join(work, "packed"), join(staging, "dedup"))
     record = run_info("preprocess", {**asdict(cfg), "run_id": run_id})
     write_json_atomic(join(staging, "run.json"), record)
     try:
         with UsageMonitor() as usage:
-            stats = _run_passes(cfg, ray, units, work, staging, cpus, _prior_state(earlier, cfg))
-        fs.delete_dir(filesystem(work)[1])
+            stats = _run_passes(cfg, ray, units, work, staging, cpus, _prior_state(earlier, cfg), parent)
+        delete_dir(work)
         if not stats["shards"]:
-            fs.delete_dir(staging_path)
+            delete_dir(staging)
             _log("no document survived: no version created")
             return _empty_summary(cfg, started, "no rows", stats)
-        if run_id and any(v.manifest.run_id == run_id for v in _earlier(storage, cfg)):
-            raise DatasetError(f"run {run_id!r} was committed by another process meanwhile")
-        version = _commit(cfg, storage, staging, files, record, stats, started, cpus, total_bytes, run_id)
+        version = _commit(cfg, storage, staging, files, record, stats, started, cpus, total_bytes, run_id, lease)
     except BaseException:
-        fs.delete_dir(staging_path)  # a failed run leaves no staging behind
+        delete_dir(staging)  # a failed run leaves nothing behind (a killed one: the next writer cleans up)
         raise
-    table = version.manifest.stats
-    figures = {k: table.get(k) for k in ("documents", "tokens", "bytes", "mb_per_s_per_cpu", "tokens_per_s_per_cpu",
-                                          "peak_worker_rss_mb")}
+    figures = {k: version.manifest.stats.get(k) for k in ("documents", "tokens", "bytes", "mb_per_s_per_cpu",
+                                                          "tokens_per_s_per_cpu", "peak_worker_rss_mb")}
     figures["tokens_per_s"] = version.manifest.tokens / max(usage.ended - usage.started, 1e-9)
     figures["version"] = version.manifest.version
     rec = write_record(storage, record, name=cfg.dataset, usage=usage, work_nodes=stats["nodes"], figures=figures,
@@ -198,7 +230,7 @@ def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "") -> dict:
             "cpu_busy": rec["utilization"]["cpu_busy"]}
 
 
-def _run_passes(cfg, ray, units, work, staging, cpus, prior) -> dict:
+def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> dict:
     from pipelines.dedup import DedupIndex
     from pipelines.pack import DedupTokenizePack, read_clean_sign, write_shard
 
@@ -226,7 +258,7 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior) -> dict:
         s, n_index, [join(work, "docs", f) for f in docs_files], prior, tables) for s in range(n_index)]
     try:
         sizes = ray.get([i.sizes.remote() for i in index])
-        definition = _tokenizer_definition(cfg, ray, work, docs_files, on_cpu)
+        definition = _tokenizer_definition(cfg, ray, work, docs_files, on_cpu, parent)
 
         # Pass 2: drop duplicates, tokenize, pack; one work file of rows per document file.
         _log("pass 2/3: read, clean, tokenize, pack (fused)" if fused else "pass 2/3: deduplicate, tokenize, pack")
@@ -289,7 +321,10 @@ def _add_samples(samples: dict, row: dict) -> None:
         samples.setdefault(k, []).extend(v[: 3 - len(samples.get(k, []))])
 
 
-def _tokenizer_definition(cfg, ray, work, docs_files, on_cpu) -> str | None:
+def _tokenizer_definition(cfg, ray, work, docs_files, on_cpu, parent=None) -> str | None:
+    if cfg.pack.tokenizer.startswith("train:") and parent is not None:
+        _log(f"reusing the tokenizer of {parent.ref}: a version extends the previous one")
+        return parent.tokenizer_definition()
     if cfg.pack.tokenizer.startswith("train:"):
         _log(f"training a byte-level BPE tokenizer ({cfg.pack.tokenizer})")
         return ray.get(ray.remote(_train_tokenizer).options(label_selector=on_cpu).remote(
@@ -365,15 +400,13 @@ def _table(stats: dict | None, started: float, cpus: float, total_bytes: int) ->
     }
 
 
-def _commit(cfg, storage, staging, files, record, stats, started, cpus, total_bytes, run_id):
+def _commit(cfg, storage, staging, files, record, stats, started, cpus, total_bytes, run_id, lease):
     docs = _accounting(stats)
     shards = sorted((Shard(path=s["path"], split=s["split"], rows=s["rows"], tokens=s["tokens"])
                      for s in stats["shards"]), key=lambda s: s.path)
     tok = stats["tokenizer"]
     if stats["definition"]:
-        fs, p = filesystem(join(staging, TOKENIZER_FILE))
-        with fs.open_output_stream(p) as f:
-            f.write(stats["definition"].encode())
+        write_bytes_atomic(join(staging, TOKENIZER_FILE), stats["definition"].encode())
     table = _table(stats, started, cpus, total_bytes)
     write_json_atomic(join(staging, "rejects.json"), {"counts": docs.reasons, "samples": stats["samples"]})
     record.update(finished_at=time.time(), work_nodes=stats["nodes"])
@@ -381,15 +414,16 @@ def _commit(cfg, storage, staging, files, record, stats, started, cpus, total_by
         tokenizer=tok.info(), seq_len=cfg.pack.seq_len, dtype=token_dtype(tok.vocab_size), shards=shards,
         documents=docs, tokens=table["tokens"], inputs=files, run=record, stats=table, rejects="rejects.json",
         run_id=run_id,
-        dedup={"params": cfg.dedup.params(), "files": stats["dedup_files"], "index_entries": stats["index"]}))
+        dedup={"params": cfg.dedup.params(), "files": stats["dedup_files"], "index_entries": stats["index"]}),
+        lease=lease)
 
 
 def _summary(version) -> dict:
     m = version.manifest
-    return {"dataset": m.dataset, "version": m.version, "path": version.path,
+    return {"dataset": m.dataset, "version": m.version, "path": version.path, "parent": m.parent,
             "documents": m.stats["documents"], "reasons": m.documents.reasons, "tokens": m.tokens,
-            "sequences": sum(s.rows for s in m.shards), "shards": len(m.shards), "stats": m.stats,
-            "run_id": m.run_id, "already_existed": False}
+            "sequences": sum(s.rows for s in m.added()), "shards": len(m.added()), "stats": m.stats,
+            "snapshot": m.totals, "run_id": m.run_id, "already_existed": False}
 
 
 def _empty_summary(cfg, started: float, why: str, stats: dict | None = None) -> dict:
@@ -430,6 +464,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--preset", default="debug", choices=sorted(PRESETS), help="config preset (default: debug)")
     parser.add_argument("--run-id", default="", help="idempotency key (e.g. the scheduled slot): a run id "
                         "that already produced a version returns it instead of running again")
+    parser.add_argument("--no-wait", action="store_true", help="when another run is writing the dataset, exit "
+                        f"at once with code {EXIT_BUSY} instead of waiting for it")
     for cls in STAGES.values():
         add_config_arguments(parser, cls)
     args = parser.parse_args(argv)
@@ -440,7 +476,10 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         if args.run_id:
             check_name(args.run_id, "run id")
-        summary = run(cfg, Storage.from_env(args.storage), run_id=args.run_id)
+        summary = run(cfg, Storage.from_env(args.storage), run_id=args.run_id, wait=not args.no_wait)
+    except LeaseBusy as e:
+        print(f"error: {e}; not waiting (--no-wait): its inputs are left for a later run", file=sys.stderr)
+        sys.exit(EXIT_BUSY)
     except (FileNotFoundError, DatasetError, ValueError) as e:
         sys.exit(f"error: {e}")
     if summary["already_existed"]:

@@ -1,9 +1,12 @@
 """The versioned dataset contract between tier 1 (writes) and tier 2 (reads).
 
-A dataset is a directory of immutable versions. Tier 1 writes shards into a
-staging directory, renames it to the next free `vNNNN` and writes
-`manifest.json` last; a version without a manifest is invisible, so a crashed
-run leaves nothing a reader could mistake for complete.
+A dataset is a directory of immutable versions; each version is a snapshot of
+the whole dataset: the previous version's shards (referenced, never copied)
+plus what its run added. A run writes its files under `data/<tag>/`, then
+publishes the version by creating `vNNNN/manifest.json` with one conditional
+create (`create_exclusive`): exactly one writer gets a number, and a version
+is visible whole or not at all. A crashed run leaves only unreferenced files
+under `data/`, which the next writer holding the dataset's lease deletes.
 
 One parquet row is one packed training sequence: `seq_len + 1` token ids in a
 fixed-size list column (inputs are row[:-1], targets row[1:]).
@@ -11,18 +14,31 @@ fixed-size list column (inputs are row[:-1], targets row[1:]).
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from strata.storage import Storage, exists, filesystem, join, read_json, write_json_atomic
+from strata.storage import (
+    Storage,
+    create_exclusive,
+    delete,
+    delete_dir,
+    exists,
+    filesystem,
+    join,
+    list_dir,
+    read_bytes,
+    read_json,
+)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 TOKENS = "tokens"
 SPLITS = ("train", "validation")
 MANIFEST = "manifest.json"
@@ -57,19 +73,21 @@ class TokenizerInfo:
     hash: str
     """Hash of the tokenizer's definition: equal hash, equal token ids."""
     file: str = ""
-    """Its definition file, relative to the version directory (none for `bytes`)."""
+    """Its definition file, relative to the dataset directory (none for `bytes`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Shard:
     path: str
-    """Path relative to the version directory."""
+    """Path relative to the dataset directory (e.g. `data/<tag>/train-00000.parquet`)."""
     split: str
     """`train` or `validation`."""
     rows: int
     """Packed sequences in the file."""
     tokens: int
     """Token ids in the file (rows * (seq_len + 1))."""
+    version: str = ""
+    """The version whose run added this shard."""
 
 
 @dataclass(kw_only=True)
@@ -97,19 +115,27 @@ class Manifest:
     seq_len: int
     dtype: str
     shards: list[Shard]
+    """Every shard of the snapshot: the parent's, then this run's (each says which version added it)."""
     documents: DocumentCounts
+    """This run's documents: every one read is kept, filtered, duplicate or rejected."""
     tokens: int
-    """Tokens of the kept documents, end-of-text ids included, before packing."""
+    """Tokens of this run's kept documents, end-of-text ids included, before packing."""
     inputs: list[dict]
-    """The input files consumed: path, size, mtime."""
+    """The input files this run consumed: path, size, mtime."""
     run: dict
     """Resolved config, code and library versions of the run that wrote it."""
+    parent: str = ""
+    """The version this snapshot extends (empty for the first)."""
+    totals: dict = field(default_factory=dict)
+    """The whole snapshot: versions, inputs, documents by status, tokens, rows by split, shards."""
+    files: str = ""
+    """This run's directory, relative to the dataset directory (`data/<tag>`)."""
     stats: dict = field(default_factory=dict)
     """The run's summary table: counts by rule and reason, bytes, tokens, throughput."""
     dedup: dict = field(default_factory=dict)
     """Dedup parameters and the state files later versions deduplicate against."""
     rejects: str = ""
-    """The rejects report (counts and samples by reason), relative to the version directory."""
+    """The rejects report (counts and samples by reason), relative to the dataset directory."""
     run_id: str = ""
     """The idempotency key of the run that wrote it (e.g. a scheduled slot), if any."""
     schema_version: int = SCHEMA_VERSION
@@ -119,6 +145,10 @@ class Manifest:
 
     def packed_tokens(self, split: str | None = None) -> int:
         return sum(s.tokens for s in self.shards if split in (None, s.split))
+
+    def added(self) -> list[Shard]:
+        """The shards this version's run added."""
+        return [s for s in self.shards if s.version == self.version]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -138,7 +168,7 @@ class Manifest:
 
 @dataclass(frozen=True)
 class DatasetVersion:
-    """A committed version: its directory and manifest."""
+    """A committed version: its directory (where the manifest is), the dataset's, and the manifest."""
 
     path: str
     manifest: Manifest
@@ -147,16 +177,22 @@ class DatasetVersion:
     def ref(self) -> str:
         return f"{self.manifest.dataset}@{self.manifest.version}"
 
+    @property
+    def root(self) -> str:
+        """The dataset directory, which every path in the manifest is relative to."""
+        return self.path.rstrip("/").rsplit("/", 1)[0] if "://" in self.path else os.path.dirname(self.path)
+
+    def file(self, rel: str) -> str:
+        return join(self.root, *rel.split("/"))
+
     def shard_paths(self, split: str) -> list[str]:
-        return [join(self.path, s.path) for s in self.manifest.shards if s.split == split]
+        return [self.file(s.path) for s in self.manifest.shards if s.split == split]
 
     def tokenizer_definition(self) -> str | None:
         """The tokenizer file's text, for tokenizers that have one."""
         if not self.manifest.tokenizer.file:
             return None
-        fs, p = filesystem(join(self.path, self.manifest.tokenizer.file))
-        with fs.open_input_stream(p) as f:
-            return f.read().decode()
+        return read_bytes(self.file(self.manifest.tokenizer.file)).decode()
 
 
 def read_rows(path: str) -> np.ndarray:
@@ -167,19 +203,14 @@ def read_rows(path: str) -> np.ndarray:
 
 
 def list_versions(storage: Storage, name: str) -> list[str]:
-    """Committed versions of `name`, oldest first. Uncommitted directories are skipped."""
-    fs, base = filesystem(storage.dataset(name))
-    infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
-    found = []
-    for info in infos:
-        m = _VERSION_RE.match(info.base_name)
-        if m and info.type == pafs.FileType.Directory and exists(join(storage.dataset(name), info.base_name, MANIFEST)):
-            found.append((int(m.group(1)), info.base_name))
-    return [v for _, v in sorted(found)]
+    """Committed versions of `name`, oldest first. Directories without a manifest are skipped."""
+    base = storage.dataset(name)
+    found = [(int(m.group(1)), n) for n, d in list_dir(base) if d and (m := _VERSION_RE.match(n))]
+    return [v for _, v in sorted(found) if exists(join(base, v, MANIFEST))]
 
 
 def resolve(storage: Storage, ref: str) -> DatasetVersion:
-    """`NAME` (latest version) or `NAME@VERSION` to a committed version."""
+    """`NAME` (the newest snapshot) or `NAME@VERSION` to a committed version."""
     name, _, version = ref.partition("@")
     versions = list_versions(storage, name)
     if not versions:
@@ -191,38 +222,112 @@ def resolve(storage: Storage, ref: str) -> DatasetVersion:
     return DatasetVersion(path, Manifest.from_dict(read_json(join(path, MANIFEST))))
 
 
-def commit(storage: Storage, name: str, staging: str, manifest_fields: dict) -> DatasetVersion:
-    """Publish a staging directory as the next version; the manifest goes last.
+def latest(storage: Storage, name: str) -> DatasetVersion | None:
+    versions = list_versions(storage, name)
+    return resolve(storage, f"{name}@{versions[-1]}") if versions else None
 
-    `manifest_fields` are the Manifest fields except `dataset`, `version` and
-    `created_at`. Renaming onto an existing (non-empty) version fails, so two
-    writers racing for one number end with two distinct versions.
+
+FAILPOINT = "STRATA_FAILPOINT"  # `before-commit`: the process kills itself there (crash tests)
+
+
+def commit(storage: Storage, name: str, files: str, manifest_fields: dict, *, lease=None) -> DatasetVersion:
+    """Publish this run's shards as the next snapshot, in one conditional create of its manifest.
+
+    `files` is the run's directory (`storage.run_files`); `manifest_fields` are the
+    Manifest fields except `dataset`, `version`, `created_at`, `parent`, `totals`
+    and `files`, with shard, tokenizer and rejects paths relative to `files`. The
+    snapshot is built on the newest version at the moment of commit; a writer that
+    loses the race for a number rebuilds on the winner and takes the next. With a
+    `lease`, a writer that lost it commits nothing.
     """
-    fs, staging_path = filesystem(staging)
-    if fs.get_file_info(staging_path).type != pafs.FileType.Directory:
-        raise DatasetError(f"nothing staged at {staging}")
-    for _ in range(100):
-        existing = [int(_VERSION_RE.match(v).group(1)) for v in _version_dirs(storage, name)]
-        version = f"v{max(existing, default=0) + 1:04d}"
-        _, target = filesystem(join(storage.dataset(name), version))
-        try:
-            fs.move(staging_path, target)
-            break
-        except OSError:
-            continue  # lost a race for this number: take the next
-    else:
-        raise DatasetError(f"could not allocate a version for dataset {name!r}")
-    manifest = Manifest(dataset=name, version=version, created_at=time.time(), **manifest_fields)
-    path = join(storage.dataset(name), version)
-    write_json_atomic(join(path, MANIFEST), manifest.to_dict())
-    return DatasetVersion(path, manifest)
+    base = storage.dataset(name)
+    rel = files[len(base):].strip("/").replace(os.sep, "/")
+    if not files.startswith(base) or not rel:
+        raise DatasetError(f"{files} is not a run directory of dataset {name!r}")
+    fields = dict(manifest_fields)
+    new_shards = [Shard(**{**asdict(s), "path": f"{rel}/{s.path}"}) for s in fields.pop("shards")]
+    if (tok := fields["tokenizer"]).file:
+        fields["tokenizer"] = TokenizerInfo(**{**asdict(tok), "file": f"{rel}/{tok.file}"})
+    if fields.get("rejects"):
+        fields["rejects"] = f"{rel}/{fields['rejects']}"
+    if fields.get("dedup", {}).get("files"):
+        fields["dedup"] = {**fields["dedup"], "files": {t: [f"{rel}/{p}" for p in ps]
+                                                       for t, ps in fields["dedup"]["files"].items()}}
+    if os.environ.get(FAILPOINT) == "before-commit":
+        os.kill(os.getpid(), signal.SIGKILL)
+    for _ in range(1000):
+        parent = latest(storage, name)
+        if parent:
+            check_extends(parent, fields["tokenizer"], fields["seq_len"])
+        version = f"v{int(parent.manifest.version[1:]) + 1 if parent else 1:04d}"
+        shards = (parent.manifest.shards if parent else []) + [Shard(**{**asdict(s), "version": version})
+                                                                for s in new_shards]
+        manifest = Manifest(dataset=name, version=version, created_at=time.time(), shards=shards, files=rel,
+                            parent=parent.manifest.version if parent else "",
+                            totals=_totals(parent, shards, fields), **fields)
+        if lease is not None:
+            lease.check()
+        path = join(base, version)
+        data = (json.dumps(manifest.to_dict(), indent=2, sort_keys=True) + "\n").encode()
+        if create_exclusive(join(path, MANIFEST), data):
+            return DatasetVersion(path, manifest)
+    raise DatasetError(f"could not commit a version of dataset {name!r}: 1000 writers won the race first")
 
 
-def _version_dirs(storage: Storage, name: str) -> list[str]:
-    """Every `vNNNN` directory, committed or not (numbers are never reused)."""
-    fs, base = filesystem(storage.dataset(name))
-    infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
-    return [i.base_name for i in infos if _VERSION_RE.match(i.base_name)]
+def _totals(parent: DatasetVersion | None, shards: list[Shard], fields: dict) -> dict:
+    before = parent.manifest.totals if parent else {}
+    docs = fields["documents"]
+    return {
+        "versions": before.get("versions", 0) + 1,
+        "inputs": before.get("inputs", 0) + len(fields["inputs"]),
+        "documents": {k: before.get("documents", {}).get(k, 0) + getattr(docs, k)
+                      for k in ("read", "kept", "filtered", "duplicate", "rejected")},
+        "tokens": before.get("tokens", 0) + fields["tokens"],
+        "rows": {split: sum(s.rows for s in shards if s.split == split) for split in SPLITS},
+        "packed_tokens": sum(s.tokens for s in shards),
+        "shards": len(shards),
+    }
+
+
+def check_extends(parent: DatasetVersion, tokenizer: TokenizerInfo, seq_len: int) -> None:
+    """A snapshot mixes shards of every version: they must share token ids and row length."""
+    m = parent.manifest
+    if m.tokenizer.hash != tokenizer.hash or m.seq_len != seq_len:
+        raise DatasetError(
+            f"dataset {parent.ref} has tokenizer {m.tokenizer.kind} {m.tokenizer.hash} and seq_len {m.seq_len}; "
+            f"this run's are {tokenizer.kind} {tokenizer.hash} and {seq_len}: a version extends the previous "
+            "one, so use the same tokenizer and seq_len, or another dataset name")
+
+
+def delete_version(storage: Storage, name: str, version: str) -> list[str]:
+    """Delete a version: only the newest, since every later snapshot references earlier shards.
+
+    Its manifest goes first (the version disappears at once), then the files its
+    run added. Returns the deleted run directory."""
+    versions = list_versions(storage, name)
+    if version not in versions:
+        raise DatasetError(f"dataset {name!r} has no version {version!r}")
+    if version != versions[-1]:
+        raise DatasetError(f"{name}@{version} is part of the later snapshots {', '.join(versions[versions.index(version) + 1:])}; "
+                           f"only the newest version ({versions[-1]}) can be deleted")
+    v = resolve(storage, f"{name}@{version}")
+    delete(join(v.path, MANIFEST))
+    delete_dir(v.path)
+    if v.manifest.files:
+        delete_dir(v.file(v.manifest.files))
+    return [v.file(v.manifest.files)] if v.manifest.files else []
+
+
+def abandoned_run_files(storage: Storage, name: str, before_gen: int) -> list[str]:
+    """Run directories under `data/` that no committed version references and that writers holding
+    an older lease generation left (crashed or killed before commit)."""
+    referenced = {resolve(storage, f"{name}@{v}").manifest.files for v in list_versions(storage, name)}
+    out = []
+    for tag, d in list_dir(join(storage.dataset(name), "data")):
+        m = re.match(r"^g(\d{8})-", tag)
+        if d and m and int(m.group(1)) < before_gen and f"data/{tag}" not in referenced:
+            out.append(storage.run_files(name, tag))
+    return out
 
 
 def check_compatible(version: DatasetVersion, *, vocab_size: int, seq_len: int,

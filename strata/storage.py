@@ -1,19 +1,31 @@
-"""The storage layout: every path strata writes, built from one root.
+"""The storage layout, and every read and write strata makes under it.
 
-The root comes from `STRATA_STORAGE` (a local directory, or an object-store URI
-such as `s3://bucket/strata`); it defaults to `~/strata-data`. A multi-node
-cluster needs a root every node can reach (object store or NFS).
+The root comes from `STRATA_STORAGE` (a local directory, NFS mount, or an
+object-store URI such as `s3://bucket/strata`); it defaults to `~/strata-data`.
+A multi-node cluster needs a root every node can reach (object store or NFS).
+S3-compatible stores (MinIO, Ceph, moto) are reached through the standard
+`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY` and
+`AWS_DEFAULT_REGION` variables, which pyarrow, boto3 and Ray all read.
 
-    <root>/datasets/<name>/v0001/manifest.json   a committed dataset version
-    <root>/datasets/<name>/_staging/<id>/        a version being written
+    <root>/datasets/<name>/vNNNN/manifest.json   a committed dataset version (a snapshot)
+    <root>/datasets/<name>/data/<id>/            the files one preprocess run wrote
+    <root>/datasets/<name>/_lease/               who is writing the dataset now
     <root>/runs/<name>/                          a training run
     <root>/sweeps/<name>/                        a sweep
+
+Object stores have no rename and no append. What must appear at once is
+written in one PUT (`write_bytes_atomic`), what must appear at most once is a
+conditional create (`create_exclusive`: S3 `If-None-Match: *`, a GCS
+generation precondition, a hard link on local disk and NFS), and jsonl logs
+go to bounded parts (`JsonlWriter`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,14 +36,14 @@ ENV_VAR = "STRATA_STORAGE"
 DEFAULT_ROOT = "~/strata-data"
 
 
-def _is_uri(path: str) -> bool:
+def is_uri(path: str) -> bool:
     return "://" in path
 
 
 def storage_root(root: str | None = None) -> str:
     """The storage root: `root`, else `$STRATA_STORAGE`, else `~/strata-data`."""
     root = root or os.environ.get(ENV_VAR) or DEFAULT_ROOT
-    if _is_uri(root) and not root.startswith("file://"):
+    if is_uri(root) and not root.startswith("file://"):
         return root.rstrip("/")
     if root.startswith("file://"):
         root = root[len("file://"):]
@@ -40,16 +52,20 @@ def storage_root(root: str | None = None) -> str:
 
 def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
     """A pyarrow filesystem and the path inside it, for a local path or a URI."""
-    if _is_uri(path):
+    if is_uri(path):
         return pafs.FileSystem.from_uri(path)
     return pafs.LocalFileSystem(), path
 
 
 def join(base: str, *parts: str) -> str:
     """Join path parts with `/` (object-store URIs) or the OS separator (local)."""
-    if _is_uri(base):
+    if is_uri(base):
         return "/".join([base.rstrip("/"), *parts])
     return os.path.join(base, *parts)
+
+
+def basename(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
 
 
 def check_name(name: str, what: str = "name") -> str:
@@ -76,9 +92,9 @@ class Storage:
     def dataset(self, name: str) -> str:
         return join(self.root, "datasets", check_name(name, "dataset name"))
 
-    def staging(self, name: str) -> str:
-        """A fresh staging directory for a dataset version being written."""
-        return join(self.dataset(name), "_staging", uuid.uuid4().hex[:12])
+    def run_files(self, name: str, tag: str) -> str:
+        """Where one preprocess run writes its files (referenced by manifests, never moved)."""
+        return join(self.dataset(name), "data", tag)
 
     def runs(self) -> str:
         return join(self.root, "runs")
@@ -97,33 +113,213 @@ class Storage:
         return join(self.root, "records")
 
 
-def read_json(path: str) -> dict:
+# ---- reads -------------------------------------------------------------------------------------
+
+def read_bytes(path: str) -> bytes:
     fs, p = filesystem(path)
     with fs.open_input_stream(p) as f:
-        return json.loads(f.read().decode())
+        return f.read()
 
+
+def read_json(path: str) -> dict:
+    return json.loads(read_bytes(path).decode())
+
+
+def exists(path: str) -> bool:
+    fs, p = filesystem(path)
+    return fs.get_file_info(p).type != pafs.FileType.NotFound
+
+
+def is_dir(path: str) -> bool:
+    fs, p = filesystem(path)
+    return fs.get_file_info(p).type == pafs.FileType.Directory
+
+
+def list_dir(path: str) -> list[tuple[str, bool]]:
+    """(name, is_directory) of each entry directly under `path`; empty when it does not exist."""
+    fs, p = filesystem(path)
+    infos = fs.get_file_info(pafs.FileSelector(p, allow_not_found=True))
+    return sorted((i.base_name, i.type == pafs.FileType.Directory) for i in infos)
+
+
+def list_files(path: str) -> list[str]:
+    """Every file under `path`, recursively, as paths relative to it."""
+    fs, p = filesystem(path)
+    infos = fs.get_file_info(pafs.FileSelector(p, allow_not_found=True, recursive=True))
+    base = p.rstrip("/") + "/"
+    return sorted(i.path[len(base):] for i in infos if i.type == pafs.FileType.File)
+
+
+# ---- writes ------------------------------------------------------------------------------------
 
 def write_json_atomic(path: str, obj: dict) -> None:
     """Write JSON so a reader sees the old file, or the whole new one, never a part."""
-    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+    write_bytes_atomic(path, _json_bytes(obj))
+
+
+def _json_bytes(obj) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
 
 
 def write_bytes_atomic(path: str, data: bytes) -> None:
     """Local: write a temp file, then rename over. Object stores: one PUT is atomic."""
     fs, p = filesystem(path)
-    fs.create_dir(p.rsplit("/", 1)[0])
     if isinstance(fs, pafs.LocalFileSystem):
-        tmp = f"{p}.tmp-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        tmp = _local_temp(p, data)
         os.replace(tmp, p)
     else:
         with fs.open_output_stream(p) as f:
             f.write(data)
 
 
-def exists(path: str) -> bool:
+def _local_temp(p: str, data: bytes) -> str:
+    """`data` in a durable temp file beside `p` (same directory: same filesystem for rename/link)."""
+    tmp = f"{p}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
+
+
+def create_exclusive(path: str, data: bytes) -> bool:
+    """Create `path` holding `data` if nothing is there; False if something already was.
+
+    Exactly one of any number of concurrent callers (on any machines) gets True,
+    and readers never see a partial file. Local disk and NFS: a complete temp
+    file hard-linked to its name (link fails on an existing name, atomically,
+    also over NFS). S3: PutObject with `If-None-Match: *`. GCS: an upload with
+    generation precondition 0.
+    """
+    if path.startswith("s3://"):
+        return _s3_create_exclusive(path, data)
+    if path.startswith(("gs://", "gcs://")):
+        return _gcs_create_exclusive(path, data)
+    if is_uri(path):
+        raise NotImplementedError(f"no conditional create for {path.split('://')[0]}:// storage; "
+                                  "use a local or NFS path, s3:// or gs://")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = _local_temp(path, data)
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(tmp)
+
+
+def _s3_client():
+    try:
+        import boto3
+    except ImportError as e:  # a dependency of strata; only a broken install lacks it
+        raise RuntimeError("s3:// storage needs boto3 for conditional writes: pip install boto3") from e
+    return boto3.client("s3")  # AWS_ENDPOINT_URL and the other AWS_* variables apply
+
+
+def _bucket_key(path: str) -> tuple[str, str]:
+    bucket, _, key = path.split("://", 1)[1].partition("/")
+    return bucket, key
+
+
+def _s3_create_exclusive(path: str, data: bytes) -> bool:
+    from botocore.exceptions import ClientError
+
+    bucket, key = _bucket_key(path)
+    try:
+        _s3_client().put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+        return True
+    except ClientError as e:
+        # 412: the key exists. 409: a concurrent conditional write to the key is in progress (it wins).
+        if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412):
+            return False
+        raise
+
+
+def _gcs_create_exclusive(path: str, data: bytes) -> bool:
+    try:
+        from google.api_core.exceptions import PreconditionFailed
+        from google.cloud import storage as gcs
+    except ImportError as e:
+        raise RuntimeError("gs:// storage needs google-cloud-storage for conditional writes: "
+                           "pip install google-cloud-storage") from e
+    bucket, key = _bucket_key(path)
+    try:
+        gcs.Client().bucket(bucket).blob(key).upload_from_string(data, if_generation_match=0)
+        return True
+    except PreconditionFailed:
+        return False
+
+
+def delete(path: str) -> None:
+    """Delete a file; nothing if it is not there."""
     fs, p = filesystem(path)
-    return fs.get_file_info(p).type != pafs.FileType.NotFound
+    with contextlib.suppress(FileNotFoundError):
+        fs.delete_file(p)
+
+
+def delete_dir(path: str) -> None:
+    """Delete a directory (prefix) and everything under it; nothing if it is not there."""
+    fs, p = filesystem(path)
+    if fs.get_file_info(p).type != pafs.FileType.NotFound:
+        fs.delete_dir(p)
+
+
+def make_dirs(*paths: str) -> None:
+    """Create local directories; object stores have none to create."""
+    for path in paths:
+        if not is_uri(path):
+            os.makedirs(path, exist_ok=True)
+
+
+# ---- jsonl logs --------------------------------------------------------------------------------
+
+PART_LINES = 500  # an object-store append rewrites at most this many lines
+
+
+class JsonlWriter:
+    """Appends JSON lines to `path`.
+
+    Local disk and NFS: one file, appended in place. Object stores (no append):
+    `path` is a prefix of parts `part-<start ns>-<n>.jsonl`; each append rewrites
+    only the current part, which closes at PART_LINES lines, so the cost of an
+    append stays bounded however long the run. `read_jsonl` reads either shape.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self.local = not is_uri(path)
+        self.started = time.time_ns()
+        self.part, self.lines = 0, []
+
+    def append(self, row: dict) -> None:
+        line = json.dumps(row) + "\n"
+        if self.local:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(line)
+            return
+        self.lines.append(line)
+        write_bytes_atomic(join(self.path, f"part-{self.started:020d}-{self.part:05d}.jsonl"),
+                           "".join(self.lines).encode())
+        if len(self.lines) >= PART_LINES:
+            self.part, self.lines = self.part + 1, []
+
+
+def append_jsonl(path: str, row: dict) -> None:
+    """One append (a writer of its own: on object stores, a part of its own)."""
+    JsonlWriter(path).append(row)
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """Every row of a jsonl log written by JsonlWriter (a file, or a prefix of parts), in order."""
+    fs, p = filesystem(path)
+    info = fs.get_file_info(p)
+    if info.type == pafs.FileType.NotFound:
+        return []
+    if info.type == pafs.FileType.File:
+        chunks = [read_bytes(path)]
+    else:
+        chunks = [read_bytes(join(path, name)) for name, d in list_dir(path) if not d and name.endswith(".jsonl")]
+    return [json.loads(line) for chunk in chunks for line in chunk.decode().splitlines() if line.strip()]

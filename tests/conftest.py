@@ -10,14 +10,31 @@ import contextlib
 import os
 import random
 import shutil
+import socket
 import tempfile
 import time
+import uuid
 
 import pytest
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
     os.environ.pop(var, None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# The S3 API server (moto, as Ray's own tests use) for s3:// storage. Set before any Ray starts, so
+# every Ray worker, and every subprocess, reaches it through the standard variables.
+# A subprocess that imports this module keeps its parent's endpoint.
+S3_ENDPOINT = os.environ.setdefault("STRATA_TEST_S3_ENDPOINT", f"http://127.0.0.1:{_free_port()}")
+os.environ.update({"AWS_ENDPOINT_URL": S3_ENDPOINT, "AWS_ACCESS_KEY_ID": "testing",
+                   "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+                   "AWS_EC2_METADATA_DISABLED": "true"})
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ["data", "model", "token", "train", "layer", "batch", "node", "cluster", "spot", "shard", "parquet", "ray", "tune", "loss", "step", "the", "a", "of", "and", "to", "in", "is", "for", "on", "with"]
@@ -62,6 +79,36 @@ def storage_root(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("storage"))
     os.environ["STRATA_STORAGE"] = root
     return root
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on 127.0.0.1, once per pytest run."""
+    from moto.server import ThreadedMotoServer
+
+    port = int(S3_ENDPOINT.rsplit(":", 1)[1])
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield S3_ENDPOINT
+    server.stop()
+
+
+@pytest.fixture
+def s3_root(s3_server):
+    """A fresh bucket for this test; returns the storage root URI inside it."""
+    import boto3
+
+    bucket = f"strata-{uuid.uuid4().hex[:10]}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/strata"
+
+
+@pytest.fixture(params=["local", "s3"])
+def any_root(request, tmp_path):
+    """The same test on local disk and on the S3 server."""
+    if request.param == "local":
+        return str(tmp_path / "storage")
+    return request.getfixturevalue("s3_root")
 
 
 @pytest.fixture(scope="session")

@@ -41,14 +41,14 @@ def _shards(storage, summary):
     v = resolve(storage, f"{summary['dataset']}@{summary['version']}")
     out = {}
     for s in v.manifest.shards:
-        with open(os.path.join(v.path, s.path), "rb") as f:
-            out[s.path] = f.read()
+        with open(v.file(s.path), "rb") as f:
+            out[os.path.basename(s.path)] = f.read()
     return out
 
 
 def _wait_for_work(storage, name, timeout=120):
     """Block until the run has written its first work file (so it is mid-run)."""
-    staging = os.path.join(storage.dataset(name), "_staging")
+    staging = os.path.join(storage.dataset(name), "data")
     deadline = time.time() + timeout
     while time.time() < deadline:
         if os.path.isdir(staging):
@@ -79,7 +79,8 @@ def test_a_killed_driver_publishes_nothing_and_a_rerun_is_correct(crash_env):
     storage, ref, root = crash_env["storage"], crash_env["reference"], crash_env["root"]
     cmd = [sys.executable, "-m", "pipelines.preprocess", "--input", root, "--dataset", "driver-killed",
            "--split-bytes", str(1 << 16), "--json"]
-    env = {**os.environ, "RAY_ADDRESS": crash_env["cluster"].address}
+    # A short lease: the rerun below waits for the killed driver's lease to expire.
+    env = {**os.environ, "RAY_ADDRESS": crash_env["cluster"].address, "STRATA_LEASE_TTL_S": "5"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         _wait_for_work(storage, "driver-killed")
@@ -88,9 +89,11 @@ def test_a_killed_driver_publishes_nothing_and_a_rerun_is_correct(crash_env):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert list_versions(storage, "driver-killed") == []  # nothing visible
-    staged = os.listdir(os.path.join(storage.dataset("driver-killed"), "_staging"))
-    assert staged, "the killed run should have left its (invisible) staging behind"
+    staged = os.listdir(os.path.join(storage.dataset("driver-killed"), "data"))
+    assert staged, "the killed run should have left its (invisible) files behind"
     rerun = run(_cfg("driver-killed", root), storage)
     assert list_versions(storage, "driver-killed") == [rerun["version"]]
+    left = os.listdir(os.path.join(storage.dataset("driver-killed"), "data"))
+    assert not set(staged) & set(left), "the rerun should have deleted the killed run's files"
     assert rerun["documents"] == ref["documents"] and rerun["tokens"] == ref["tokens"]
     assert _shards(storage, rerun) == _shards(storage, ref)

@@ -41,14 +41,15 @@ def test_version_is_committed_with_a_complete_manifest(dataset, corpus):
     assert m.run["config"]["pack"]["seq_len"] == 128 and m.run["code_version"] and m.run["libraries"]["ray"]
     assert m.stats["tokens"] == m.tokens and m.stats["shards"] == len(m.shards)
     assert m.stats["mb_per_s_per_cpu"] > 0 and m.stats["tokens_per_s_per_cpu"] > 0
-    assert sorted(os.listdir(v.path)) == sorted(["manifest.json", "run.json", "rejects.json", "dedup"]
-                                                + [s.path for s in m.shards])  # no work files left
+    assert os.listdir(v.path) == ["manifest.json"] and m.files.startswith("data/")
+    assert sorted(os.listdir(v.file(m.files))) == sorted(["run.json", "rejects.json", "dedup"]
+                                                         + [os.path.basename(s.path) for s in m.shards])  # no work files
     for shard in m.shards:
-        table = pq.read_table(os.path.join(v.path, shard.path))
+        table = pq.read_table(v.file(shard.path))
         t = table.schema.field("tokens").type
         assert table.num_rows == shard.rows and table.column_names == ["tokens"]
         assert pa.types.is_fixed_size_list(t) and t.list_size == 129 and t.value_type == pa.uint16()
-    with open(os.path.join(v.path, "rejects.json")) as f:
+    with open(v.file(m.rejects)) as f:
         rejects = json.load(f)
     assert rejects["counts"] == dataset["reasons"]
     assert set(rejects["samples"]) == set(dataset["reasons"])  # every reason has samples
@@ -113,7 +114,7 @@ def _shuffled(storage, name, root, seed):
     out = run(debug(name, read={"inputs": (root,), "split_bytes": 1 << 16},
                     pack={"seed": seed, "shard_bytes": 8 << 10}), storage)
     v = resolve(storage, f"{name}@{out['version']}")
-    return out, {s.path: _rows(os.path.join(v.path, s.path)) for s in v.manifest.shards}
+    return out, {os.path.basename(s.path): _rows(v.file(s.path)) for s in v.manifest.shards}
 
 
 @pytest.mark.slow
@@ -147,8 +148,8 @@ def test_mixed_compressed_inputs_and_a_trained_tokenizer(local_ray, tmp_path):
     assert out["documents"] == {"read": 60, "kept": 60, "filtered": 0, "duplicate": 0, "rejected": 0}
     v = resolve(storage, f"mixed@{out['version']}")
     tok = v.manifest.tokenizer
-    assert tok.kind == "hf" and tok.file == "tokenizer.json" and tok.vocab_size <= 300
-    assert os.path.exists(os.path.join(v.path, "tokenizer.json")) and v.tokenizer_definition()
+    assert tok.kind == "hf" and tok.file.endswith("/tokenizer.json") and tok.vocab_size <= 300
+    assert os.path.exists(v.file(tok.file)) and v.tokenizer_definition()
     rows = np.concatenate([_rows(p) for p in v.shard_paths("train")])
     assert rows.max() < tok.vocab_size and (rows == tok.eot_id).any()
     assert out["tokens"] < sum(len(t) for t in texts) / 2  # BPE compresses this text well

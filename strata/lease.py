@@ -1,0 +1,181 @@
+"""One writer at a time, across machines: an expiring lease kept in storage.
+
+A lease on a directory (a dataset, a training run, a sweep) is a sequence of
+objects `_lease/g<NNNNNNNN>.json`. The holder is the writer of the highest
+generation, while that object is neither released nor expired. To take the
+lease a writer creates generation n+1 with `create_exclusive`, so of any
+number of writers racing, exactly one wins. The holder renews its object from
+a background thread every `ttl/4`; a crashed holder stops renewing and its
+lease expires after `ttl` seconds (`STRATA_LEASE_TTL_S`, default 60), or at
+once for a holder on this same machine whose process is gone. A holder that finds a higher generation has
+lost the lease (it stalled past its ttl) and `check()` says so before it
+commits anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+import threading
+import time
+import uuid
+
+from strata.storage import create_exclusive, delete, join, list_dir, read_json, write_json_atomic
+
+DEFAULT_TTL_S = 60.0
+TTL_ENV = "STRATA_LEASE_TTL_S"
+HOST = socket.gethostname()
+_GEN_RE = re.compile(r"^g(\d{8})\.json$")
+
+
+class LeaseBusy(Exception):
+    """Someone else holds the lease (and the caller would not wait)."""
+
+    def __init__(self, what: str, holder: dict):
+        self.holder = holder
+        super().__init__(f"{what} is in use by {describe(holder)}")
+
+
+class LeaseLost(Exception):
+    """The lease expired while held and another writer took it."""
+
+
+def describe(holder: dict) -> str:
+    left = holder.get("expires_at", 0) - time.time()
+    return (f"{holder.get('owner', '?')} ({holder.get('purpose', '')}; since "
+            f"{time.strftime('%H:%M:%S', time.localtime(holder.get('acquired_at', 0)))}, "
+            f"lease {f'expires in {left:.0f} s' if left > 0 else 'expired'})")
+
+
+def _generations(directory: str) -> list[int]:
+    return sorted(int(m.group(1)) for name, d in list_dir(join(directory, "_lease"))
+                  if not d and (m := _GEN_RE.match(name)))
+
+
+def _path(directory: str, gen: int) -> str:
+    return join(directory, "_lease", f"g{gen:08d}.json")
+
+
+def _live(state: dict | None) -> bool:
+    if not state or state.get("released") or state.get("expires_at", 0) <= time.time():
+        return False
+    return not (state.get("host") == HOST and not _pid_alive(state.get("pid", 0)))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, someone else's
+    return True
+
+
+def _read(directory: str, gen: int) -> dict | None:
+    try:
+        return read_json(_path(directory, gen))
+    except (FileNotFoundError, OSError, ValueError):
+        return None  # deleted meanwhile (superseded), or not readable: not a holder
+
+
+def holder(directory: str) -> dict | None:
+    """The live lease on `directory`, if any."""
+    gens = _generations(directory)
+    state = _read(directory, gens[-1]) if gens else None
+    return state if _live(state) else None
+
+
+class Lease:
+    """`with Lease(dir, "dataset web").acquire(): ...` holds the lease for the block."""
+
+    def __init__(self, directory: str, what: str, *, purpose: str = "", ttl_s: float | None = None):
+        self.directory, self.what, self.purpose = directory, what, purpose
+        self.ttl_s = ttl_s or float(os.environ.get(TTL_ENV) or DEFAULT_TTL_S)
+        self.owner = f"{HOST} pid {os.getpid()} [{uuid.uuid4().hex[:6]}]"
+        self.gen: int | None = None
+        self.acquired_at = 0.0
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _state(self, released: bool = False) -> dict:
+        now = time.time()
+        return {"owner": self.owner, "host": HOST, "pid": os.getpid(), "purpose": self.purpose, "acquired_at": self.acquired_at,
+                "renewed_at": now, "expires_at": now + self.ttl_s, "released": released, "ttl_s": self.ttl_s}
+
+    def try_acquire(self) -> dict | None:
+        """Take the lease if nobody holds it; returns None on success, else the holder's state."""
+        while True:
+            gens = _generations(self.directory)
+            top = gens[-1] if gens else 0
+            state = _read(self.directory, top) if top else None
+            if _live(state):
+                return state
+            self.acquired_at = time.time()
+            if create_exclusive(_path(self.directory, top + 1), json.dumps(self._state()).encode()):
+                self.gen = top + 1
+                for old in gens[:-1]:  # keep the previous one: a reader may be looking at it
+                    delete(_path(self.directory, old))
+                self._thread = threading.Thread(target=self._renew, daemon=True, name=f"lease {self.what}")
+                self._thread.start()
+                return None
+            # another writer took top + 1 first: look again
+
+    def acquire(self, *, wait: bool = True, timeout_s: float | None = None, poll_s: float = 2.0,
+                log=None) -> Lease:
+        """Take the lease, waiting (and saying for whom) while somebody else holds it.
+
+        `wait=False` raises LeaseBusy at once instead; so does running past `timeout_s`."""
+        log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        deadline = None if timeout_s is None else time.time() + timeout_s
+        said = None
+        while (busy := self.try_acquire()) is not None:
+            if not wait or (deadline is not None and time.time() >= deadline):
+                raise LeaseBusy(self.what, busy)
+            if busy.get("owner") != said:
+                log(f"waiting for {describe(busy)}, which holds {self.what}")
+                said = busy.get("owner")
+            time.sleep(poll_s)
+        return self
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.ttl_s / 4):
+            if not self.check(raise_=False):
+                return
+            try:
+                write_json_atomic(_path(self.directory, self.gen), self._state())
+            except OSError:
+                continue  # a transient storage error: try again at the next tick, before the ttl runs out
+
+    def check(self, raise_: bool = True) -> bool:
+        """Whether this writer still holds the lease (nobody took a later generation)."""
+        if self.gen is None or self.lost:
+            ok = False
+        else:
+            ok = max(_generations(self.directory), default=0) == self.gen
+            self.lost = not ok
+        if not ok and raise_:
+            raise LeaseLost(f"lost the lease on {self.what}: it expired (no renewal for {self.ttl_s:.0f} s) "
+                            "and another writer took it")
+        return ok
+
+    def release(self) -> None:
+        if self._thread:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        if self.gen is not None and self.check(raise_=False):
+            write_json_atomic(_path(self.directory, self.gen), self._state(released=True))
+        self.gen = None
+
+    def __enter__(self) -> Lease:
+        if self.gen is None:
+            self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
