@@ -4,12 +4,16 @@ import json
 import math
 import os
 import pathlib
+import shutil
+import threading
 
 import pytest
+from conftest import wait_for
 
 from strata.dataset import DatasetError
+from strata.lease import LeaseBusy, holder
 from strata.storage import Storage
-from train.__main__ import run
+from train.__main__ import read_launches, read_metrics, run
 from train.checkpoint import committed_checkpoints
 from train.loop import TrainConfig
 from train.model import preset
@@ -21,8 +25,7 @@ def _cfg(max_steps, **kw):
 
 
 def _metrics(path):
-    with open(os.path.join(path, "metrics.jsonl")) as f:
-        return [m for m in map(json.loads, f) if "loss" in m]
+    return read_metrics(path)
 
 
 @pytest.mark.slow
@@ -63,6 +66,15 @@ def test_ddp_run_checkpoints_and_a_rerun_continues(local_ray, dataset, capfd):
     with open(os.path.join(again["checkpoint"], "meta.json")) as f:
         assert json.load(f)["step"] == 10
 
+    # The newest checkpoint deleted by hand: the run continues from the newest intact one, and says so.
+    shutil.rmtree(again["checkpoint"])
+    capfd.readouterr()
+    third = run(model, _cfg(12), dataset=ref, run_name="ddp", storage=storage, workers=2, use_gpu=False)
+    err = capfd.readouterr().err
+    assert "checkpoint(s) checkpoint-00000010 are registered but missing" in err
+    assert "continuing run ddp from step 8" in err and (third["start_step"], third["steps"]) == (8, 4)
+    assert [launch["config"]["train"]["max_steps"] for launch in read_launches(first["path"])] == [6, 10, 12]
+
 
 def test_a_dataset_that_does_not_fit_the_model_is_refused(local_ray, dataset):
     with pytest.raises(DatasetError, match="seq_len is 128 but the model's is 64"):
@@ -95,10 +107,38 @@ def test_a_run_continues_only_with_its_model_and_tokenizer(local_ray, dataset, t
     storage = Storage.from_env()
     model = preset("debug", n_layer=1, n_embd=32, n_head=2)
     run_dir = storage.run("mismatch")
-    os.makedirs(run_dir)
-    with open(os.path.join(run_dir, "run.json"), "w") as f:
-        json.dump({"config": {"model": dict(vars(model)), "tokenizer": {"hash": "0123456789abcdef"}}}, f)
+    os.makedirs(os.path.join(run_dir, "launches"))
+    before = {"model": dict(vars(model)), "tokenizer": {"hash": "0123456789abcdef"}, "dataset": dataset["ref"]}
+    with open(os.path.join(run_dir, "launches", "0000.json"), "w") as f:
+        json.dump({"config": before}, f)
     with pytest.raises(DatasetError, match="trained with tokenizer 0123456789abcdef"):
         run(model, _cfg(2), dataset=dataset["ref"], run_name="mismatch", storage=storage)
     with pytest.raises(ValueError, match=r"another model \(n_embd differ\)"):
-        _check_continuation(run_dir, "mismatch", preset("debug", n_layer=1, n_embd=64, n_head=2), "0123456789abcdef")
+        _check_continuation(before, "mismatch", preset("debug", n_layer=1, n_embd=64, n_head=2), _cfg(2),
+                            "0123456789abcdef", False)
+
+
+@pytest.mark.slow
+def test_a_continued_run_keeps_its_dataset_and_data_order_and_one_writer(local_ray, dataset):
+    storage = Storage.from_env()
+    model = preset("debug", n_layer=1, n_embd=32, n_head=2)
+    ref = dataset["ref"]
+    run(model, _cfg(2), dataset=ref, run_name="keep", storage=storage, use_gpu=False)
+    with pytest.raises(ValueError, match=f"trains on {ref}, not other-data"):
+        run(model, _cfg(4), dataset="other-data", run_name="keep", storage=storage, use_gpu=False)
+    with pytest.raises(ValueError, match="another data order \\(batch_size 4 -> 8, seed 0 -> 1\\)"):
+        run(model, _cfg(4, batch_size=8, seed=1), dataset=ref, run_name="keep", storage=storage, use_gpu=False)
+    out = run(model, _cfg(4, batch_size=8), dataset=ref, run_name="keep", storage=storage, use_gpu=False,
+              allow_change=True)
+    assert (out["start_step"], out["steps"]) == (2, 2)
+    assert [launch["config"]["train"]["batch_size"] for launch in read_launches(out["path"])] == [4, 8]
+
+    # While a run trains, a second `train --run` with its name is refused, naming the live one.
+    long = threading.Thread(target=run, args=(model, _cfg(40, checkpoint_every=0, log_every=20)), daemon=True,
+                            kwargs=dict(dataset=ref, run_name="busy", storage=storage, use_gpu=False))
+    long.start()
+    wait_for(lambda: holder(storage.run("busy")) is not None, "the first run's lease")
+    with pytest.raises(LeaseBusy, match=f"training run busy is in use by .*pid {os.getpid()}"):
+        run(model, _cfg(400), dataset=ref, run_name="busy", storage=storage, use_gpu=False)
+    long.join(timeout=600)
+    assert holder(storage.run("busy")) is None

@@ -24,18 +24,23 @@ from strata.cli import parser as cli_parser
 from strata.connect import connect
 from strata.cost import UsageMonitor
 from strata.dataset import DatasetError, check_compatible, resolve
+from strata.lease import Lease, LeaseBusy
 from strata.records import write_record
 from strata.runinfo import run_info
 from strata.storage import (
     Storage,
+    basename,
     check_name,
+    create_exclusive,
+    delete_dir,
     exists,
-    filesystem,
     join,
+    list_dir,
     read_json,
+    read_jsonl,
     write_json_atomic,
 )
-from train.checkpoint import committed_checkpoints, read_meta
+from train.checkpoint import committed_checkpoints, forget_missing, read_meta
 from train.loop import (
     TRAIN_PRESETS,
     TrainConfig,
@@ -54,47 +59,57 @@ def _gpu_tier_gpus() -> int:
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    fs, path = filesystem(join(run_dir, "metrics.jsonl"))
-    if not exists(join(run_dir, "metrics.jsonl")):
-        return []
-    with fs.open_input_stream(path) as f:
-        lines = [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
-    return [m for m in lines if "loss" in m]  # step reports, not events
+    return [m for m in read_jsonl(join(run_dir, "metrics.jsonl")) if "loss" in m]  # step reports, not events
 
 
 def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name: str, storage: Storage,
         workers: int | None = None, use_gpu: bool | None = None, cpus_per_worker: float = 1,
-        max_failures: int = 2) -> dict:
+        max_failures: int = 2, allow_change: bool = False) -> dict:
+    """Train (or continue) run `run_name`, holding the run's lease: one writer per run."""
+    run_dir = storage.run(run_name)
+    try:
+        with Lease(run_dir, f"training run {run_name}", purpose="train").acquire(wait=False):
+            return _run_leased(model_cfg, train_cfg, dataset=dataset, run_name=run_name, run_dir=run_dir,
+                               storage=storage, workers=workers, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker,
+                               max_failures=max_failures, allow_change=allow_change)
+    finally:
+        if [n for n, _ in list_dir(run_dir)] == ["_lease"]:  # refused before it began: leave no run behind
+            delete_dir(run_dir)
+
+
+def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, workers, use_gpu, cpus_per_worker,
+                max_failures, allow_change) -> dict:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     print(f"[train] {connect()}", file=sys.stderr)
+    launches = read_launches(run_dir)
+    if launches:
+        dataset = _continued_dataset(launches[-1]["config"], dataset, run_name, allow_change)
     version = resolve(storage, dataset)
     check_compatible(version, vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
     if use_gpu is None:
         use_gpu = _gpu_tier_gpus() > 0
     workers = workers or (_gpu_tier_gpus() if use_gpu else 1)
-    run_dir = storage.run(run_name)
     m = version.manifest
-    resuming = exists(join(run_dir, "run.json"))
-    if resuming:
-        _check_continuation(run_dir, run_name, model_cfg, m.tokenizer.hash)
+    if launches:
+        _check_continuation(launches[-1]["config"], run_name, model_cfg, train_cfg, m.tokenizer.hash, allow_change)
     size = describe(model_cfg)
     train_cfg = resolve_strategy(train_cfg, size["params"])
-    latest = committed_checkpoints(run_dir)
-    if latest:
-        what = f"continuing run {run_name} from step {read_meta(latest[-1])['step']} ({latest[-1]})"
+    resume_from = _newest_intact(run_dir)
+    if resume_from:
+        what = f"continuing run {run_name} from step {read_meta(resume_from)['step']} ({resume_from})"
     else:
-        what = f"{'restarting' if resuming else 'starting'} run {run_name} (no checkpoint yet)"
+        what = f"{'restarting' if launches else 'starting'} run {run_name} (no checkpoint yet)"
     print(f"[train] {what}: {size['params'] / 1e6:.2f}M params, "
           f"{size['flops_per_token'] / 1e6:.1f} MFLOP/token, {workers} worker(s), "
           f"{'GPU' if use_gpu else 'CPU'}, {train_cfg.strategy.upper()}, dataset {version.ref}", file=sys.stderr)
     record = run_info("train", {"model": asdict(model_cfg), "train": asdict(train_cfg), "dataset": version.ref,
                                 "tokenizer": asdict(m.tokenizer), "workers": workers, "use_gpu": use_gpu,
                                 "cpus_per_worker": cpus_per_worker, **size})
-    write_json_atomic(join(run_dir, "run.json"), record)
+    _record_launch(run_dir, len(launches), record)
 
-    shard_refs = {split: [{"path": join(version.path, s.path), "rows": s.rows} for s in m.shards if s.split == split]
+    shard_refs = {split: [{"path": version.file(s.path), "rows": s.rows} for s in m.shards if s.split == split]
                   for split in ("train", "validation")}
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -114,7 +129,8 @@ def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name:
         result = trainer.fit()
     history = read_metrics(run_dir)
     mine = [h for h in history if h["time"] >= started]
-    checkpoint = result.checkpoint.path if result.checkpoint else None
+    # Ray's checkpoint path is inside its filesystem (no scheme): name it under the run's URI.
+    checkpoint = join(run_dir, basename(result.checkpoint.path)) if result.checkpoint else None
     start_step = mine[0]["start_step"] if mine else (history[-1]["step"] if history else 0)
     steady = mine[1:] or mine  # the first report holds start-up (and compilation)
     last = mine[-1] if mine else {}
@@ -150,9 +166,7 @@ def _best_of_sweep(storage: Storage, sweep: str) -> dict:
     path = join(storage.sweep(sweep), "best.json")
     if not exists(path):
         raise FileNotFoundError(f"sweep {sweep!r} has no best.json under {storage.sweeps()}")
-    fs, p = filesystem(path)
-    with fs.open_input_stream(p) as f:
-        return json.loads(f.read())
+    return read_json(path)
 
 
 def _mean(rows: list[dict], key: str) -> float | None:
@@ -160,11 +174,41 @@ def _mean(rows: list[dict], key: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _check_continuation(run_dir: str, run_name: str, model_cfg: GPTConfig, tokenizer_hash: str) -> None:
-    """A run continues only with the model and tokenizer it started with."""
-    fs, path = filesystem(join(run_dir, "run.json"))
-    with fs.open_input_stream(path) as f:
-        before = json.loads(f.read())["config"]
+# Settings that decide which rows each step trains on: a continued run keeps them, so it continues exactly.
+DATA_ORDER = ("batch_size", "grad_accum", "seed")
+
+
+def read_launches(run_dir: str) -> list[dict]:
+    """Every launch of the run (its resolved config, code and library versions), oldest first."""
+    return [read_json(join(run_dir, "launches", name)) for name, d in list_dir(join(run_dir, "launches"))
+            if not d and name.endswith(".json")]
+
+
+def _record_launch(run_dir: str, n: int, record: dict) -> None:
+    """Each launch's config is kept (launches/NNNN.json); run.json is the first launch's."""
+    if not create_exclusive(join(run_dir, "launches", f"{n:04d}.json"), (json.dumps(record, indent=2) + "\n").encode()):
+        raise RuntimeError(f"launch {n} of {run_dir} was recorded by another process: is the run's lease broken?")
+    if n == 0:
+        write_json_atomic(join(run_dir, "run.json"), record)
+
+
+def _continued_dataset(before: dict, dataset: str, run_name: str, allow_change: bool) -> str:
+    """The dataset a continued run reads: the snapshot it started on, unless asked to change it."""
+    old = before.get("dataset", "")
+    if dataset == old or allow_change:
+        return dataset
+    if dataset == old.partition("@")[0]:
+        print(f"[train] run {run_name} continues on {old}, the snapshot it started on "
+              f"(--dataset {dataset}@vN --allow-change to move it to a newer one)", file=sys.stderr)
+        return old
+    raise ValueError(f"run {run_name} trains on {old}, not {dataset}: continue it with --dataset {old}, "
+                     "start a new --run, or pass --allow-change")
+
+
+def _check_continuation(before: dict, run_name: str, model_cfg: GPTConfig, train_cfg: TrainConfig,
+                        tokenizer_hash: str, allow_change: bool) -> None:
+    """A run continues only with the model and tokenizer it started with, and, unless asked,
+    with the same data order."""
     if before.get("model") and before["model"] != asdict(model_cfg):
         changed = sorted(k for k, v in asdict(model_cfg).items() if before["model"].get(k) != v)
         raise ValueError(f"run {run_name} was started with another model ({', '.join(changed)} differ): "
@@ -173,6 +217,22 @@ def _check_continuation(run_dir: str, run_name: str, model_cfg: GPTConfig, token
     if old and old != tokenizer_hash:
         raise DatasetError(f"run {run_name} was trained with tokenizer {old}; this dataset's is {tokenizer_hash}: "
                            "the token ids would mean different things")
+    changed = [f"{k} {before['train'][k]} -> {getattr(train_cfg, k)}" for k in DATA_ORDER
+               if k in before.get("train", {}) and before["train"][k] != getattr(train_cfg, k)]
+    if changed and not allow_change:
+        raise ValueError(f"run {run_name} would continue with another data order ({', '.join(changed)}): "
+                         "pass --allow-change to continue anyway, or start a new --run")
+
+
+def _newest_intact(run_dir: str) -> str | None:
+    """The newest registered checkpoint whose files are all there. Ones deleted by hand are dropped
+    from Ray Train's record (it would refuse the run otherwise), and the run says so."""
+    gone = forget_missing(run_dir)
+    intact = committed_checkpoints(run_dir)
+    if gone:
+        print(f"[train] checkpoint(s) {', '.join(gone)} are registered but missing or incomplete: continuing "
+              f"from {basename(intact[-1]) if intact else 'step 0'}", file=sys.stderr)
+    return intact[-1] if intact else None
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -188,6 +248,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="train on GPUs (default: when the gpu tier has any)")
     parser.add_argument("--cpus-per-worker", type=float, default=1, help="CPUs reserved per worker (default: 1)")
     parser.add_argument("--max-failures", type=int, default=2, help="worker-group restarts from checkpoint")
+    parser.add_argument("--allow-change", action="store_true", help="continue a run on another dataset or "
+                        f"with another data order ({', '.join(DATA_ORDER)})")
     add_config_arguments(parser, TrainConfig)
     args = parser.parse_args(argv)
     storage = Storage.from_env(args.storage)
@@ -206,7 +268,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"[train] best config of sweep {args.from_sweep}: {json.dumps(best['config'])}", file=sys.stderr)
         summary = run(model_cfg, train_cfg, dataset=dataset, run_name=run_name, storage=storage,
                       workers=args.workers, use_gpu=args.use_gpu, cpus_per_worker=args.cpus_per_worker,
-                      max_failures=args.max_failures)
+                      max_failures=args.max_failures, allow_change=args.allow_change)
+    except LeaseBusy as e:
+        sys.exit(f"error: {e}: wait for it to end, or use another --run")
     except (DatasetError, ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
     if summary["steps"] == 0:

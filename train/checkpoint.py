@@ -139,18 +139,61 @@ def read_meta(directory: str) -> dict:
         return json.loads(f.read())
 
 
-def committed_checkpoints(run_dir: str) -> list[str]:
-    """The run's checkpoints Ray Train has registered (all files present), oldest first."""
-    from strata.storage import exists, filesystem, join
+def registered_checkpoints(run_dir: str) -> list[str]:
+    """The run's checkpoints Ray Train has registered (all files were there at commit), oldest first."""
+    from strata.storage import exists, join, read_json
 
     snapshot = join(run_dir, SNAPSHOT)
     if not exists(snapshot):
         return []
-    fs, path = filesystem(snapshot)
-    with fs.open_input_stream(path) as f:
-        state = json.loads(f.read())
+    state = read_json(snapshot)
     if isinstance(state, str):  # stored as a JSON string of the JSON
         state = json.loads(state)
     results = state.get("checkpoint_results", []) + [state.get("latest_checkpoint_result") or {}]
     names = {r["checkpoint_dir_name"] for r in results if r.get("checkpoint_dir_name")}
-    return [join(run_dir, n) for n in sorted(names) if exists(join(run_dir, n, META))]
+    return [join(run_dir, n) for n in sorted(names)]
+
+
+def is_intact(directory: str) -> bool:
+    """Whether a checkpoint's files are still there (one deleted by hand is not)."""
+    from strata.storage import exists, join
+
+    return exists(join(directory, META)) and exists(join(directory, ".metadata"))
+
+
+def forget_missing(run_dir: str) -> list[str]:
+    """Drop registered checkpoints that are gone or incomplete (deleted by hand) from Ray Train's
+    record, so the run continues from the newest intact one; returns the names dropped.
+
+    Ray Train refuses to start a run whose record names a missing directory
+    (`_assert_checkpoints_exist`). The old record is kept beside, as `.bak-<time>`."""
+    from strata.storage import join, read_bytes, write_bytes_atomic
+
+    registered = registered_checkpoints(run_dir)
+    gone = {c.rsplit("/", 1)[-1] for c in registered if not is_intact(c)}
+    if not gone:
+        return []
+    path = join(run_dir, SNAPSHOT)
+    raw = read_bytes(path)
+    state = json.loads(raw)
+    wrapped = isinstance(state, str)
+    state = json.loads(state) if wrapped else state
+    kept = [(r, i) for r, i in zip(state["checkpoint_results"], state["checkpoint_report_indices"], strict=True)
+            if r["checkpoint_dir_name"] not in gone]
+    state["checkpoint_results"] = [r for r, _ in kept]
+    state["checkpoint_report_indices"] = [i for _, i in kept]
+    if (state.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name") in gone:
+        state["latest_checkpoint_result"] = kept[-1][0] if kept else None
+    for key in ("validated_checkpoint_dir_names", "timed_out_validation_checkpoint_dir_names",
+                "failed_validation_checkpoint_dir_names"):
+        if key in state:
+            state[key] = [n for n in state[key] if n not in gone]
+    write_bytes_atomic(f"{path}.bak-{int(time.time())}", raw)
+    text = json.dumps(state)
+    write_bytes_atomic(path, (json.dumps(text) if wrapped else text).encode())
+    return sorted(gone)
+
+
+def committed_checkpoints(run_dir: str) -> list[str]:
+    """The registered checkpoints that are intact, oldest first: the ones a reader may load."""
+    return [c for c in registered_checkpoints(run_dir) if is_intact(c)]

@@ -11,7 +11,6 @@ every report goes to Ray Train.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import queue
@@ -23,6 +22,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from strata.storage import JsonlWriter
 from train.checkpoint import AsyncCheckpointer
 from train.checkpoint import dir_name as checkpoint_dir_name
 from train.checkpoint import load as load_checkpoint
@@ -300,8 +300,9 @@ def train_loop_per_worker(config: dict) -> None:
     peak = peak_flops(device, bf16)
     tokens_per_step = tcfg.batch_size * tcfg.grad_accum * mcfg.seq_len * world
     writer = _tensorboard(run_dir) if rank == 0 else None
-    if rank == 0:
-        _append_metrics(run_dir, {"event": "start", "start_step": start_step, "resumed_from": resumed_from,
+    log = JsonlWriter(f"{run_dir}/metrics.jsonl") if rank == 0 else None
+    if log:
+        log.append({"time": time.time(), "event": "start", "start_step": start_step, "resumed_from": resumed_from,
                                   "world_size": world, "strategy": tcfg.strategy, "bf16": bf16,
                                   "device": device_name(device), "peak_flops": peak,
                                   "flops_per_token": flops_per_token})
@@ -364,7 +365,7 @@ def train_loop_per_worker(config: dict) -> None:
             if rank == 0:
                 if preempted:
                     print(f"[train] rank 0: a node of this run is being drained; checkpointed at step {done}")
-                _append_metrics(run_dir, {**metrics, "step_losses": losses})
+                log.append({"time": time.time(), **metrics, "step_losses": losses})
                 if writer:
                     for k, v in metrics.items():
                         if isinstance(v, int | float) and k not in ("step", "start_step"):
@@ -425,25 +426,6 @@ def _tensorboard(run_dir: str):
     from tensorboardX import SummaryWriter
 
     return SummaryWriter(os.path.join(path, "tensorboard"))
-
-
-def _append_metrics(run_dir: str, metrics: dict) -> None:
-    import pyarrow.fs as pafs
-
-    from strata.storage import filesystem
-
-    fs, path = filesystem(run_dir + "/metrics.jsonl")
-    line = (json.dumps({"time": time.time(), **metrics}) + "\n").encode()
-    if isinstance(fs, pafs.LocalFileSystem):
-        with open(path, "ab") as f:
-            f.write(line)
-        return
-    old = b""  # object stores have no append: rewrite the (small) file
-    if fs.get_file_info(path).type == pafs.FileType.File:
-        with fs.open_input_stream(path) as f:
-            old = f.read()
-    with fs.open_output_stream(path) as f:
-        f.write(old + line)
 
 
 def _record_node(run_dir: str, rank: int) -> None:
