@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from strata.lease import Lease, LeaseBusy
 from strata.storage import Storage
 from tune.__main__ import run
 from tune.sweep import SPACES, SweepConfig
@@ -30,6 +31,14 @@ def test_sweep_runs_trials_and_writes_the_best_config(local_ray, dataset):
     assert [float(r["best_val_loss"]) for r in rows] == sorted(t["best"] for t in trials)
     assert {r["trial"] for r in rows} == {t["trial"] for t in trials} and len(rows) == 3
     assert set(rows[0]) == {"trial", "status", "iterations", "best_val_loss", "lr", "batch_size"}
+
+    # A sweep whose driver is alive (it holds the sweep's lease) cannot be resumed beside it.
+    driver = Lease(out["path"], "sweep sw", purpose="tune").acquire(wait=False)
+    try:
+        with pytest.raises(LeaseBusy, match="sweep sw is in use by"):
+            run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name="sw", storage=Storage.from_env())
+    finally:
+        driver.release()
 
 
 def test_trials_table_ranks_trials_and_counts_statuses():

@@ -24,11 +24,13 @@ from strata.cli import parser as cli_parser
 from strata.connect import connect
 from strata.cost import UsageMonitor
 from strata.dataset import DatasetError, check_compatible, resolve
+from strata.lease import Lease, LeaseBusy
 from strata.records import write_record
 from strata.runinfo import run_info
 from strata.storage import (
     Storage,
     check_name,
+    exists,
     join,
     read_json,
     write_bytes_atomic,
@@ -50,12 +52,15 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
     # Single configs keep their last 2 checkpoints (model state), so Tune snapshots the experiment every
     # 2 checkpoints of a trial: expected, at most 1,000 trials; packs keep all (small) and force none.
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
-    from ray import tune
 
     space = load_space(cfg.space)  # read and checked once, on the driver, before anything starts
     print(f"[tune] {connect()}", file=sys.stderr)
     check_driver_node()
     model_cfg = preset(model_preset)
+    sweep_dir = storage.sweep(sweep_name)
+    if "@" not in dataset and exists(join(sweep_dir, "sweep.json")):  # a resume reads the snapshot it began on
+        began = read_json(join(sweep_dir, "sweep.json"))["config"]["dataset"]
+        dataset = began if began.partition("@")[0] == dataset else dataset
     version = resolve(storage, dataset)
     check_compatible(version, vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
     rows = load_rows(version, "train", cfg.max_rows)
@@ -64,7 +69,16 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
         rows, val_rows = rows[: -cfg.eval_rows], rows[-cfg.eval_rows:]
     if len(rows) == 0:
         raise DatasetError(f"dataset {version.ref} has too few rows to sweep on")
-    sweep_dir = storage.sweep(sweep_name)
+    # One driver per sweep: a resume while the first driver is alive would run every trial twice.
+    with Lease(sweep_dir, f"sweep {sweep_name}", purpose="tune").acquire(wait=False):
+        return _run_leased(cfg, space, model_cfg, version, rows, val_rows, sweep_name, sweep_dir, model_preset,
+                           storage, progress)
+
+
+def _run_leased(cfg, space, model_cfg, version, rows, val_rows, sweep_name, sweep_dir, model_preset, storage,
+                progress) -> dict:
+    from ray import tune
+
     what = {"sweep": asdict(cfg), "dataset": version.ref, "preset": model_preset}
     resuming = tune.Tuner.can_restore(sweep_dir)
     if resuming:
@@ -323,6 +337,8 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = SweepConfig(**overrides(args, SweepConfig))
         summary = run(cfg, dataset=args.dataset, model_preset=args.preset, sweep_name=name,
                       storage=Storage.from_env(args.storage))
+    except LeaseBusy as e:
+        sys.exit(f"error: {e}: its driver is still running; resume it once that one has ended")
     except (DatasetError, ValueError) as e:
         sys.exit(f"error: {e}")
     b = summary["best"]
