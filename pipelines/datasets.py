@@ -2,6 +2,13 @@
 
     python -m pipelines.datasets list [NAME]
     python -m pipelines.datasets show NAME[@VERSION] [--json]
+    python -m pipelines.datasets delete NAME@VERSION
+
+A version is a snapshot: every shard of the versions before it plus what its
+own run added. `show` says which version added which shards. Only the newest
+version can be deleted (every later snapshot references the earlier shards);
+deleting it removes its manifest, then the files its run added, and the input
+files it consumed count as new again.
 """
 
 from __future__ import annotations
@@ -10,17 +17,13 @@ import json
 import sys
 import time
 
-import pyarrow.fs as pafs
-
 from strata.cli import parser as cli_parser
-from strata.dataset import DatasetError, list_versions, resolve
-from strata.storage import Storage, filesystem
+from strata.dataset import DatasetError, delete_version, list_versions, resolve
+from strata.storage import Storage, list_dir
 
 
 def datasets(storage: Storage) -> list[str]:
-    fs, base = filesystem(storage.datasets())
-    infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
-    return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory and list_versions(storage, i.base_name))
+    return [n for n, d in list_dir(storage.datasets()) if d and list_versions(storage, n)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,6 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     show = sub.add_parser("show", help="a version's manifest (latest if no @VERSION)")
     show.add_argument("ref", help="NAME or NAME@VERSION")
     show.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
+    rm = sub.add_parser("delete", help="delete the newest version (its manifest, then its run's files)")
+    rm.add_argument("ref", help="NAME@VERSION")
     args = parser.parse_args(argv)
     storage = Storage.from_env(args.storage)
     try:
@@ -41,12 +46,20 @@ def main(argv: list[str] | None = None) -> None:
             versions = list_versions(storage, args.name)
             if not versions:
                 raise DatasetError(f"dataset {args.name!r} has no committed version under {storage.datasets()}")
-            print(f"{'version':<9}{'created (UTC)':<21}{'kept docs':>11}{'tokens':>14}{'rows':>11}{'shards':>8}")
+            print(f"{'version':<9}{'created (UTC)':<21}{'added docs':>11}{'added rows':>11}"
+                  f"{'snapshot rows':>14}{'shards':>8}")
             for v in versions:
                 m = resolve(storage, f"{args.name}@{v}").manifest
                 created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m.created_at))
-                print(f"{v:<9}{created:<21}{m.documents.kept:>11,}{m.tokens:>14,}"
-                      f"{sum(s.rows for s in m.shards):>11,}{len(m.shards):>8}")
+                print(f"{v:<9}{created:<21}{m.documents.kept:>11,}{sum(s.rows for s in m.added()):>11,}"
+                      f"{sum(s.rows for s in m.shards):>14,}{len(m.shards):>8}")
+        elif args.command == "delete":
+            name, _, version = args.ref.partition("@")
+            if not version:
+                raise DatasetError("name the version to delete: NAME@VERSION")
+            for gone in delete_version(storage, name, version):
+                print(f"deleted {gone}")
+            print(f"deleted {args.ref}")
         else:
             v = resolve(storage, args.ref)
             m = v.manifest
@@ -55,8 +68,16 @@ def main(argv: list[str] | None = None) -> None:
                 return
             t = m.tokenizer
             print(f"{v.ref}  {v.path}\ntokenizer {t.kind} vocab {t.vocab_size} eot {t.eot_id} hash {t.hash}\n"
-                  f"seq_len {m.seq_len} dtype {m.dtype}; {len(m.inputs)} input files; "
+                  f"seq_len {m.seq_len} dtype {m.dtype}; snapshot of {m.totals.get('versions', 1)} version(s): "
                   f"rows train {m.rows('train'):,} validation {m.rows('validation'):,} in {len(m.shards)} shards")
+            print(f"{'shards by version':<20}{'shards':>8}{'rows':>12}{'tokens':>14}  files")
+            for added_in in sorted({s.version for s in m.shards}):
+                mine = [s for s in m.shards if s.version == added_in]
+                where = sorted({s.path.rsplit("/", 1)[0] for s in mine})
+                print(f"{added_in:<20}{len(mine):>8}{sum(s.rows for s in mine):>12,}"
+                      f"{sum(s.tokens for s in mine):>14,}  {', '.join(where)}")
+            print(f"this version's run: {m.documents.kept:,} documents kept of {m.documents.read:,} read, "
+                  f"{len(m.inputs)} input files")
             if m.stats:
                 from pipelines.preprocess import format_table
 

@@ -3,6 +3,7 @@ embedded local Ray on loopback whose node satisfies every tier selector."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -57,14 +58,38 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
         return f"joined Ray cluster at {address}"
     _use_loopback()
     temp_dir = temp_dir or tempfile.mkdtemp(prefix="strata-ray-")
-    ray.init(
-        address="local",  # never attach to somebody else's cluster by accident
-        num_cpus=num_cpus,
-        labels=tiers.local_node_labels(),
-        include_dashboard=True,  # Ray Train's state queries need it
-        dashboard_host="127.0.0.1",
-        dashboard_port=dashboard_port(),
-        log_to_driver=log_to_driver,
-        _temp_dir=temp_dir,
-    )
+    # Two strata commands started at the same moment (two cron slots, a notebook beside a CLI) would both
+    # see port 8265 free and both bind it. Starts on one machine take turns: once the first has bound its
+    # ports, the second's probe sees them taken and picks free ones.
+    with _start_lock():
+        for attempt in range(3):
+            try:
+                ray.init(
+                    address="local",  # never attach to somebody else's cluster by accident
+                    num_cpus=num_cpus,
+                    labels=tiers.local_node_labels(),
+                    include_dashboard=True,  # Ray Train's state queries need it
+                    dashboard_host="127.0.0.1",
+                    dashboard_port=dashboard_port(),
+                    log_to_driver=log_to_driver,
+                    _temp_dir=temp_dir,
+                )
+                break
+            except Exception as e:  # a port taken between the probe and the bind by something else
+                ray.shutdown()
+                if "port" not in str(e) or attempt == 2:
+                    raise
     return f"started embedded local Ray ({ray.cluster_resources().get('CPU', 0):.0f} CPUs, temp {temp_dir})"
+
+
+@contextlib.contextmanager
+def _start_lock():
+    """An exclusive lock across the processes of this machine (released when the holder exits)."""
+    import fcntl
+
+    with open(os.path.join(tempfile.gettempdir(), "strata-ray-start.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -12,7 +12,7 @@ import sys
 import time
 
 from strata.records import find_record, list_records
-from strata.storage import Storage, exists, filesystem, join, write_bytes_atomic
+from strata.storage import Storage, join, read_jsonl, write_bytes_atomic
 
 
 def describe_age(t: float) -> str:
@@ -127,12 +127,7 @@ def plots(r: dict, storage: Storage) -> dict[str, str]:
 def _train_metrics(r: dict) -> list[dict]:
     if r["kind"] != "train":
         return []
-    path = join(r["outputs"], "metrics.jsonl")
-    if not exists(path):
-        return []
-    fs, p = filesystem(path)
-    with fs.open_input_stream(p) as f:
-        rows = [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
+    rows = read_jsonl(join(r["outputs"], "metrics.jsonl"))
     return [m for m in rows if "loss" in m and "step" in m and r["started_at"] - 5 <= m.get("time", 0) <= r["ended_at"] + 5]
 
 

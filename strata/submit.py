@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import os
 import re
 import shlex
@@ -57,10 +58,24 @@ def slot_start(slot: str, now: float | None = None) -> dt.datetime:
 
 
 def submission_id(kind: str, args: list[str], slot: str, now: float | None = None) -> str:
-    """strata-KIND[-DATASET]-YYYYMMDDTHHMMSS: the same for every call within one slot."""
-    dataset = args[args.index("--dataset") + 1] if "--dataset" in args[:-1] else ""
-    name = re.sub(r"[^A-Za-z0-9_-]+", "-", dataset.partition("@")[0]).strip("-")
-    return "-".join(filter(None, ["strata", kind, name, slot_start(slot, now).strftime("%Y%m%dT%H%M%S")]))
+    """strata-KIND-NAME-HASH-YYYYMMDDTHHMMSS: the same for every call within one slot, and distinct per
+    dataset whatever characters its name holds (`web.en` and `web-en` sanitize alike; HASH, of the exact
+    name, tells them apart). Without --dataset, the whole command line is what must be distinct."""
+    dataset = _flag(args, "--dataset")
+    key = dataset.partition("@")[0] if dataset else shlex.join(args)
+    name = re.sub(r"[^A-Za-z0-9_-]+", "-", key if dataset else "").strip("-")[:40] or "job"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:8]
+    return "-".join(["strata", kind, name, digest, slot_start(slot, now).strftime("%Y%m%dT%H%M%S")])
+
+
+def _flag(args: list[str], flag: str) -> str:
+    """The value of `flag` in args (`--flag V` or `--flag=V`), or ''."""
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a[len(flag) + 1:]
+    return ""
 
 
 def runtime_env(working_dir: str, env_file: str | None) -> dict:

@@ -1,5 +1,6 @@
 """`ray job submit` against a real local cluster (`ray start --head` on loopback, token auth on)."""
 
+import datetime as dt
 import json
 import os
 import secrets
@@ -16,7 +17,8 @@ from conftest import REPO
 
 from strata import tiers
 from strata.dataset import list_versions
-from strata.storage import Storage
+from strata.storage import Storage, check_name
+from strata.submit import submission_id
 
 BIN = os.path.dirname(sys.executable)
 
@@ -115,7 +117,9 @@ def test_strata_submit_runs_a_scheduled_slot_once(head, corpus, storage_root):
             "--", "--input", corpus["path"], "--dataset", "slotted", "--json"]
     first = _submit(head, *args, env=env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert "strata-preprocess-slotted-20261130T100000 SUCCEEDED" in first.stderr
+    sub_id = submission_id("preprocess", args[7:], "hourly", dt.datetime(2026, 11, 30, 10, tzinfo=dt.UTC).timestamp())
+    assert sub_id.startswith("strata-preprocess-slotted-") and sub_id.endswith("-20261130T100000")
+    assert f"{sub_id} SUCCEEDED" in first.stderr
     summary = json.loads(next(line for line in reversed(first.stdout.splitlines()) if line.startswith("{")))
     assert summary["documents"]["kept"] == len(corpus["good"])
     again = _submit(head, *args[:5], "--slot-time", "2026-11-30T10:59:59", *args[7:], env=env)  # the same hour
@@ -128,7 +132,19 @@ def test_strata_submit_runs_a_scheduled_slot_once(head, corpus, storage_root):
     # The upload has no .git: the submitter's code version travels with it.
     assert resolve(Storage(storage_root), "slotted").manifest.run["code_version"] == code_version()
     jobs = _job(head, "list").stdout
-    assert jobs.count("submission_id='strata-preprocess-slotted-20261130T100000'") == 1
+    assert jobs.count(f"submission_id='{sub_id}'") == 1
+
+
+def test_slot_ids_are_distinct_per_dataset_and_stable_within_a_slot():
+    at = dt.datetime(2026, 11, 30, 10, 17, tzinfo=dt.UTC).timestamp()
+    names = ["web", "news", "web.en", "web-en"]
+    ids = {n: submission_id("preprocess", ["--input", "s3://raw/", "--dataset", n], "hourly", at) for n in names}
+    assert len(set(ids.values())) == 4, ids
+    assert all(i.endswith("-20261130T100000") for i in ids.values())
+    assert submission_id("preprocess", ["--dataset=web"], "hourly", at + 600) == ids["web"]  # same hour, same id
+    assert submission_id("preprocess", ["--dataset", "web"], "hourly", at + 3600) != ids["web"]  # next hour
+    for i in ids.values():
+        check_name(i, "run id")  # it becomes preprocessing's --run-id
 
 
 @pytest.mark.slow
