@@ -159,6 +159,8 @@ def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "", *, wait: bool
     is made. A `run_id` (a scheduled slot) that an earlier version already carries
     returns that version.
     """
+    started = time.time()
+    files = list_inputs(list(cfg.read.inputs))  # a missing input fails here, before anything is written
     lease = Lease(storage.dataset(cfg.dataset), f"dataset {cfg.dataset}",
                   purpose=f"preprocess{f' run {run_id}' if run_id else ''}")
     lease.acquire(wait=wait, log=_log)
@@ -166,15 +168,15 @@ def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "", *, wait: bool
         for leftover in abandoned_run_files(storage, cfg.dataset, lease.gen):
             _log(f"deleting {leftover}: files of a run that ended before its commit")
             delete_dir(leftover)
-        return _run_leased(cfg, storage, run_id, lease)
+        return _run_leased(cfg, storage, run_id, lease, files, started)
     finally:
         lease.release()
 
 
-def _run_leased(cfg: PreprocessConfig, storage: Storage, run_id: str, lease: Lease) -> dict:
+def _run_leased(cfg: PreprocessConfig, storage: Storage, run_id: str, lease: Lease, files: list[dict],
+                started: float) -> dict:
     import ray
 
-    started = time.time()
     earlier = _earlier(storage, cfg)
     if run_id and (done := next((v for v in earlier if v.manifest.run_id == run_id), None)):
         _log(f"run {run_id!r} already produced {done.ref}: nothing to do")
@@ -183,7 +185,6 @@ def _run_leased(cfg: PreprocessConfig, storage: Storage, run_id: str, lease: Lea
     if parent and not cfg.pack.tokenizer.startswith("train:"):
         check_extends(parent, _tokenizer(cfg, _tokenizer_definition(cfg, None, None, [], None)).info(),
                       cfg.pack.seq_len)
-    files = list_inputs(list(cfg.read.inputs))
     if cfg.read.incremental:
         consumed = {_identity(f) for v in earlier for f in v.manifest.inputs if "mtime_ns" in f}
         new = [f for f in files if _identity(f) not in consumed]

@@ -32,7 +32,6 @@ from strata.storage import (
     basename,
     check_name,
     create_exclusive,
-    delete_dir,
     exists,
     join,
     list_dir,
@@ -67,14 +66,12 @@ def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name:
         max_failures: int = 2, allow_change: bool = False) -> dict:
     """Train (or continue) run `run_name`, holding the run's lease: one writer per run."""
     run_dir = storage.run(run_name)
-    try:
-        with Lease(run_dir, f"training run {run_name}", purpose="train").acquire(wait=False):
-            return _run_leased(model_cfg, train_cfg, dataset=dataset, run_name=run_name, run_dir=run_dir,
-                               storage=storage, workers=workers, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker,
-                               max_failures=max_failures, allow_change=allow_change)
-    finally:
-        if [n for n, _ in list_dir(run_dir)] == ["_lease"]:  # refused before it began: leave no run behind
-            delete_dir(run_dir)
+    if not read_launches(run_dir):  # a new run on a dataset it cannot train on is refused before it exists
+        check_compatible(resolve(storage, dataset), vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
+    with Lease(run_dir, f"training run {run_name}", purpose="train").acquire(wait=False):
+        return _run_leased(model_cfg, train_cfg, dataset=dataset, run_name=run_name, run_dir=run_dir,
+                           storage=storage, workers=workers, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker,
+                           max_failures=max_failures, allow_change=allow_change)
 
 
 def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, workers, use_gpu, cpus_per_worker,

@@ -48,9 +48,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
 def train_shards(storage_root: str, ref: str):
     """(dataset version, its train shards as ShardRefs)."""
     from strata.dataset import resolve
-    from strata.storage import Storage, join
+    from strata.storage import Storage
     from train.data import ShardRef
 
     version = resolve(Storage(storage_root), ref)
-    return version, [ShardRef(join(version.path, s.path), s.rows) for s in version.manifest.shards
+    return version, [ShardRef(version.file(s.path), s.rows) for s in version.manifest.shards
                      if s.split == "train"]
