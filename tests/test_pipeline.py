@@ -163,6 +163,10 @@ def test_datasets_cli_lists_and_shows_versions(dataset):
     out = subprocess.run([sys.executable, "-m", "pipelines.datasets", "show", f"corpus@{dataset['version']}",
                           "--json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert json.loads(out.stdout)["documents"]["kept"] == dataset["documents"]["kept"]
+    out = subprocess.run([sys.executable, "-m", "pipelines.datasets", "show", f"corpus@{dataset['version']}"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    by_version = out.stdout.split("shards by version", 1)[1].splitlines()[1].split()
+    assert by_version[0] == dataset["version"] and int(by_version[1]) == dataset["shards"]
     out = subprocess.run([sys.executable, "-m", "pipelines.datasets", "show", "corpus@v0999"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "no version 'v0999'" in out.stderr

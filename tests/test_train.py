@@ -76,6 +76,32 @@ def test_ddp_run_checkpoints_and_a_rerun_continues(local_ray, dataset, capfd):
     assert [launch["config"]["train"]["max_steps"] for launch in read_launches(first["path"])] == [6, 10, 12]
 
 
+@pytest.mark.slow
+def test_reports_to_ray_never_throttle_the_loop(local_ray, dataset):
+    """--log-every 1 keeps every step's metrics on the worker; Ray hears from the loop on a timer no
+    shorter than its controller's poll interval (every report would otherwise block up to 2 s)."""
+    from train.cadence import Cadence
+
+    storage = Storage.from_env()
+    model = preset("debug", n_layer=1, n_embd=32, n_head=2)
+    cfg = _cfg(60, log_every=1, checkpoint_every=0, eval_every=1000)
+    out = run(model, cfg, dataset=dataset["ref"], run_name="chatty", storage=storage, use_gpu=False)
+    rows = _metrics(out["path"])
+    assert [r["step"] for r in rows] == list(range(1, 61))
+    interval = Cadence(max_steps=1, log_every=1, report_every_s=cfg.report_every_s).report_every_s
+    reported = [r["step"] for r in rows if r["reported"]]
+    # The first step, the end (its checkpoint) and one per interval of loop time: far fewer than 60.
+    assert 1 in reported and 60 in reported
+    assert len(reported) <= 2 + out["loop_s"] / interval, (reported, out["loop_s"])
+    # Throughput is over the loop's wall time, reports and checkpoints included; the shares add up.
+    tokens = 60 * cfg.batch_size * cfg.grad_accum * model.seq_len
+    assert out["tokens_per_s"] == pytest.approx(tokens / out["loop_s"], rel=1e-3)
+    for r in rows:
+        shares = [r[f"share_{k}"] for k in ("data", "eval", "checkpoint", "report", "compute")]
+        assert min(shares) >= 0 and sum(shares) == pytest.approx(1)
+    assert out["compute_share"] >= 0 and out["report_blocked"] >= 0
+
+
 def test_a_dataset_that_does_not_fit_the_model_is_refused(local_ray, dataset):
     with pytest.raises(DatasetError, match="seq_len is 128 but the model's is 64"):
         run(preset("debug", seq_len=64), _cfg(2), dataset=dataset["ref"], run_name="refused",

@@ -124,26 +124,25 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, wo
     started = time.time()
     with UsageMonitor() as usage:
         result = trainer.fit()
-    history = read_metrics(run_dir)
+    rows = read_jsonl(join(run_dir, "metrics.jsonl"))
+    history = [r for r in rows if "loss" in r]
     mine = [h for h in history if h["time"] >= started]
     # Ray's checkpoint path is inside its filesystem (no scheme): name it under the run's URI.
     checkpoint = join(run_dir, basename(result.checkpoint.path)) if result.checkpoint else None
     start_step = mine[0]["start_step"] if mine else (history[-1]["step"] if history else 0)
-    steady = mine[1:] or mine  # the first report holds start-up (and compilation)
     last = mine[-1] if mine else {}
+    wall = loop_totals([r for r in rows if r.get("event") == "end" and r["time"] >= started], workers)
     summary = {
         "run": run_name, "path": run_dir, "dataset": version.ref, "strategy": train_cfg.strategy,
         "workers": workers, "use_gpu": use_gpu, **size,
         "start_step": start_step, "steps": (last["step"] - start_step) if mine else 0,
         "first_loss": mine[0]["loss"] if mine else None, "last_loss": last.get("loss"),
         "val_loss": next((h["val_loss"] for h in reversed(mine) if "val_loss" in h), None),
-        "tokens_per_s": _mean(steady, "tokens_per_s"), "tokens_per_s_per_worker": _mean(steady, "tokens_per_s_per_worker"),
-        "mfu": _mean(steady, "mfu"), "data_wait": _mean(steady, "data_wait"),
-        "checkpoint_blocked": last.get("checkpoint_blocked"),
-        "checkpoint": checkpoint, "seconds": round(time.time() - started, 1),
+        **wall, "checkpoint": checkpoint, "seconds": round(time.time() - started, 1),
     }
-    figures = {k: summary[k] for k in ("steps", "first_loss", "last_loss", "val_loss", "tokens_per_s",
-                                       "tokens_per_s_per_worker", "mfu", "data_wait", "checkpoint_blocked")}
+    figures = {k: summary.get(k) for k in ("steps", "first_loss", "last_loss", "val_loss", "tokens_per_s",
+                                           "tokens_per_s_per_worker", "mfu", "data_wait", "checkpoint_blocked",
+                                           "report_blocked", "eval_share", "loop_s")}
     rec = write_record(storage, record, name=run_name, beside=join(run_dir, "record.json"), usage=usage,
                        work_nodes=_worker_nodes(run_dir, workers), figures=figures)
     return {**summary, "cost": rec["cost"], "node_hours": rec["node_hours"], "cpu_busy": rec["utilization"]["cpu_busy"]}
@@ -166,9 +165,22 @@ def _best_of_sweep(storage: Storage, sweep: str) -> dict:
     return read_json(path)
 
 
-def _mean(rows: list[dict], key: str) -> float | None:
-    values = [r[key] for r in rows if r.get(key) is not None]
-    return sum(values) / len(values) if values else None
+def loop_totals(ends: list[dict], workers: int) -> dict:
+    """Throughput over the training loop's wall time (every attempt's, each ending in an `end` event):
+    tokens/s = tokens trained / loop seconds, and the shares of that time (they add up to 1)."""
+    seconds = sum(e["loop_s"] for e in ends)
+    if not seconds:
+        return {"tokens_per_s": None, "tokens_per_s_per_worker": None, "mfu": None, "data_wait": None,
+                "checkpoint_blocked": None, "report_blocked": None, "eval_share": None, "compute_share": None,
+                "loop_s": 0.0}
+    tps = sum(e["tokens"] for e in ends) / seconds
+    share = {k: sum(e[f"share_{k}"] * e["loop_s"] for e in ends) / seconds
+             for k in ("data", "eval", "checkpoint", "report", "compute")}
+    known = all(e.get("mfu") is not None for e in ends)
+    return {"tokens_per_s": tps, "tokens_per_s_per_worker": tps / workers,
+            "mfu": sum(e["mfu"] * e["loop_s"] for e in ends) / seconds if known else None,
+            "data_wait": share["data"], "checkpoint_blocked": share["checkpoint"], "report_blocked": share["report"],
+            "eval_share": share["eval"], "compute_share": share["compute"], "loop_s": round(seconds, 3)}
 
 
 # Settings that decide which rows each step trains on: a continued run keeps them, so it continues exactly.
@@ -276,8 +288,10 @@ def main(argv: list[str] | None = None) -> dict:
         mfu = f", MFU {summary['mfu']:.1%}" if summary["mfu"] is not None else ""
         print(f"[train] run {run_name}: steps {summary['start_step']} -> {summary['start_step'] + summary['steps']}, "
               f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, "
-              f"{summary['tokens_per_s']:,.0f} tokens/s{mfu}, data wait {summary['data_wait']:.1%}, "
-              f"checkpoints {summary['checkpoint_blocked']:.1%} of wall time; checkpoint {summary['checkpoint']}",
+              f"{summary['tokens_per_s']:,.0f} tokens/s over {summary['loop_s']:.1f} s of loop{mfu}; of that time "
+              f"data wait {summary['data_wait']:.1%}, evaluation {summary['eval_share']:.1%}, checkpoints "
+              f"{summary['checkpoint_blocked']:.1%}, reports {summary['report_blocked']:.1%}; "
+              f"checkpoint {summary['checkpoint']}",
               file=sys.stderr)
     return finish(summary, args.json)
 

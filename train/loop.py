@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from strata.storage import JsonlWriter
+from train.cadence import Cadence, Clock
 from train.checkpoint import AsyncCheckpointer
 from train.checkpoint import dir_name as checkpoint_dir_name
 from train.checkpoint import load as load_checkpoint
@@ -64,7 +65,9 @@ class TrainConfig:
     keep_checkpoints: int = 3
     """Registered checkpoints to keep (Ray Train deletes older ones)."""
     log_every: int = 10
-    """Report metrics every this many steps."""
+    """Sync and write metrics (metrics.jsonl, TensorBoard) every this many steps."""
+    report_every_s: float = 10.0
+    """Report to Ray Train at most this often (never faster than its controller polls), and at checkpoints."""
     seed: int = 0
     """Seed of model init and data order."""
     strategy: str = "auto"
@@ -231,7 +234,7 @@ class Prefetch:
 
     def __init__(self, batches: Iterator[np.ndarray], depth: int = 4):
         self.q: queue.Queue = queue.Queue(depth)
-        self.waited = 0.0
+        self.waited = self._taken = 0.0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._fill, args=(batches,), daemon=True)
         self.thread.start()
@@ -258,6 +261,11 @@ class Prefetch:
             raise item
         return item
 
+    def take_waited(self) -> float:
+        """Seconds waited since the last call."""
+        waited, self._taken = self.waited - self._taken, self.waited
+        return waited
+
     def close(self):
         self.stop.set()
 
@@ -265,23 +273,14 @@ class Prefetch:
 def train_loop_per_worker(config: dict) -> None:
     """Ray Train entry: `config` holds `model`, `train`, `shards`, `val_shards`, `run_dir`, `tokenizer`."""
     import ray.train
-    import ray.train.torch
 
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    rank, world, device = _worker(config)
     mcfg, tcfg = GPTConfig(**config["model"]), TrainConfig(**config["train"])
-    run_dir = config["run_dir"]
-    _record_node(run_dir, rank)
-    if config.get("threads"):
-        torch.set_num_threads(config["threads"])
-    device = ray.train.torch.get_device()
     bf16 = use_bf16(tcfg, device)
     torch.manual_seed(tcfg.seed)
     raw = GPT(mcfg).to(device)
-    flops_per_token = raw.flops_per_token()
     model = parallelize(raw, tcfg.strategy, device, bf16, world)
     optimizer = make_optimizer(model, tcfg)
-
     # Checkpoints travel on a gloo group of their own: the background write's collectives
     # must not interleave with training's.
     ckpt_pg = torch.distributed.new_group(backend="gloo") if torch.distributed.is_initialized() else None
@@ -292,103 +291,160 @@ def train_loop_per_worker(config: dict) -> None:
             start_step = load_checkpoint(d, model, optimizer, rank, ckpt_pg)["step"]
         resumed_from = checkpoint.path
     step_fn = torch.compile(model) if tcfg.compile else model
-
     data = TokenBatches([ShardRef(**s) for s in config["shards"]], batch_size=tcfg.batch_size,
                         rank=rank, world_size=world, seed=tcfg.seed)
     val_batches = validation_batches(config["val_shards"], tcfg)
     batches = Prefetch(data.from_step(start_step * tcfg.grad_accum))
-    peak = peak_flops(device, bf16)
-    tokens_per_step = tcfg.batch_size * tcfg.grad_accum * mcfg.seq_len * world
-    writer = _tensorboard(run_dir) if rank == 0 else None
-    log = JsonlWriter(f"{run_dir}/metrics.jsonl") if rank == 0 else None
-    if log:
-        log.append({"time": time.time(), "event": "start", "start_step": start_step, "resumed_from": resumed_from,
-                                  "world_size": world, "strategy": tcfg.strategy, "bf16": bf16,
-                                  "device": device_name(device), "peak_flops": peak,
-                                  "flops_per_token": flops_per_token})
+    meter = _Meter(raw.flops_per_token(), peak_flops(device, bf16),
+                   tcfg.batch_size * tcfg.grad_accum * mcfg.seq_len * world, world, start_step)
+    log = _Log(config["run_dir"], rank)
+    log.event({"event": "start", "start_step": start_step, "resumed_from": resumed_from, "world_size": world,
+               "strategy": tcfg.strategy, "bf16": bf16, "device": device_name(device), "peak_flops": meter.peak,
+               "flops_per_token": meter.flops_per_token})
 
-    started = time.perf_counter()
-    window = _Window(started, start_step, batches.waited)
-    blocked = 0.0  # seconds training waited on checkpoints
-    last_save = started
+    clock = Clock()
+    cadence = Cadence(max_steps=tcfg.max_steps, log_every=tcfg.log_every, report_every_s=tcfg.report_every_s,
+                      checkpoint_every=tcfg.checkpoint_every, checkpoint_every_s=tcfg.checkpoint_every_s,
+                      start_step=start_step, started=clock.start)
+    step_losses: list[torch.Tensor] = []  # since the last log point, on the device: no sync per step
     saved_for_preemption = False
-    step_losses: list[torch.Tensor] = []  # this window's, on the device: no sync per step
     try:
         for step in range(start_step, tcfg.max_steps):
             step_losses.append(train_step(step_fn, optimizer, [next(batches) for _ in range(tcfg.grad_accum)],
                                           lr_at(step, tcfg), tcfg, device, bf16))
             done = step + 1
-            last = done == tcfg.max_steps
-            by_steps = bool(tcfg.checkpoint_every) and done % tcfg.checkpoint_every == 0
-            if not (step == start_step or last or by_steps or done % tcfg.log_every == 0):
+            if not cadence.log_due(done):
                 continue
-            # Every rank reaches this point at the same steps; agree on what to do next.
-            time_due = bool(tcfg.checkpoint_every_s) and time.perf_counter() - last_save >= tcfg.checkpoint_every_s
-            losses, time_due, all_written = _agree(step_losses, time_due,
-                                                   checkpointer.written() or not checkpointer.pending, world)
+            # Every rank reaches this point at the same steps; one all-reduce agrees on what comes next.
+            clock.add("data", batches.take_waited())
+            losses, report_due, save_due, written = _agree(
+                step_losses, *cadence.timers(time.perf_counter()), checkpointer.written() or not checkpointer.pending,
+                world)
             step_losses.clear()
-            steps = done - window.step
-            loss = sum(losses) / steps  # syncing the device (in _agree) ends the window
-            train_s = time.perf_counter() - window.time
-            tps = tokens_per_step * steps / train_s
-            metrics = {"step": done, "start_step": start_step, "loss": loss, "lr": lr_at(step, tcfg),
-                       "epoch": step * tcfg.grad_accum // data.steps_per_epoch,
-                       "tokens_per_s": tps, "tokens_per_s_per_worker": tps / world,
-                       "mfu": flops_per_token * tps / world / peak if peak else None,
-                       "data_wait": (batches.waited - window.waited) / train_s, "world_size": world}
-            if val_batches and (last or done % tcfg.eval_every == 0):
-                metrics["val_loss"] = evaluate(raw, val_batches, device, bf16)
+            seconds, shares = clock.window()  # the device is synced: the window ends here
+            metrics = meter.window(done, losses, seconds, shares, lr=lr_at(step, tcfg),
+                                   epoch=step * tcfg.grad_accum // data.steps_per_epoch)
+            if val_batches and (done == tcfg.max_steps or done % tcfg.eval_every == 0):
+                with clock.timed("eval"):
+                    metrics["val_loss"] = evaluate(raw, val_batches, device, bf16)
             preempted = not saved_for_preemption and ray.train.get_preemption_info() is not None  # a barrier too
-            save = last or by_steps or time_due or preempted
-            reason = "end" if last else "preemption" if preempted else "interval"
-
-            t = time.perf_counter()
-            reports = []  # (checkpoint step, local dir, upload synchronously?) to hand to Ray, in order
-            if checkpointer.pending and (all_written or save):
-                reports.append((*checkpointer.take(), False))
-            if save:
-                checkpointer.start(done, {"loss": loss, "reason": reason, "data_position": done * tcfg.grad_accum,
-                                          "world_size": world, "model_config": config["model"],
-                                          "train_config": config["train"], "tokenizer": config["tokenizer"],
-                                          "tokenizer_definition": config.get("tokenizer_definition")})
-                last_save = time.perf_counter()
+            decision = cadence.decide(done, report_due=report_due, save_due=save_due, preempted=preempted,
+                                      checkpoint_written=bool(checkpointer.pending) and written)
+            with clock.timed("checkpoint"):
+                handover = _checkpoint(checkpointer, decision, done, metrics, config, tcfg, world, written)
+            if decision.save:
+                cadence.saved(time.perf_counter())
                 saved_for_preemption = saved_for_preemption or preempted
-                if last or preempted:  # must be registered before the run ends or the node goes
-                    reports.append((*checkpointer.take(), True))
-            blocked += time.perf_counter() - t
-            metrics["checkpoint_blocked"] = blocked / (time.perf_counter() - started)
-            t = time.perf_counter()
-            for ckpt_step, local, sync in reports or [(None, None, False)]:
-                _report(metrics, ckpt_step, local, sync)
-            if reports:
-                blocked += time.perf_counter() - t
-            if rank == 0:
-                if preempted:
-                    print(f"[train] rank 0: a node of this run is being drained; checkpointed at step {done}")
-                log.append({"time": time.time(), **metrics, "step_losses": losses})
-                if writer:
-                    for k, v in metrics.items():
-                        if isinstance(v, int | float) and k not in ("step", "start_step"):
-                            writer.add_scalar(f"train/{k}", v, done)
-                    writer.flush()
-            window = _Window(time.perf_counter(), done, batches.waited)
+            metrics["checkpoint_blocked"] = clock.total["checkpoint"] / (time.perf_counter() - clock.start)
+            metrics["reported"] = decision.report or bool(handover)
+            if metrics["reported"]:
+                with clock.timed("report"):
+                    for ckpt_step, local, sync in handover or [(None, None, False)]:
+                        _report(metrics, ckpt_step, local, sync)
+                cadence.reported(time.perf_counter())
+            if preempted and rank == 0:
+                print(f"[train] rank 0: a node of this run is being drained; checkpointed at step {done}")
+            log.step(metrics, losses)
+        seconds, shares = clock.overall()
+        log.event({"event": "end", **meter.total(seconds, shares)})
     finally:
         batches.close()
         checkpointer.discard()
-        if writer:
-            writer.close()
+        log.close()
 
 
-def _agree(step_losses: list[torch.Tensor], time_due: bool, written: bool, world: int) -> tuple[list, bool, bool]:
-    """One all-reduce: (each step's loss averaged over ranks, any rank's checkpoint interval elapsed,
-    every rank's checkpoint write done)."""
+def _worker(config: dict) -> tuple[int, int, torch.device]:
+    """This worker's rank, world size and device; records where it runs and sets its threads."""
+    import ray.train
+    import ray.train.torch
+
+    ctx = ray.train.get_context()
+    rank = ctx.get_world_rank()
+    _record_node(config["run_dir"], rank)
+    if config.get("threads"):
+        torch.set_num_threads(config["threads"])
+    return rank, ctx.get_world_size(), ray.train.torch.get_device()
+
+
+def _checkpoint(checkpointer: AsyncCheckpointer, decision, done: int, metrics: dict, config: dict,
+                tcfg: TrainConfig, world: int, written: bool) -> list[tuple]:
+    """Start a checkpoint if decided, and return the written ones to hand to Ray, in order:
+    (step, local dir, upload synchronously?)."""
+    handover = []
+    if checkpointer.pending and (written or decision.save):
+        handover.append((*checkpointer.take(), False))
+    if decision.save:
+        checkpointer.start(done, {"loss": metrics["loss"], "reason": decision.reason,
+                                  "data_position": done * tcfg.grad_accum, "world_size": world,
+                                  "model_config": config["model"], "train_config": config["train"],
+                                  "tokenizer": config["tokenizer"],
+                                  "tokenizer_definition": config.get("tokenizer_definition")})
+        if decision.reason in ("end", "preemption"):  # must be registered before the run ends or the node goes
+            handover.append((*checkpointer.take(), True))
+    return handover
+
+
+class _Meter:
+    """Throughput over wall time: each window's, and the whole loop's."""
+
+    def __init__(self, flops_per_token: float, peak: float | None, tokens_per_step: int, world: int,
+                 start_step: int):
+        self.flops_per_token, self.peak, self.tokens_per_step = flops_per_token, peak, tokens_per_step
+        self.world, self.start_step, self.last_step = world, start_step, start_step
+
+    def _mfu(self, tps: float) -> float | None:
+        return self.flops_per_token * tps / self.world / self.peak if self.peak else None
+
+    def window(self, done: int, losses: list[float], seconds: float, shares: dict, **extra) -> dict:
+        steps, self.last_step = done - self.last_step, done
+        tps = self.tokens_per_step * steps / seconds
+        return {"step": done, "start_step": self.start_step, "loss": sum(losses) / steps, **extra,
+                "tokens_per_s": tps, "tokens_per_s_per_worker": tps / self.world, "mfu": self._mfu(tps),
+                "data_wait": shares["data"], "world_size": self.world,
+                **{f"share_{k}": v for k, v in shares.items()}}
+
+    def total(self, seconds: float, shares: dict) -> dict:
+        tokens = self.tokens_per_step * (self.last_step - self.start_step)
+        return {"steps": self.last_step - self.start_step, "tokens": tokens, "loop_s": seconds,
+                "tokens_per_s": tokens / seconds, "mfu": self._mfu(tokens / seconds),
+                **{f"share_{k}": v for k, v in shares.items()}}
+
+
+class _Log:
+    """Rank 0's per-step metrics: metrics.jsonl (JsonlWriter) and TensorBoard; other ranks write nothing."""
+
+    def __init__(self, run_dir: str, rank: int):
+        self.jsonl = JsonlWriter(f"{run_dir}/metrics.jsonl") if rank == 0 else None
+        self.tb = _tensorboard(run_dir) if rank == 0 else None
+
+    def event(self, row: dict) -> None:
+        if self.jsonl:
+            self.jsonl.append({"time": time.time(), **row})
+
+    def step(self, metrics: dict, losses: list[float]) -> None:
+        self.event({**metrics, "step_losses": losses})
+        if self.tb:
+            for k, v in metrics.items():
+                if isinstance(v, int | float) and not isinstance(v, bool) and k not in ("step", "start_step"):
+                    self.tb.add_scalar(f"train/{k}", v, metrics["step"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb:
+            self.tb.close()
+
+
+def _agree(step_losses: list[torch.Tensor], report_due: bool, save_due: bool, written: bool,
+           world: int) -> tuple[list, bool, bool, bool]:
+    """One all-reduce: (each step's loss averaged over ranks, any rank's report timer elapsed, any rank's
+    checkpoint timer elapsed, every rank's checkpoint write done)."""
     device = step_losses[0].device
     flags = torch.cat([torch.stack(step_losses).float(),
-                       torch.tensor([float(time_due), float(not written)], device=device)])
+                       torch.tensor([float(report_due), float(save_due), float(not written)], device=device)])
     if world > 1:
         torch.distributed.all_reduce(flags)
     values = flags.tolist()
-    return [v / world for v in values[:-2]], values[-2] > 0, values[-1] == 0
+    return [v / world for v in values[:-3]], values[-3] > 0, values[-2] > 0, values[-1] == 0
 
 
 def _report(metrics: dict, ckpt_step: int | None, local: str | None, sync: bool) -> None:
@@ -403,15 +459,6 @@ def _report(metrics: dict, ckpt_step: int | None, local: str | None, sync: bool)
     ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(local),
                      checkpoint_dir_name=checkpoint_dir_name(ckpt_step), checkpoint_upload_mode=mode,
                      delete_local_checkpoint_after_upload=True)
-
-
-@dataclass
-class _Window:
-    """Where the current metrics window started: time, step, data wait so far."""
-
-    time: float
-    step: int
-    waited: float
 
 
 def _tensorboard(run_dir: str):
