@@ -27,6 +27,16 @@ def _use_loopback() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+_STARTED: set[str] = set()  # GCS addresses of the embedded Rays this process started
+
+
+def embedded() -> bool:
+    """Whether this process is connected to an embedded local Ray it started (not a cluster it joined)."""
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().gcs_address in _STARTED
+
+
 def dashboard_port(preferred: int = 8265) -> int:
     """Ray's usual dashboard port if it is free on 127.0.0.1, else any free one (two embedded Rays on
     one machine, e.g. two demos or a test run beside a notebook, must not collide)."""
@@ -74,6 +84,7 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
                     log_to_driver=log_to_driver,
                     _temp_dir=temp_dir,
                 )
+                _STARTED.add(ray.get_runtime_context().gcs_address)
                 break
             except Exception as e:  # a port taken between the probe and the bind by something else
                 ray.shutdown()

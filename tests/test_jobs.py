@@ -97,7 +97,7 @@ def test_the_cluster_refuses_a_client_without_the_token(head):
 def test_submitted_training_job_reads_the_submitted_dataset(head, dataset, storage_root):
     runtime_env = {"env_vars": {"STRATA_STORAGE": storage_root}}
     out = _job(head, "submit", "--working-dir", ".", "--runtime-env-json", json.dumps(runtime_env), "--",
-               "python", "-m", "train", "--dataset", dataset["ref"], "--max-steps", "2", "--batch-size", "4",
+               "python", "-m", "train", "--dataset", dataset["ref"], "--no-use-gpu", "--max-steps", "2", "--batch-size", "4",
                "--run", "submitted", "--json")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith("{")))

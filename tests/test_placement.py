@@ -19,8 +19,8 @@ from strata.storage import Storage
 @pytest.fixture(scope="module")
 def tiered_cluster(storage_root):
     tiers_ = (tiers.Tier.CPU, tiers.Tier.GPU, tiers.Tier.SPOT)
-    with simulated_cluster([((tiers.Tier.CPU,), 2), ((tiers.Tier.GPU,), 1), ((tiers.Tier.SPOT,), 2)]) as (_, nodes):
-        yield {t: n.node_id for t, n in zip(tiers_, nodes, strict=True)}
+    with simulated_cluster([((tiers.Tier.CPU,), 2), ((tiers.Tier.GPU,), 1), ((tiers.Tier.SPOT,), 2)]) as (c, nodes):
+        yield {"cluster": c, **{t: n.node_id for t, n in zip(tiers_, nodes, strict=True)}}
 
 
 def _labels_of(node_id):
@@ -58,3 +58,51 @@ def test_each_tier_runs_only_on_its_nodes(tiered_cluster, corpus):
         trials = json.load(f)["trials"]
     assert len(trials) == 2
     assert {t["node_id"] for t in trials} == {tiered_cluster[tiers.Tier.SPOT]}
+
+
+def _node(gpus=0, model=None, tier=tiers.Tier.GPU, alive=True):
+    res = {"CPU": 8.0, **({"GPU": float(gpus)} if gpus else {}), **({f"accelerator_type:{model}": 1.0} if model else {})}
+    return {"Alive": alive, "Resources": res, "Labels": tiers.node_labels(tier)}
+
+
+def test_the_placement_plan():
+    from train.placement import PlacementError, plan
+
+    cpu_only = [_node(tier=tiers.Tier.CPU), _node()]
+    assert plan(cpu_only, embedded=False) is None  # a cluster: wait for GPUs, never fall back
+    assert plan(cpu_only, embedded=False, use_gpu=True) is None
+    p = plan(cpu_only, embedded=True)
+    assert (p.workers, p.use_gpu) == (1, False) and "embedded local Ray has no GPU" in p.why
+    p = plan(cpu_only, embedded=False, use_gpu=False, workers=2)
+    assert (p.workers, p.use_gpu) == (2, False) and "as asked" in p.why
+    with pytest.raises(PlacementError, match="at least one worker"):
+        plan(cpu_only, embedded=True, workers=0)
+    mixed = [_node(8, "H100"), _node(4, "A100"), _node(8, "H100", alive=False), _node(2, "L4", tiers.Tier.CPU)]
+    p = plan(mixed, embedded=False)
+    assert (p.workers, p.use_gpu, p.accelerator) == (8, True, "H100")
+    assert plan(mixed, embedded=False, workers=4).accelerator == "H100"
+    with pytest.raises(PlacementError, match="span GPU models .*8x H100, 4x A100"):
+        plan(mixed, embedded=False, workers=12)
+    p = plan(mixed, embedded=False, workers=12, allow_mixed=True)
+    assert (p.workers, p.accelerator) == (12, None)
+    assert plan(mixed, embedded=False, workers=16, allow_mixed=True) is None  # wait for more
+
+
+@pytest.mark.slow
+def test_a_cold_cluster_waits_for_gpus_and_never_trains_on_cpu_silently(tiered_cluster, capfd):
+    """The simulated cluster's gpu-tier node has no GPU: training waits for one, then fails, saying so.
+    Nodes that declare GPUs (a resource; no CUDA is touched) are placed by model."""
+    from train.placement import PlacementError, place
+
+    with pytest.raises(PlacementError, match="no 1 GPU.*after 1 s .*Train on CPU with --no-use-gpu"):
+        place(embedded=False, workers=None, use_gpu=None, allow_mixed=False, wait_s=1, poll_s=0.2)
+    assert "waiting for 1 GPU(s) on the gpu tier: none up" in capfd.readouterr().err
+    cluster = tiered_cluster["cluster"]
+    for gpus, model in ((2, "H100"), (1, "A100")):
+        cluster.add_node(num_cpus=1, num_gpus=gpus, resources={f"accelerator_type:{model}": 1},
+                         labels=tiers.node_labels(tiers.Tier.GPU), object_store_memory=100 << 20)
+    cluster.wait_for_nodes()
+    p = place(embedded=False, workers=None, use_gpu=None, allow_mixed=False, wait_s=30, poll_s=0.2)
+    assert (p.workers, p.use_gpu, p.accelerator) == (2, True, "H100")
+    with pytest.raises(PlacementError, match="span GPU models"):
+        place(embedded=False, workers=3, use_gpu=True, allow_mixed=False, wait_s=30, poll_s=0.2)

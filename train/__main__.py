@@ -21,7 +21,7 @@ from dataclasses import asdict
 from strata import tiers
 from strata.cli import add_config_arguments, finish, overrides
 from strata.cli import parser as cli_parser
-from strata.connect import connect
+from strata.connect import connect, embedded
 from strata.cost import UsageMonitor
 from strata.dataset import DatasetError, check_compatible, resolve
 from strata.lease import Lease, LeaseBusy
@@ -48,13 +48,7 @@ from train.loop import (
     with_hyperparameters,
 )
 from train.model import PRESETS, GPTConfig, describe, preset
-
-
-def _gpu_tier_gpus() -> int:
-    import ray
-
-    return int(sum(n["Resources"].get("GPU", 0) for n in ray.nodes()
-                   if n["Alive"] and tiers.Tier.GPU in tiers.tiers_of(n.get("Labels", {}))))
+from train.placement import PlacementError, place
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -63,7 +57,8 @@ def read_metrics(run_dir: str) -> list[dict]:
 
 def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name: str, storage: Storage,
         workers: int | None = None, use_gpu: bool | None = None, cpus_per_worker: float = 1,
-        max_failures: int = 2, allow_change: bool = False) -> dict:
+        max_failures: int = 2, allow_change: bool = False, allow_mixed_gpus: bool = False,
+        gpu_wait_s: float = 900.0) -> dict:
     """Train (or continue) run `run_name`, holding the run's lease: one writer per run."""
     run_dir = storage.run(run_name)
     if not read_launches(run_dir):  # a new run on a dataset it cannot train on is refused before it exists
@@ -71,11 +66,12 @@ def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name:
     with Lease(run_dir, f"training run {run_name}", purpose="train").acquire(wait=False):
         return _run_leased(model_cfg, train_cfg, dataset=dataset, run_name=run_name, run_dir=run_dir,
                            storage=storage, workers=workers, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker,
-                           max_failures=max_failures, allow_change=allow_change)
+                           max_failures=max_failures, allow_change=allow_change,
+                           allow_mixed_gpus=allow_mixed_gpus, gpu_wait_s=gpu_wait_s)
 
 
 def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, workers, use_gpu, cpus_per_worker,
-                max_failures, allow_change) -> dict:
+                max_failures, allow_change, allow_mixed_gpus, gpu_wait_s) -> dict:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -85,9 +81,9 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, wo
         dataset = _continued_dataset(launches[-1]["config"], dataset, run_name, allow_change)
     version = resolve(storage, dataset)
     check_compatible(version, vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
-    if use_gpu is None:
-        use_gpu = _gpu_tier_gpus() > 0
-    workers = workers or (_gpu_tier_gpus() if use_gpu else 1)
+    placement = place(embedded=embedded(), workers=workers, use_gpu=use_gpu, allow_mixed=allow_mixed_gpus,
+                      wait_s=gpu_wait_s)
+    workers, use_gpu = placement.workers, placement.use_gpu
     m = version.manifest
     if launches:
         _check_continuation(launches[-1]["config"], run_name, model_cfg, train_cfg, m.tokenizer.hash, allow_change)
@@ -99,8 +95,8 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, wo
     else:
         what = f"{'restarting' if launches else 'starting'} run {run_name} (no checkpoint yet)"
     print(f"[train] {what}: {size['params'] / 1e6:.2f}M params, "
-          f"{size['flops_per_token'] / 1e6:.1f} MFLOP/token, {workers} worker(s), "
-          f"{'GPU' if use_gpu else 'CPU'}, {train_cfg.strategy.upper()}, dataset {version.ref}", file=sys.stderr)
+          f"{size['flops_per_token'] / 1e6:.1f} MFLOP/token, "
+          f"{train_cfg.strategy.upper()}, dataset {version.ref}; {placement.why}", file=sys.stderr)
     record = run_info("train", {"model": asdict(model_cfg), "train": asdict(train_cfg), "dataset": version.ref,
                                 "tokenizer": asdict(m.tokenizer), "workers": workers, "use_gpu": use_gpu,
                                 "cpus_per_worker": cpus_per_worker, **size})
@@ -114,7 +110,7 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, wo
                            "shards": shard_refs["train"], "val_shards": shard_refs["validation"],
                            "tokenizer": asdict(m.tokenizer), "tokenizer_definition": version.tokenizer_definition(),
                            "threads": max(1, int(cpus_per_worker))},
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu,
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, accelerator_type=placement.accelerator,
                                      resources_per_worker={"CPU": cpus_per_worker},
                                      label_selector=tiers.selector(tiers.Tier.GPU)),
         run_config=RunConfig(name=run_name, storage_path=storage.runs(),
@@ -252,9 +248,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--from-sweep", metavar="SWEEP", help="train with the best config of this sweep "
                         "($STRATA_STORAGE/sweeps/SWEEP/best.json); flags still override it")
     parser.add_argument("--run", help="run name; an existing run continues (default: DATASET-PRESET-TIME)")
-    parser.add_argument("--workers", type=int, help="training workers (default: GPUs of the gpu tier, else 1)")
+    parser.add_argument("--workers", type=int, help="training workers (default: the GPUs of one model on the "
+                        "gpu tier; 1 on CPU)")
     parser.add_argument("--use-gpu", action=argparse.BooleanOptionalAction,
-                        help="train on GPUs (default: when the gpu tier has any)")
+                        help="train on GPUs (default: on a cluster, always, waiting for the autoscaler to bring "
+                        "them up; on the embedded local Ray, when it has one). --no-use-gpu trains on CPU")
+    parser.add_argument("--gpu-wait-s", type=float, default=900.0, help="how long to wait for GPUs to come up "
+                        "before failing (default: 900)")
+    parser.add_argument("--allow-mixed-gpus", action="store_true", help="let one run span GPU models")
     parser.add_argument("--cpus-per-worker", type=float, default=1, help="CPUs reserved per worker (default: 1)")
     parser.add_argument("--max-failures", type=int, default=2, help="worker-group restarts from checkpoint")
     parser.add_argument("--allow-change", action="store_true", help="continue a run on another dataset or "
@@ -277,10 +278,11 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"[train] best config of sweep {args.from_sweep}: {json.dumps(best['config'])}", file=sys.stderr)
         summary = run(model_cfg, train_cfg, dataset=dataset, run_name=run_name, storage=storage,
                       workers=args.workers, use_gpu=args.use_gpu, cpus_per_worker=args.cpus_per_worker,
-                      max_failures=args.max_failures, allow_change=args.allow_change)
+                      max_failures=args.max_failures, allow_change=args.allow_change,
+                      allow_mixed_gpus=args.allow_mixed_gpus, gpu_wait_s=args.gpu_wait_s)
     except LeaseBusy as e:
         sys.exit(f"error: {e}: wait for it to end, or use another --run")
-    except (DatasetError, ValueError, FileNotFoundError) as e:
+    except (DatasetError, ValueError, FileNotFoundError, PlacementError) as e:
         sys.exit(f"error: {e}")
     if summary["steps"] == 0:
         print(f"[train] run {run_name} is already at step {summary['start_step']}: nothing to do", file=sys.stderr)

@@ -1,0 +1,110 @@
+"""Where training runs: GPUs of the gpu tier, or the CPU only when asked or on the embedded local Ray.
+
+`plan()` is a pure function of the alive nodes and the flags, unit-tested
+without Ray. `place()` asks the cluster: when GPU workers are wanted and none
+are up (a cold cluster whose GPU node types start at zero), it asks Ray's
+autoscaler for them and waits, saying what it waits for, up to `--gpu-wait-s`.
+A run never falls back to the CPU silently, never has zero workers, and never
+spans GPU models unless asked (DDP steps at the pace of the slowest GPU).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from strata import tiers
+
+ACCELERATOR_PREFIX = "accelerator_type:"
+
+
+class PlacementError(ValueError):
+    """No placement satisfies the request."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    workers: int
+    use_gpu: bool
+    accelerator: str | None
+    """The one GPU model all workers run on (None: CPU, or several models when allowed)."""
+    why: str
+    """The start-up line's account of the choice."""
+
+
+def gpu_inventory(nodes: list[dict]) -> Counter:
+    """GPUs of alive gpu-tier nodes, by model (`accelerator_type:<model>` resource; `unknown` without)."""
+    inv: Counter = Counter()
+    for n in nodes:
+        gpus = int(n.get("Resources", {}).get("GPU", 0))
+        if not (n.get("Alive") and gpus and tiers.Tier.GPU in tiers.tiers_of(n.get("Labels", {}))):
+            continue
+        models = [k[len(ACCELERATOR_PREFIX):] for k in n["Resources"] if k.startswith(ACCELERATOR_PREFIX)]
+        inv[models[0] if models else "unknown"] += gpus
+    return inv
+
+
+def plan(nodes: list[dict], *, embedded: bool, workers: int | None = None, use_gpu: bool | None = None,
+         allow_mixed: bool = False) -> Plan | None:
+    """The placement, or None while the GPUs it needs are not up yet (the caller waits for them)."""
+    if workers is not None and workers < 1:
+        raise PlacementError(f"--workers {workers}: a run needs at least one worker")
+    if use_gpu is False:
+        return Plan(workers or 1, False, None, "CPU training, as asked (--no-use-gpu)")
+    inv = gpu_inventory(nodes)
+    if not inv:
+        if embedded and use_gpu is None:
+            return Plan(workers or 1, False, None, "CPU training: the embedded local Ray has no GPU")
+        return None
+    model, most = inv.most_common(1)[0]
+    want = workers or most
+    if most >= want:
+        return Plan(want, True, None if model == "unknown" else model,
+                    f"{want} GPU worker(s) on {model} (gpu tier: {_describe(inv)})")
+    if sum(inv.values()) >= want:
+        if not allow_mixed:
+            raise PlacementError(f"{want} workers would span GPU models ({_describe(inv)}); DDP runs at the "
+                                 "slowest one's pace: use fewer --workers, or --allow-mixed-gpus")
+        return Plan(want, True, None, f"{want} GPU worker(s) across models {_describe(inv)} (--allow-mixed-gpus)")
+    return None
+
+
+def _describe(inv: Counter) -> str:
+    return ", ".join(f"{n}x {m}" for m, n in inv.most_common())
+
+
+def place(*, embedded: bool, workers: int | None, use_gpu: bool | None, allow_mixed: bool,
+          wait_s: float, poll_s: float = 5.0, log=None) -> Plan:
+    """`plan()` against the live cluster; asks the autoscaler for GPUs and waits for them when needed."""
+    import ray
+
+    log = log or (lambda msg: print(f"[train] {msg}", file=sys.stderr, flush=True))
+    started, asked = time.time(), False
+    while (p := plan(ray.nodes(), embedded=embedded, workers=workers, use_gpu=use_gpu,
+                     allow_mixed=allow_mixed)) is None:
+        waited = time.time() - started
+        if waited >= wait_s:
+            raise PlacementError(
+                f"no {workers or 1} GPU(s) on the gpu tier after {waited:.0f} s (--gpu-wait-s {wait_s:g}); "
+                f"up now: {_describe(gpu_inventory(ray.nodes())) or 'none'}. Train on CPU with --no-use-gpu")
+        if not asked:
+            _request_gpus(workers or 1)
+            asked = True
+        log(f"waiting for {workers or 1} GPU(s) on the gpu tier: {_describe(gpu_inventory(ray.nodes())) or 'none'} "
+            f"up ({waited:.0f} s of --gpu-wait-s {wait_s:g})")
+        time.sleep(min(poll_s, max(0.1, wait_s - waited)))
+    if asked:
+        _request_gpus(0)  # the GPUs are up: drop the standing request, the run's own demand keeps them
+    return p
+
+
+def _request_gpus(n: int) -> None:
+    """Ask Ray's autoscaler for n one-GPU bundles on the gpu tier (0: withdraw the request)."""
+    from ray.autoscaler.sdk import request_resources
+
+    try:
+        request_resources(bundles=[{"GPU": 1}] * n)
+    except Exception as e:  # noqa: BLE001 - no autoscaler (a fixed cluster): waiting is all there is
+        print(f"[train] could not ask the autoscaler for GPUs ({e}); waiting for them to appear", file=sys.stderr)
