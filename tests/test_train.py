@@ -10,7 +10,7 @@ import threading
 import pytest
 from conftest import wait_for
 
-from strata.dataset import DatasetError
+from strata.dataset import DatasetError, resolve
 from strata.lease import LeaseBusy, holder
 from strata.storage import Storage
 from train.__main__ import read_launches, read_metrics, run
@@ -168,3 +168,26 @@ def test_a_continued_run_keeps_its_dataset_and_data_order_and_one_writer(local_r
         run(model, _cfg(400), dataset=ref, run_name="busy", storage=storage, use_gpu=False)
     long.join(timeout=600)
     assert holder(storage.run("busy")) is None
+
+
+@pytest.mark.slow
+def test_the_model_is_shaped_for_the_dataset_and_by_flags(local_ray, corpus, monkeypatch):
+    """A preset plus flags covers any shape; vocab_size and seq_len default to the dataset's."""
+    import train.__main__ as cli
+    from pipelines.preprocess import debug
+    from pipelines.preprocess import run as preprocess
+
+    storage = Storage.from_env()
+    short = preprocess(debug("short-rows", read={"inputs": (corpus["path"],)}, pack={"seq_len": 64}), storage)
+    monkeypatch.setattr(cli, "finish", lambda summary, as_json: summary)  # keep the session's Ray up
+    out = cli.main(["--dataset", "short-rows", "--preset", "gpt2-124m", "--n-layer", "1", "--n-head", "2",
+                    "--n-embd", "32", "--max-steps", "2", "--batch-size", "2", "--no-use-gpu", "--run", "shaped"])
+    model = read_launches(out["path"])[-1]["config"]["model"]
+    vocab = resolve(storage, f"short-rows@{short['version']}").manifest.tokenizer.vocab_size
+    assert model["vocab_size"] == -(-vocab // 128) * 128 and model["vocab_size"] >= vocab
+    assert (model["seq_len"], model["n_layer"], model["n_head"], model["n_embd"]) == (64, 1, 2, 32)
+    assert out["steps"] == 2
+    # MFU and FLOPs count the real shape: 6N + 12 L T C per token for the fitted model.
+    from train.model import GPTConfig, describe
+
+    assert out["flops_per_token"] == describe(GPTConfig(**model))["flops_per_token"]

@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from strata import tiers
 from strata.cli import add_config_arguments, finish, overrides
@@ -47,7 +47,7 @@ from train.loop import (
     train_loop_per_worker,
     with_hyperparameters,
 )
-from train.model import PRESETS, GPTConfig, describe, preset
+from train.model import PRESETS, GPTConfig, describe, fit_to_dataset, preset
 from train.placement import PlacementError, place
 
 
@@ -260,6 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-failures", type=int, default=2, help="worker-group restarts from checkpoint")
     parser.add_argument("--allow-change", action="store_true", help="continue a run on another dataset or "
                         f"with another data order ({', '.join(DATA_ORDER)})")
+    add_config_arguments(parser, GPTConfig)
     add_config_arguments(parser, TrainConfig)
     args = parser.parse_args(argv)
     storage = Storage.from_env(args.storage)
@@ -273,6 +274,10 @@ def main(argv: list[str] | None = None) -> dict:
         check_name(run_name, "run name")
         model_cfg, train_cfg = with_hyperparameters(best.get("config", {}), preset(preset_name),
                                                     TRAIN_PRESETS[preset_name])
+        given = overrides(args, GPTConfig)
+        m = resolve(storage, dataset).manifest
+        model_cfg = replace(fit_to_dataset(model_cfg, vocab=m.tokenizer.vocab_size, seq_len=m.seq_len,
+                                           keep=frozenset(given)), **given)
         train_cfg = TrainConfig(**{**asdict(train_cfg), **overrides(args, TrainConfig)})
         if best:
             print(f"[train] best config of sweep {args.from_sweep}: {json.dumps(best['config'])}", file=sys.stderr)

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
     vocab_size: int = 50304
-    """Embedding rows; at least the tokenizer's vocab (padded to a multiple of 64 for speed)."""
+    """Embedding rows; at least the tokenizer's vocab (the CLI defaults it to the dataset's, rounded up to 128)."""
     seq_len: int = 1024
-    """Context length: must equal the dataset's seq_len."""
+    """Context length: must equal the dataset's seq_len (the CLI defaults it to the dataset's)."""
     n_layer: int = 12
     """Transformer blocks."""
     n_head: int = 12
@@ -45,6 +45,16 @@ PRESETS = {
     "gpt2-774m": GPTConfig(n_layer=36, n_head=20, n_embd=1280),
     "1.3b": GPTConfig(n_layer=24, n_head=16, n_embd=2048),
 }
+
+
+VOCAB_MULTIPLE = 128  # embedding rows padded to this: tensor-core friendly, few unused logits
+
+
+def fit_to_dataset(cfg: GPTConfig, *, vocab: int, seq_len: int, keep: frozenset = frozenset()) -> GPTConfig:
+    """The model shaped for a dataset: its vocabulary (rounded up to VOCAB_MULTIPLE) and its seq_len,
+    except for the fields in `keep` (given explicitly)."""
+    fitted = {"vocab_size": -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE, "seq_len": seq_len}
+    return replace(cfg, **{k: v for k, v in fitted.items() if k not in keep})
 
 
 def preset(name: str, **overrides) -> GPTConfig:

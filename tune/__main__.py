@@ -37,7 +37,7 @@ from strata.storage import (
     write_json_atomic,
 )
 from train.loop import TRAIN_PRESETS
-from train.model import preset
+from train.model import fit_to_dataset, preset
 from tune.plots import write_plots
 from tune.sweep import GRACE, REDUCTION, SweepConfig, load_rows, load_space, sample, to_tune, trial
 
@@ -62,6 +62,8 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
         began = read_json(join(sweep_dir, "sweep.json"))["config"]["dataset"]
         dataset = began if began.partition("@")[0] == dataset else dataset
     version = resolve(storage, dataset)
+    # The preset shaped for the dataset, as `python -m train --preset` shapes it (so --from-sweep matches).
+    model_cfg = fit_to_dataset(model_cfg, vocab=version.manifest.tokenizer.vocab_size, seq_len=version.manifest.seq_len)
     check_compatible(version, vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
     rows = load_rows(version, "train", cfg.max_rows)
     val_rows = load_rows(version, "validation", cfg.eval_rows)
