@@ -18,8 +18,11 @@ def test_forward_shapes_and_tied_embeddings():
     cfg = preset("debug", seq_len=SEQ, n_layer=1, n_embd=32, n_head=2)
     model = GPT(cfg)
     idx = torch.randint(0, cfg.vocab_size, (3, SEQ))
-    logits, loss = model(idx, idx)
-    assert logits.shape == (3, SEQ, cfg.vocab_size)
+    logits = model(idx)
+    none, loss = model(idx, idx)  # with targets, only the loss: the logits are never all kept
+    assert logits.shape == (3, SEQ, cfg.vocab_size) and none is None
+    assert loss.item() == pytest.approx(torch.nn.functional.cross_entropy(
+        logits.view(-1, cfg.vocab_size), idx.view(-1)).item(), rel=1e-5)
     assert model.head.weight is model.wte.weight
     assert abs(loss.item() - np.log(cfg.vocab_size)) < 1.0  # near uniform at init
     assert model.flops_per_token() > 6 * model.num_params()
@@ -180,3 +183,27 @@ def test_compiled_step_matches_eager():
         step_fn = torch.compile(model) if compiled else model
         losses.append([train_step(step_fn, opt, [batch], 1e-2, tcfg, torch.device("cpu")).item() for _ in range(3)])
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+
+
+def test_fused_loss_matches_cross_entropy_without_keeping_the_logits():
+    import torch.nn.functional as F
+
+    from train.model import linear_cross_entropy
+
+    torch.manual_seed(0)
+    n, c, v = 37, 16, 50
+    h = torch.randn(n, c, requires_grad=True)
+    w = torch.randn(v, c, requires_grad=True)
+    t = torch.randint(0, v, (n,))
+    ref = F.cross_entropy(h @ w.t(), t)
+    ref_h, ref_w = torch.autograd.grad(ref * 3, (h, w))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.shape) or x, lambda x: x):
+        loss = linear_cross_entropy(h, w, t, chunk=8)  # 5 chunks, the last one short
+    got_h, got_w = torch.autograd.grad(loss * 3, (h, w))  # the upstream gradient scales both
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    assert torch.allclose(got_h, ref_h, atol=1e-5) and torch.allclose(got_w, ref_w, atol=1e-5)
+    assert sorted(saved) == sorted([h.shape, w.shape])  # what waits for backward: no (n, v) tensor
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the bf16 path the GPU takes
+        low = linear_cross_entropy(h, w, t, chunk=8)
+    assert low.item() == pytest.approx(ref.item(), rel=2e-2)

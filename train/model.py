@@ -128,10 +128,11 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln_f(x))  # (B, T, V)
+        h = self.ln_f(x)  # (B, T, C)
         if targets is None:
-            return logits
-        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+            return self.head(h)  # (B, T, V)
+        # With targets only the loss comes back: the (B*T, V) logits are never all alive at once.
+        return None, linear_cross_entropy(h.view(B * T, -1), self.head.weight, targets.reshape(-1))
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8,
@@ -146,6 +147,49 @@ class GPT(nn.Module):
                 logits[logits < kth] = -float("inf")
             idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
         return idx
+
+
+LOSS_CHUNK_ROWS = 4096  # rows of logits materialized at a time by linear_cross_entropy
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         chunk: int = LOSS_CHUNK_ROWS) -> torch.Tensor:
+    """Mean cross-entropy of the logits `h @ weight.T` (h: (N, C), weight: (V, C)) against targets (N,)."""
+    return _LinearCrossEntropy.apply(h, weight, targets, chunk)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The classifier and its loss fused, a chunk of rows at a time, as llm.c does: each chunk's
+    gradients are computed in the forward pass, so what waits for backward is grad_h (N, C) and
+    grad_w (V, C), never the (N, V) logits and their softmax. No recompute: the matmul FLOPs are those
+    of the plain head (2NCV forward, 4NCV backward)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk):
+        n = h.size(0)
+        device = h.device.type
+        mm = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+        w = weight.to(mm)
+        loss = torch.zeros((), device=h.device, dtype=torch.float32)
+        grad_h = torch.empty(h.shape, device=h.device, dtype=h.dtype)
+        grad_w = torch.zeros(weight.shape, device=h.device, dtype=torch.float32)
+        for i in range(0, n, chunk):
+            hc, tc = h[i:i + chunk].to(mm), targets[i:i + chunk]
+            logits = (hc @ w.t()).float()  # (c, V)
+            lse = torch.logsumexp(logits, dim=-1)
+            loss += (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
+            g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            g[torch.arange(len(tc), device=g.device), tc] -= 1.0
+            g = (g / n).to(mm)  # d(mean loss)/d(logits)
+            grad_h[i:i + chunk] = (g @ w).to(h.dtype)
+            grad_w += (g.t() @ hc).float()
+        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_out, grad_w * grad_out, None, None
 
 
 def describe(cfg: GPTConfig) -> dict:
