@@ -207,3 +207,13 @@ def test_fused_loss_matches_cross_entropy_without_keeping_the_logits():
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the bf16 path the GPU takes
         low = linear_cross_entropy(h, w, t, chunk=8)
     assert low.item() == pytest.approx(ref.item(), rel=2e-2)
+
+
+def test_auto_strategy_is_chosen_by_device_memory_not_by_size():
+    from train.loop import DDP_BYTES_PER_PARAM, TrainConfig, strategy_for
+
+    auto, gib = TrainConfig(), 1 << 30
+    assert strategy_for(auto, 1_300_000_000, 80 * gib) == "ddp"  # 1.3B with its AdamW state fits an 80 GB GPU
+    assert strategy_for(auto, 1_300_000_000, 24 * gib) == "fsdp"  # ... but not a 24 GB one
+    assert strategy_for(auto, int(4 * gib / DDP_BYTES_PER_PARAM), 4 * gib) == "ddp"  # the boundary fits
+    assert strategy_for(TrainConfig(strategy="fsdp"), 1000, 80 * gib) == "fsdp"  # asked for is asked for

@@ -12,7 +12,7 @@ from conftest import wait_for
 
 from strata.dataset import DatasetError, resolve
 from strata.lease import LeaseBusy, holder
-from strata.storage import Storage
+from strata.storage import Storage, read_jsonl
 from train.__main__ import read_launches, read_metrics, run
 from train.checkpoint import committed_checkpoints
 from train.loop import TrainConfig
@@ -191,3 +191,15 @@ def test_the_model_is_shaped_for_the_dataset_and_by_flags(local_ray, corpus, mon
     from train.model import GPTConfig, describe
 
     assert out["flops_per_token"] == describe(GPTConfig(**model))["flops_per_token"]
+
+
+@pytest.mark.slow
+def test_bf16_fsdp2_runs_on_cpu(local_ray, dataset):
+    """The path the >=700M presets take on GPU (FSDP2, bf16 mixed precision, unfused AdamW), exercised
+    on CPU workers over gloo before any GPU sees it."""
+    model = preset("debug", n_layer=2, n_embd=32, n_head=2)
+    out = run(model, _cfg(3, strategy="fsdp", precision="bf16", log_every=1), dataset=dataset["ref"],
+              run_name="bf16-fsdp", storage=Storage.from_env(), workers=2, use_gpu=False)
+    assert out["strategy"] == "fsdp" and out["steps"] == 3 and math.isfinite(out["last_loss"])
+    start = next(r for r in read_jsonl(os.path.join(out["path"], "metrics.jsonl")) if r.get("event") == "start")
+    assert start["bf16"] is True and start["strategy"] == "fsdp"

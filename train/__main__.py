@@ -43,7 +43,6 @@ from train.checkpoint import committed_checkpoints, forget_missing, read_meta
 from train.loop import (
     TRAIN_PRESETS,
     TrainConfig,
-    resolve_strategy,
     train_loop_per_worker,
     with_hyperparameters,
 )
@@ -88,7 +87,6 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, wo
     if launches:
         _check_continuation(launches[-1]["config"], run_name, model_cfg, train_cfg, m.tokenizer.hash, allow_change)
     size = describe(model_cfg)
-    train_cfg = resolve_strategy(train_cfg, size["params"])
     resume_from = _newest_intact(run_dir)
     if resume_from:
         what = f"continuing run {run_name} from step {read_meta(resume_from)['step']} ({resume_from})"
@@ -96,7 +94,7 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, wo
         what = f"{'restarting' if launches else 'starting'} run {run_name} (no checkpoint yet)"
     print(f"[train] {what}: {size['params'] / 1e6:.2f}M params, "
           f"{size['flops_per_token'] / 1e6:.1f} MFLOP/token, "
-          f"{train_cfg.strategy.upper()}, dataset {version.ref}; {placement.why}", file=sys.stderr)
+          f"{_strategy_words(train_cfg.strategy)}, dataset {version.ref}; {placement.why}", file=sys.stderr)
     record = run_info("train", {"model": asdict(model_cfg), "train": asdict(train_cfg), "dataset": version.ref,
                                 "tokenizer": asdict(m.tokenizer), "workers": workers, "use_gpu": use_gpu,
                                 "cpus_per_worker": cpus_per_worker, **size})
@@ -129,7 +127,9 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, wo
     last = mine[-1] if mine else {}
     wall = loop_totals([r for r in rows if r.get("event") == "end" and r["time"] >= started], workers)
     summary = {
-        "run": run_name, "path": run_dir, "dataset": version.ref, "strategy": train_cfg.strategy,
+        "run": run_name, "path": run_dir, "dataset": version.ref,
+        "strategy": next((r["strategy"] for r in rows if r.get("event") == "start" and r["time"] >= started),
+                         train_cfg.strategy),
         "workers": workers, "use_gpu": use_gpu, **size,
         "start_step": start_step, "steps": (last["step"] - start_step) if mine else 0,
         "first_loss": mine[0]["loss"] if mine else None, "last_loss": last.get("loss"),
@@ -159,6 +159,10 @@ def _best_of_sweep(storage: Storage, sweep: str) -> dict:
     if not exists(path):
         raise FileNotFoundError(f"sweep {sweep!r} has no best.json under {storage.sweeps()}")
     return read_json(path)
+
+
+def _strategy_words(strategy: str) -> str:
+    return "DDP or FSDP2 by device memory" if strategy == "auto" else strategy.upper()
 
 
 def loop_totals(ends: list[dict], workers: int) -> dict:

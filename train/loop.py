@@ -33,7 +33,9 @@ from train.model import GPT, GPTConfig
 
 STRATEGIES = ("auto", "ddp", "fsdp")
 PRECISIONS = ("auto", "bf16", "fp32")
-FSDP_FROM_PARAMS = 700e6  # `auto` shards models this big or bigger with FSDP2
+# DDP keeps on every device fp32 weights (4 B), gradients (4 B) and AdamW's two moments (8 B) per
+# parameter; `auto` picks FSDP2 when that, with a quarter more for activations, exceeds the device's memory.
+DDP_BYTES_PER_PARAM = 16 * 1.25
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,15 +73,17 @@ class TrainConfig:
     seed: int = 0
     """Seed of model init and data order."""
     strategy: str = "auto"
-    """ddp, fsdp (FSDP2 fully_shard per block), or auto: fsdp from 700M parameters, else ddp."""
+    """ddp, fsdp (FSDP2 fully_shard per block), or auto: fsdp when DDP's copy would not fit a device's memory."""
     precision: str = "auto"
     """bf16 (autocast; FSDP2 mixed precision), fp32, or auto: bf16 on GPU, fp32 on CPU."""
-    compile: bool = False
-    """Compile the model with torch.compile."""
+    compile: str = "auto"
+    """torch.compile each block (before FSDP2 wraps it): on, off, or auto (on GPU only)."""
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, not {self.strategy!r}")
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"compile must be auto, on or off, not {self.compile!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
         for name in ("max_steps", "batch_size", "grad_accum", "eval_every", "log_every", "keep_checkpoints"):
@@ -89,11 +93,18 @@ class TrainConfig:
             raise ValueError("checkpoint_every and checkpoint_every_s must be >= 0")
 
 
-def resolve_strategy(cfg: TrainConfig, params: int) -> TrainConfig:
-    """`auto` made concrete: FSDP2 for large models, DDP otherwise."""
+def strategy_for(cfg: TrainConfig, params: int, device_memory: int) -> str:
+    """`auto` made concrete: DDP when a whole replica with its optimizer fits the device, else FSDP2."""
     if cfg.strategy != "auto":
-        return cfg
-    return replace(cfg, strategy="fsdp" if params >= FSDP_FROM_PARAMS else "ddp")
+        return cfg.strategy
+    return "ddp" if params * DDP_BYTES_PER_PARAM <= device_memory else "fsdp"
+
+
+def device_memory(device: torch.device, local_world: int) -> int:
+    """Bytes one worker may use: its GPU's memory, or its share of the host's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local_world)
 
 
 # Train-loop defaults per model preset; flags override them.
@@ -142,13 +153,21 @@ def use_bf16(cfg: TrainConfig, device: torch.device) -> bool:
     return cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
 
 
-def parallelize(model: GPT, strategy: str, device: torch.device, bf16: bool, world: int) -> torch.nn.Module:
-    """DDP (when world > 1) or FSDP2 over the model on `device`; FSDP2 shards the blocks, then the rest."""
+def parallelize(model: GPT, strategy: str, device: torch.device, bf16: bool, world: int, *,
+                compile_blocks: bool = False, one_node: bool = True) -> torch.nn.Module:
+    """DDP (when world > 1) or FSDP2 over the model on `device`; FSDP2 shards the blocks, then the rest.
+    Blocks are compiled first, each on its own (FSDP2 then wraps compiled blocks; compile is per block,
+    so its time does not grow with depth)."""
+    if compile_blocks:
+        for block in model.blocks:
+            block.compile()
     if strategy == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-        kwargs = {"mp_policy": mp} if mp else {}
+        # Within one node the all-gather is cheap next to memory traffic: keep blocks unsharded from
+        # forward to backward (ZeRO-2-like) instead of gathering them twice.
+        kwargs = {"reshard_after_forward": not one_node, **({"mp_policy": mp} if mp else {})}
         for block in model.blocks:
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
@@ -156,7 +175,12 @@ def parallelize(model: GPT, strategy: str, device: torch.device, bf16: bool, wor
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if bf16 and device.type == "cuda":  # gradients travel in bf16: half the all-reduce bytes
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+            ddp.register_comm_hook(None, bf16_compress_hook)
+        return ddp
     return model
 
 
@@ -274,12 +298,18 @@ def train_loop_per_worker(config: dict) -> None:
     """Ray Train entry: `config` holds `model`, `train`, `shards`, `val_shards`, `run_dir`, `tokenizer`."""
     import ray.train
 
-    rank, world, device = _worker(config)
+    rank, world, local_world, device = _worker(config)
     mcfg, tcfg = GPTConfig(**config["model"]), TrainConfig(**config["train"])
     bf16 = use_bf16(tcfg, device)
     torch.manual_seed(tcfg.seed)
-    raw = GPT(mcfg).to(device)
-    model = parallelize(raw, tcfg.strategy, device, bf16, world)
+    with torch.device("meta"):  # no host copy of the weights: they are made on the device
+        raw = GPT(mcfg, init=False)
+    raw.to_empty(device=device)
+    raw.init_weights()
+    strategy = strategy_for(tcfg, raw.num_params(), _min_over_ranks(device_memory(device, local_world), device,
+                                                                    world))
+    model = parallelize(raw, strategy, device, bf16, world, one_node=local_world == world,
+                        compile_blocks=tcfg.compile == "on" or (tcfg.compile == "auto" and device.type == "cuda"))
     optimizer = make_optimizer(model, tcfg)
     # Checkpoints travel on a gloo group of their own: the background write's collectives
     # must not interleave with training's.
@@ -290,7 +320,6 @@ def train_loop_per_worker(config: dict) -> None:
         with checkpoint.as_directory() as d:
             start_step = load_checkpoint(d, model, optimizer, rank, ckpt_pg)["step"]
         resumed_from = checkpoint.path
-    step_fn = torch.compile(model) if tcfg.compile else model
     data = TokenBatches([ShardRef(**s) for s in config["shards"]], batch_size=tcfg.batch_size,
                         rank=rank, world_size=world, seed=tcfg.seed)
     val_batches = validation_batches(config["val_shards"], tcfg)
@@ -299,7 +328,7 @@ def train_loop_per_worker(config: dict) -> None:
                    tcfg.batch_size * tcfg.grad_accum * mcfg.seq_len * world, world, start_step)
     log = _Log(config["run_dir"], rank)
     log.event({"event": "start", "start_step": start_step, "resumed_from": resumed_from, "world_size": world,
-               "strategy": tcfg.strategy, "bf16": bf16, "device": device_name(device), "peak_flops": meter.peak,
+               "strategy": strategy, "bf16": bf16, "device": device_name(device), "peak_flops": meter.peak,
                "flops_per_token": meter.flops_per_token})
 
     clock = Clock()
@@ -310,7 +339,7 @@ def train_loop_per_worker(config: dict) -> None:
     saved_for_preemption = False
     try:
         for step in range(start_step, tcfg.max_steps):
-            step_losses.append(train_step(step_fn, optimizer, [next(batches) for _ in range(tcfg.grad_accum)],
+            step_losses.append(train_step(model, optimizer, [next(batches) for _ in range(tcfg.grad_accum)],
                                           lr_at(step, tcfg), tcfg, device, bf16))
             done = step + 1
             if not cadence.log_due(done):
@@ -353,8 +382,9 @@ def train_loop_per_worker(config: dict) -> None:
         log.close()
 
 
-def _worker(config: dict) -> tuple[int, int, torch.device]:
-    """This worker's rank, world size and device; records where it runs and sets its threads."""
+def _worker(config: dict) -> tuple[int, int, int, torch.device]:
+    """This worker's rank, world size, local world size and device; records where it runs, sets its
+    threads, and lets fp32 matmuls use TF32 tensor cores."""
     import ray.train
     import ray.train.torch
 
@@ -363,7 +393,16 @@ def _worker(config: dict) -> tuple[int, int, torch.device]:
     _record_node(config["run_dir"], rank)
     if config.get("threads"):
         torch.set_num_threads(config["threads"])
-    return rank, ctx.get_world_size(), ray.train.torch.get_device()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    return rank, ctx.get_world_size(), ctx.get_local_world_size(), ray.train.torch.get_device()
+
+
+def _min_over_ranks(value: int, device: torch.device, world: int) -> int:
+    if world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    return int(t.item())
 
 
 def _checkpoint(checkpointer: AsyncCheckpointer, decision, done: int, metrics: dict, config: dict,

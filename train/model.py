@@ -94,7 +94,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, init: bool = True):
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
@@ -103,15 +103,23 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.wte.weight  # tied embeddings
+        if init:
+            self.init_weights()
+
+    def init_weights(self) -> None:
+        """GPT-2's init (also for a model built on the meta device and then `to_empty` on its own)."""
         self.apply(self._init)
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by depth
             if name.endswith(("proj.weight", "mlp.2.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
 
     @staticmethod
     def _init(m: nn.Module) -> None:
         if isinstance(m, nn.Linear | nn.Embedding):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -31,7 +31,7 @@ def measure(name: str, device, seconds: float, compile_model: bool, batch_size: 
     from train.model import GPT, preset
 
     cfg = preset(name)
-    tcfg = TrainConfig(batch_size=batch_size or BATCH.get(name, 8), precision="auto", compile=compile_model)
+    tcfg = TrainConfig(batch_size=batch_size or BATCH.get(name, 8), precision="auto", compile="on" if compile_model else "off")
     bf16 = use_bf16(tcfg, device)
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
