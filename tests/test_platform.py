@@ -214,3 +214,23 @@ def test_jobs_and_schedules_run_real_commands_on_the_strata_cluster(manifests):
     assert "--slot" in container["command"], "a scheduled submission is idempotent per slot"
     token = next(e for e in container["env"] if e["name"] == "RAY_AUTH_TOKEN")
     assert token["valueFrom"]["secretKeyRef"]["name"] == secret
+
+
+def test_gpu_nodes_get_shared_memory_and_their_network_interface(cluster, manifests):
+    """NCCL needs a memory-backed /dev/shm far above a container's 64 MiB default, and NCCL and Gloo
+    must talk on the node's NIC, not on docker0 or loopback."""
+    gpu_types = {n: t for n, t in cluster["available_node_types"].items() if t["resources"].get("GPU")}
+    assert gpu_types
+    for name, t in gpu_types.items():
+        opts = " ".join(t["docker"]["worker_run_options"])
+        assert "--shm-size=" in opts and "NCCL_SOCKET_IFNAME=" in opts and "GLOO_SOCKET_IFNAME=" in opts, name
+    groups = manifests["raycluster.yaml"]["spec"]["workerGroupSpecs"]
+    gpu_groups = [g for g in groups
+                  if "nvidia.com/gpu" in g["template"]["spec"]["containers"][0]["resources"]["limits"]]
+    assert {g["groupName"] for g in gpu_groups} == set(gpu_types)
+    for g in gpu_groups:
+        pod = g["template"]["spec"]
+        shm = {v["name"] for v in pod["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"}
+        container = pod["containers"][0]
+        assert any(m["mountPath"] == "/dev/shm" and m["name"] in shm for m in container["volumeMounts"]), g
+        assert {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"} <= {e["name"] for e in container["env"]}, g
