@@ -17,10 +17,10 @@ from conftest import simulated_cluster, wait_for
 
 from strata import tiers
 from strata.storage import Storage
-from train.__main__ import read_metrics, run
 from train.checkpoint import committed_checkpoints, read_meta
 from train.loop import TrainConfig
 from train.model import preset
+from train.trainer import read_metrics, run
 
 pytestmark = pytest.mark.slow
 

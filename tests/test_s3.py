@@ -19,9 +19,9 @@ from pipelines.preprocess import run as preprocess
 from strata.dataset import resolve
 from strata.records import list_records
 from strata.storage import Storage, exists, is_uri, list_files, read_jsonl
-from train.__main__ import run as train
 from train.loop import TrainConfig
 from train.model import preset
+from train.trainer import run as train
 
 pytestmark = pytest.mark.slow
 
@@ -105,7 +105,7 @@ def test_the_whole_path_on_s3(s3_root, tmp_path, monkeypatch, capsys):
     assert exported["step"] == 6 and (tmp_path / "hf" / "model.safetensors").exists()
 
     # 4. A small sweep, and training with its best config.
-    from tune.__main__ import run as sweep
+    from tune.driver import run as sweep
     from tune.sweep import SweepConfig
 
     sw = sweep(SweepConfig(num_samples=2, steps=4, report_every=2, max_rows=64, eval_rows=8, scheduler="fifo"),

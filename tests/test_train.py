@@ -13,10 +13,10 @@ from conftest import wait_for
 from strata.dataset import DatasetError, resolve
 from strata.lease import LeaseBusy, holder
 from strata.storage import Storage, read_jsonl
-from train.__main__ import read_launches, read_metrics, run
 from train.checkpoint import committed_checkpoints
 from train.loop import TrainConfig
 from train.model import preset
+from train.trainer import read_launches, read_metrics, run
 
 
 def _cfg(max_steps, **kw):
@@ -128,7 +128,7 @@ def test_fsdp2_matches_ddp_and_continues_from_its_checkpoint(local_ray, dataset)
 
 
 def test_a_run_continues_only_with_its_model_and_tokenizer(local_ray, dataset, tmp_path):
-    from train.__main__ import _check_continuation
+    from train.trainer import _check_continuation
 
     storage = Storage.from_env()
     model = preset("debug", n_layer=1, n_embd=32, n_head=2)

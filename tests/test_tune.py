@@ -7,7 +7,7 @@ import pytest
 
 from strata.lease import Lease, LeaseBusy
 from strata.storage import Storage
-from tune.__main__ import run
+from tune.driver import run
 from tune.sweep import SPACES, SweepConfig
 
 
@@ -42,7 +42,7 @@ def test_sweep_runs_trials_and_writes_the_best_config(local_ray, dataset):
 
 
 def test_trials_table_ranks_trials_and_counts_statuses():
-    from tune.__main__ import trials_table
+    from tune.driver import trials_table
 
     trials = [{"trial": "a", "config": {"lr": 0.01}, "iterations": 2, "best": 3.0, "status": "stopped early"},
               {"trial": "b", "config": {"lr": 0.001}, "iterations": 4, "best": 2.5, "status": "completed"},

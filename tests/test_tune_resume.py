@@ -13,7 +13,7 @@ from conftest import REPO, simulated_cluster, wait_for
 
 from strata import tiers
 from strata.storage import Storage
-from tune.__main__ import run
+from tune.driver import run
 from tune.sweep import SweepConfig
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ def _progress(sweep_dir) -> dict:
 def test_a_sweep_driver_on_a_spot_node_is_refused_and_on_the_head_is_not(spot_cluster):
     import ray
 
-    from tune.__main__ import check_driver_node
+    from tune.driver import check_driver_node
 
     @ray.remote(num_cpus=1, label_selector=tiers.selector(tiers.Tier.SPOT))
     def from_a_spot_node():

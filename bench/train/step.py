@@ -63,7 +63,7 @@ def plain_step_seconds(storage_root: str, ref: str, mcfg, tcfg, warmup: int, thr
 def trainer_step_seconds(storage_root: str, ref: str, mcfg, tcfg, warmup: int, threads: int) -> float:
     """Mean seconds per step after warm-up under TorchTrainer (one worker), from the run's own metrics."""
     from strata.storage import Storage
-    from train.__main__ import read_metrics, run
+    from train.trainer import read_metrics, run
 
     out = run(mcfg, tcfg, dataset=ref, run_name=f"bench-step-{time.strftime('%Y%m%d-%H%M%S')}",
               storage=Storage(storage_root), workers=1, use_gpu=False, cpus_per_worker=threads)

@@ -6,7 +6,7 @@
    generated dataset, swept twice, with ASHA and without early stopping (fifo).
    Printed: trial iterations used (compute) and the best validation loss reached.
 2. Overhead: trivial trials (each reports one number) run through the
-   sweep's real driver path (`tune.__main__.make_tuner` and `collect`: the
+   sweep's real driver path (`tune.driver.make_tuner` and `collect`: the
    checkpointed book, the result table), packed as `python -m tune` packs a
    50,000-trial sweep, at `--trials` and at half that (alternating, the
    fastest of `--rounds` each). The slope between the
@@ -72,7 +72,7 @@ def overhead(trials: int, pack: int, max_concurrent: int, root: str) -> dict:
     import ray
     from ray import tune
 
-    from tune.__main__ import collect, make_tuner
+    from tune.driver import collect, make_tuner
     from tune.sweep import SweepConfig, load_space
 
     cfg = SweepConfig(num_samples=trials, pack=pack, steps=1, report_every=1, max_concurrent=max_concurrent,
@@ -96,7 +96,7 @@ def asha_vs_random(trials: int, root: str) -> dict:
     """The same seeded configs swept with ASHA and with no early stopping."""
     from bench.train.common import make_dataset
     from strata.storage import Storage
-    from tune.__main__ import run
+    from tune.driver import run
     from tune.sweep import SweepConfig
 
     storage_root, ref = make_dataset(root, mb=2.0)

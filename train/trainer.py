@@ -1,0 +1,230 @@
+"""Tier 2's driver: resolve the dataset, place the workers, hold the run's lease, run the
+`TorchTrainer`, and summarise the run from its metrics. `python -m train` is its CLI."""
+
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict
+
+from strata import tiers
+from strata.connect import connect, embedded
+from strata.cost import UsageMonitor
+from strata.dataset import DatasetError, check_compatible, resolve
+from strata.lease import Lease
+from strata.records import write_record
+from strata.runinfo import run_info
+from strata.storage import (
+    Storage,
+    basename,
+    create_exclusive,
+    exists,
+    join,
+    list_dir,
+    read_json,
+    read_jsonl,
+    write_json_atomic,
+)
+from train.checkpoint import committed_checkpoints, forget_missing, read_meta
+from train.loop import (
+    TrainConfig,
+    train_loop_per_worker,
+)
+from train.model import GPTConfig, describe
+from train.placement import place
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    return [m for m in read_jsonl(join(run_dir, "metrics.jsonl")) if "loss" in m]  # step reports, not events
+
+
+def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name: str, storage: Storage,
+        workers: int | None = None, use_gpu: bool | None = None, cpus_per_worker: float = 1,
+        max_failures: int = 2, allow_change: bool = False, allow_mixed_gpus: bool = False,
+        gpu_wait_s: float = 900.0) -> dict:
+    """Train (or continue) run `run_name`, holding the run's lease: one writer per run."""
+    run_dir = storage.run(run_name)
+    if not read_launches(run_dir):  # a new run on a dataset it cannot train on is refused before it exists
+        check_compatible(resolve(storage, dataset), vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
+    with Lease(run_dir, f"training run {run_name}", purpose="train").acquire(wait=False):
+        return _run_leased(model_cfg, train_cfg, dataset=dataset, run_name=run_name, run_dir=run_dir,
+                           storage=storage, workers=workers, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker,
+                           max_failures=max_failures, allow_change=allow_change,
+                           allow_mixed_gpus=allow_mixed_gpus, gpu_wait_s=gpu_wait_s)
+
+
+def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, workers, use_gpu, cpus_per_worker,
+                max_failures, allow_change, allow_mixed_gpus, gpu_wait_s) -> dict:
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    print(f"[train] {connect()}", file=sys.stderr)
+    launches = read_launches(run_dir)
+    if launches:
+        dataset = _continued_dataset(launches[-1]["config"], dataset, run_name, allow_change)
+    version = resolve(storage, dataset)
+    check_compatible(version, vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
+    placement = place(embedded=embedded(), workers=workers, use_gpu=use_gpu, allow_mixed=allow_mixed_gpus,
+                      wait_s=gpu_wait_s)
+    workers, use_gpu = placement.workers, placement.use_gpu
+    m = version.manifest
+    if launches:
+        _check_continuation(launches[-1]["config"], run_name, model_cfg, train_cfg, m.tokenizer.hash, allow_change)
+    size = describe(model_cfg)
+    resume_from = _newest_intact(run_dir)
+    if resume_from:
+        what = f"continuing run {run_name} from step {read_meta(resume_from)['step']} ({resume_from})"
+    else:
+        what = f"{'restarting' if launches else 'starting'} run {run_name} (no checkpoint yet)"
+    print(f"[train] {what}: {size['params'] / 1e6:.2f}M params, "
+          f"{size['flops_per_token'] / 1e6:.1f} MFLOP/token, "
+          f"{_strategy_words(train_cfg.strategy)}, dataset {version.ref}; {placement.why}", file=sys.stderr)
+    record = run_info("train", {"model": asdict(model_cfg), "train": asdict(train_cfg), "dataset": version.ref,
+                                "tokenizer": asdict(m.tokenizer), "workers": workers, "use_gpu": use_gpu,
+                                "cpus_per_worker": cpus_per_worker, **size})
+    _record_launch(run_dir, len(launches), record)
+
+    shard_refs = {split: [{"path": version.file(s.path), "rows": s.rows} for s in m.shards if s.split == split]
+                  for split in ("train", "validation")}
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"model": asdict(model_cfg), "train": asdict(train_cfg), "run_dir": run_dir,
+                           "shards": shard_refs["train"], "val_shards": shard_refs["validation"],
+                           "tokenizer": asdict(m.tokenizer), "tokenizer_definition": version.tokenizer_definition(),
+                           "threads": max(1, int(cpus_per_worker))},
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, accelerator_type=placement.accelerator,
+                                     resources_per_worker={"CPU": cpus_per_worker},
+                                     label_selector=tiers.selector(tiers.Tier.GPU)),
+        run_config=RunConfig(name=run_name, storage_path=storage.runs(),
+                             checkpoint_config=CheckpointConfig(num_to_keep=train_cfg.keep_checkpoints),
+                             failure_config=FailureConfig(max_failures=max_failures)),
+    )
+    started = time.time()
+    with UsageMonitor() as usage:
+        result = trainer.fit()
+    rows = read_jsonl(join(run_dir, "metrics.jsonl"))
+    history = [r for r in rows if "loss" in r]
+    mine = [h for h in history if h["time"] >= started]
+    # Ray's checkpoint path is inside its filesystem (no scheme): name it under the run's URI.
+    checkpoint = join(run_dir, basename(result.checkpoint.path)) if result.checkpoint else None
+    start_step = mine[0]["start_step"] if mine else (history[-1]["step"] if history else 0)
+    last = mine[-1] if mine else {}
+    wall = loop_totals([r for r in rows if r.get("event") == "end" and r["time"] >= started], workers)
+    summary = {
+        "run": run_name, "path": run_dir, "dataset": version.ref,
+        "strategy": next((r["strategy"] for r in rows if r.get("event") == "start" and r["time"] >= started),
+                         train_cfg.strategy),
+        "workers": workers, "use_gpu": use_gpu, **size,
+        "start_step": start_step, "steps": (last["step"] - start_step) if mine else 0,
+        "first_loss": mine[0]["loss"] if mine else None, "last_loss": last.get("loss"),
+        "val_loss": next((h["val_loss"] for h in reversed(mine) if "val_loss" in h), None),
+        **wall, "checkpoint": checkpoint, "seconds": round(time.time() - started, 1),
+    }
+    figures = {k: summary.get(k) for k in ("steps", "first_loss", "last_loss", "val_loss", "tokens_per_s",
+                                           "tokens_per_s_per_worker", "mfu", "data_wait", "checkpoint_blocked",
+                                           "report_blocked", "eval_share", "loop_s")}
+    rec = write_record(storage, record, name=run_name, beside=join(run_dir, "record.json"), usage=usage,
+                       work_nodes=_worker_nodes(run_dir, workers), figures=figures)
+    return {**summary, "cost": rec["cost"], "node_hours": rec["node_hours"], "cpu_busy": rec["utilization"]["cpu_busy"]}
+
+
+def _worker_nodes(run_dir: str, workers: int) -> list[str]:
+    """The nodes of this run's ranks (as each rank recorded at start)."""
+    out = []
+    for rank in range(workers):
+        path = join(run_dir, "workers", f"rank-{rank}.json")
+        if exists(path):
+            out.append(read_json(path)["node_id"])
+    return out
+
+
+def best_of_sweep(storage: Storage, sweep: str) -> dict:
+    path = join(storage.sweep(sweep), "best.json")
+    if not exists(path):
+        raise FileNotFoundError(f"sweep {sweep!r} has no best.json under {storage.sweeps()}")
+    return read_json(path)
+
+
+def _strategy_words(strategy: str) -> str:
+    return "DDP or FSDP2 by device memory" if strategy == "auto" else strategy.upper()
+
+
+def loop_totals(ends: list[dict], workers: int) -> dict:
+    """Throughput over the training loop's wall time (every attempt's, each ending in an `end` event):
+    tokens/s = tokens trained / loop seconds, and the shares of that time (they add up to 1)."""
+    seconds = sum(e["loop_s"] for e in ends)
+    if not seconds:
+        return {"tokens_per_s": None, "tokens_per_s_per_worker": None, "mfu": None, "data_wait": None,
+                "checkpoint_blocked": None, "report_blocked": None, "eval_share": None, "compute_share": None,
+                "loop_s": 0.0}
+    tps = sum(e["tokens"] for e in ends) / seconds
+    share = {k: sum(e[f"share_{k}"] * e["loop_s"] for e in ends) / seconds
+             for k in ("data", "eval", "checkpoint", "report", "compute")}
+    known = all(e.get("mfu") is not None for e in ends)
+    return {"tokens_per_s": tps, "tokens_per_s_per_worker": tps / workers,
+            "mfu": sum(e["mfu"] * e["loop_s"] for e in ends) / seconds if known else None,
+            "data_wait": share["data"], "checkpoint_blocked": share["checkpoint"], "report_blocked": share["report"],
+            "eval_share": share["eval"], "compute_share": share["compute"], "loop_s": round(seconds, 3)}
+
+
+# Settings that decide which rows each step trains on: a continued run keeps them, so it continues exactly.
+DATA_ORDER = ("batch_size", "grad_accum", "seed")
+
+
+def read_launches(run_dir: str) -> list[dict]:
+    """Every launch of the run (its resolved config, code and library versions), oldest first."""
+    return [read_json(join(run_dir, "launches", name)) for name, d in list_dir(join(run_dir, "launches"))
+            if not d and name.endswith(".json")]
+
+
+def _record_launch(run_dir: str, n: int, record: dict) -> None:
+    """Each launch's config is kept (launches/NNNN.json); run.json is the first launch's."""
+    if not create_exclusive(join(run_dir, "launches", f"{n:04d}.json"), (json.dumps(record, indent=2) + "\n").encode()):
+        raise RuntimeError(f"launch {n} of {run_dir} was recorded by another process: is the run's lease broken?")
+    if n == 0:
+        write_json_atomic(join(run_dir, "run.json"), record)
+
+
+def _continued_dataset(before: dict, dataset: str, run_name: str, allow_change: bool) -> str:
+    """The dataset a continued run reads: the snapshot it started on, unless asked to change it."""
+    old = before.get("dataset", "")
+    if dataset == old or allow_change:
+        return dataset
+    if dataset == old.partition("@")[0]:
+        print(f"[train] run {run_name} continues on {old}, the snapshot it started on "
+              f"(--dataset {dataset}@vN --allow-change to move it to a newer one)", file=sys.stderr)
+        return old
+    raise ValueError(f"run {run_name} trains on {old}, not {dataset}: continue it with --dataset {old}, "
+                     "start a new --run, or pass --allow-change")
+
+
+def _check_continuation(before: dict, run_name: str, model_cfg: GPTConfig, train_cfg: TrainConfig,
+                        tokenizer_hash: str, allow_change: bool) -> None:
+    """A run continues only with the model and tokenizer it started with, and, unless asked,
+    with the same data order."""
+    if before.get("model") and before["model"] != asdict(model_cfg):
+        changed = sorted(k for k, v in asdict(model_cfg).items() if before["model"].get(k) != v)
+        raise ValueError(f"run {run_name} was started with another model ({', '.join(changed)} differ): "
+                         "use a new --run")
+    old = (before.get("tokenizer") or {}).get("hash")
+    if old and old != tokenizer_hash:
+        raise DatasetError(f"run {run_name} was trained with tokenizer {old}; this dataset's is {tokenizer_hash}: "
+                           "the token ids would mean different things")
+    changed = [f"{k} {before['train'][k]} -> {getattr(train_cfg, k)}" for k in DATA_ORDER
+               if k in before.get("train", {}) and before["train"][k] != getattr(train_cfg, k)]
+    if changed and not allow_change:
+        raise ValueError(f"run {run_name} would continue with another data order ({', '.join(changed)}): "
+                         "pass --allow-change to continue anyway, or start a new --run")
+
+
+def _newest_intact(run_dir: str) -> str | None:
+    """The newest registered checkpoint whose files are all there. Ones deleted by hand are dropped
+    from Ray Train's record (it would refuse the run otherwise), and the run says so."""
+    gone = forget_missing(run_dir)
+    intact = committed_checkpoints(run_dir)
+    if gone:
+        print(f"[train] checkpoint(s) {', '.join(gone)} are registered but missing or incomplete: continuing "
+              f"from {basename(intact[-1]) if intact else 'step 0'}", file=sys.stderr)
+    return intact[-1] if intact else None

@@ -1,0 +1,317 @@
+"""The sweep driver: the Tuner over train's loop on spot-tier nodes, resume, results (table, CSV,
+plots, best config) and the run record. `python -m tune` is its CLI."""
+
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+
+from ray.tune import Callback
+
+from strata import tiers
+from strata.connect import connect
+from strata.cost import UsageMonitor
+from strata.dataset import DatasetError, check_compatible, resolve
+from strata.lease import Lease
+from strata.records import write_record
+from strata.runinfo import run_info
+from strata.storage import (
+    Storage,
+    exists,
+    join,
+    read_json,
+    write_bytes_atomic,
+    write_json_atomic,
+)
+from train.loop import TRAIN_PRESETS
+from train.model import fit_to_dataset, preset
+from tune.plots import write_plots
+from tune.sweep import GRACE, REDUCTION, SweepConfig, load_rows, load_space, sample, to_tune, trial
+
+METRIC, MODE = "val_loss", "min"
+
+
+def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, storage: Storage,
+        progress: bool = True) -> dict:
+    """Run (or, when the sweep directory holds an unfinished one, resume) a sweep; write its results."""
+    # Per-trial JSON/TensorBoard loggers cost driver memory and time; keep CSV only.
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+    # Single configs keep their last 2 checkpoints (model state), so Tune snapshots the experiment every
+    # 2 checkpoints of a trial: expected, at most 1,000 trials; packs keep all (small) and force none.
+    os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
+
+    space = load_space(cfg.space)  # read and checked once, on the driver, before anything starts
+    print(f"[tune] {connect()}", file=sys.stderr)
+    check_driver_node()
+    model_cfg = preset(model_preset)
+    sweep_dir = storage.sweep(sweep_name)
+    if "@" not in dataset and exists(join(sweep_dir, "sweep.json")):  # a resume reads the snapshot it began on
+        began = read_json(join(sweep_dir, "sweep.json"))["config"]["dataset"]
+        dataset = began if began.partition("@")[0] == dataset else dataset
+    version = resolve(storage, dataset)
+    # The preset shaped for the dataset, as `python -m train --preset` shapes it (so --from-sweep matches).
+    model_cfg = fit_to_dataset(model_cfg, vocab=version.manifest.tokenizer.vocab_size, seq_len=version.manifest.seq_len)
+    check_compatible(version, vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
+    rows = load_rows(version, "train", cfg.max_rows)
+    val_rows = load_rows(version, "validation", cfg.eval_rows)
+    if len(val_rows) == 0:  # no validation split: hold out the last training rows
+        rows, val_rows = rows[: -cfg.eval_rows], rows[-cfg.eval_rows:]
+    if len(rows) == 0:
+        raise DatasetError(f"dataset {version.ref} has too few rows to sweep on")
+    # One driver per sweep: a resume while the first driver is alive would run every trial twice.
+    with Lease(sweep_dir, f"sweep {sweep_name}", purpose="tune").acquire(wait=False):
+        return _run_leased(cfg, space, model_cfg, version, rows, val_rows, sweep_name, sweep_dir, model_preset,
+                           storage, progress)
+
+
+def _run_leased(cfg, space, model_cfg, version, rows, val_rows, sweep_name, sweep_dir, model_preset, storage,
+                progress) -> dict:
+    from ray import tune
+
+    what = {"sweep": asdict(cfg), "dataset": version.ref, "preset": model_preset}
+    resuming = tune.Tuner.can_restore(sweep_dir)
+    if resuming:
+        info = read_json(join(sweep_dir, "sweep.json"))
+        if info["config"] != json.loads(json.dumps(what)):
+            raise ValueError(f"sweep {sweep_name} already exists with other settings ({info['config']}); "
+                             "rerun it with the same ones to resume it, or pick another --sweep name")
+    else:
+        info = run_info("sweep", what)
+        write_json_atomic(join(sweep_dir, "sweep.json"), info)
+    packed = cfg.pack_size > 1
+    print(f"[tune] {'resuming' if resuming else 'starting'} sweep {sweep_name}: {cfg.num_samples} trials"
+          f"{f' in {cfg.packs} packs of {cfg.pack_size}' if packed else ''} on {len(rows)} rows of {version.ref}",
+          file=sys.stderr)
+
+    # Data goes into the object store once; every trial reads the same copy.
+    trainable = tune.with_parameters(trial, rows=rows, val_rows=val_rows, model=asdict(model_cfg),
+                                     train=asdict(TRAIN_PRESETS[model_preset]), sweep=asdict(cfg), space=space)
+    tuner = make_tuner(trainable, cfg, space, sweep_dir, progress=progress, resume=resuming)
+    started = time.time()
+    with UsageMonitor() as usage:
+        grid = tuner.fit()
+    trials = collect(grid, cfg, space)
+    done = [t for t in trials if t["best"] is not None]
+    if not done:
+        raise RuntimeError(f"sweep {sweep_name}: no trial reported a metric; first error: "
+                           f"{next((t['error'] for t in trials if t['error']), None)}")
+    best = min(done, key=lambda t: t["best"])
+    write_json_atomic(join(sweep_dir, "best.json"), {"config": best["config"], METRIC: best["best"],
+                                                     "trial": best["trial"], "preset": model_preset,
+                                                     "dataset": version.ref, "space": cfg.space,
+                                                     "search": cfg.search})
+    write_json_atomic(join(sweep_dir, "trials.json"), {"trials": trials})
+    write_bytes_atomic(join(sweep_dir, "trials.csv"), trials_csv(trials).encode())
+    plots = write_plots(trials, space, cfg, sweep_dir)
+    print(trials_table(trials), file=sys.stderr)
+    counts = status_counts(trials)
+    hours = (usage.ended - usage.started) / 3600
+    figures = {"trials": len(trials), **{k.replace(" ", "_"): v for k, v in counts.items()},
+               "iterations": sum(t["iterations"] for t in trials), "best": best["best"], "metric": METRIC,
+               "trials_per_hour": len(trials) / hours if hours else None, "pack": cfg.pack_size,
+               "curves": [t["curve"] for t in sorted(done, key=lambda t: t["best"])[:5]]}
+    rec = write_record(storage, info, name=sweep_name, beside=join(sweep_dir, "record.json"), usage=usage,
+                       work_nodes=[t["node_id"] for t in trials if t["node_id"]], figures=figures)
+    return {
+        "cost": rec["cost"], "node_hours": rec["node_hours"], "cpu_busy": rec["utilization"]["cpu_busy"],
+        "sweep": sweep_name, "path": sweep_dir, "dataset": version.ref, "resumed": resuming,
+        "trials": len(trials), "completed": counts["completed"] + counts["stopped early"],
+        "stopped_early": counts["stopped early"], "errors": counts["error"], "tune_trials": len(grid),
+        "pack": cfg.pack_size, "restores": sum(t["restores"] for t in trials),
+        "best": {"config": best["config"], "metric": best["best"], "metric_name": METRIC},
+        "iterations": sum(t["iterations"] for t in trials), "seconds": round(time.time() - started, 1),
+        "plots": plots,
+    }
+
+
+def make_tuner(trainable, cfg: SweepConfig, space: dict, sweep_dir: str, *, progress: bool = True,
+               resume: bool = False):
+    """The sweep's Tuner: trials on spot nodes, packed when large, checkpointed, retried on node loss."""
+    from ray import tune
+    from ray.tune.logger import CSVLoggerCallback
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    trainable = tune.with_resources(trainable, tune.PlacementGroupFactory(
+        [{"CPU": cfg.cpus_per_trial}], bundle_label_selector=[tiers.selector(tiers.Tier.SPOT)]))
+    if resume:
+        return tune.Tuner.restore(sweep_dir, trainable, resume_unfinished=True, resume_errored=True)
+    packed = cfg.pack_size > 1
+    max_t = cfg.reports
+    # A pack applies ASHA's rule to its own configs; Tune's scheduler only sees single configs.
+    scheduler = (ASHAScheduler(max_t=max_t, grace_period=min(GRACE, max_t), reduction_factor=REDUCTION)
+                 if cfg.scheduler == "asha" and not packed else FIFOScheduler())
+    storage_path, name = sweep_dir.rstrip("/").rsplit("/", 1)
+    return tune.Tuner(
+        trainable,
+        param_space={"pack": tune.grid_search(list(range(cfg.packs)))} if packed else to_tune(space),
+        tune_config=tune.TuneConfig(metric=METRIC, mode=MODE, num_samples=1 if packed else cfg.num_samples,
+                                    max_concurrent_trials=cfg.max_concurrent or None, scheduler=scheduler,
+                                    search_alg=None if packed else _searcher(cfg), reuse_actors=True),
+        run_config=tune.RunConfig(
+            name=name, storage_path=storage_path, verbose=0,  # SweepProgress and the final table instead
+            callbacks=[CSVLoggerCallback(), *([SweepProgress(cfg, sweep_dir)] if progress else [])],
+            # A pack's checkpoints are small books and all are kept: with num_to_keep set, Tune snapshots
+            # the whole experiment every num_to_keep checkpoints of any trial, which at scale is the cost.
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=None if packed else 2),
+            failure_config=tune.FailureConfig(max_failures=cfg.max_failures)),
+    )
+
+
+def check_driver_node() -> None:
+    """Refuse to drive a sweep from a spot node of a multi-node cluster: losing it would lose the sweep."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    me = ray.get_runtime_context().get_node_id()
+    labels = next((n.get("Labels", {}) for n in nodes if n["NodeID"] == me), {})
+    if len(nodes) > 1 and tiers.Tier.SPOT in tiers.tiers_of(labels):
+        raise ValueError("this sweep's driver is on a spot node, which can be reclaimed with the sweep on it; "
+                         "submit it to the head (`ray job submit` without entrypoint resources) or a cpu node")
+
+
+def collect(grid, cfg: SweepConfig, space: dict) -> list[dict]:
+    """Every config of the sweep, from each Tune trial's last checkpoint: none goes unaccounted for.
+
+    A config a failed pack never reached is listed as an error with the pack's error.
+    """
+    out = []
+    for r in grid:
+        book = _book(r.checkpoint)
+        tid = r.metrics.get("trial_id") or os.path.basename(r.path or "")
+        error = f"{type(r.error).__name__}: {r.error}"[:500] if r.error else None
+        restores = len(book["restores"])
+        if "pack" in r.config:
+            have = {rec["index"]: rec for rec in book["done"]}
+            for i in cfg.pack_range(r.config["pack"]):
+                rec = have.get(i) or {"config": sample(space, cfg.seed, i), "curve": [], "status": "error"}
+                out.append(_record(f"{tid}:{i}", rec, rec["status"], error if i not in have else None, restores))
+        else:
+            rec = book["current"] or {"config": r.config, "curve": []}
+            status = ("error" if r.error else "completed" if len(rec["curve"]) == cfg.reports else "stopped early")
+            out.append(_record(tid, rec, status, error, restores))
+    return out
+
+
+def _book(checkpoint) -> dict:
+    empty = {"done": [], "current": None, "restores": []}
+    if checkpoint is None:
+        return empty
+    try:
+        with checkpoint.filesystem.open_input_stream(join(checkpoint.path, "pack.json")) as f:
+            return json.loads(f.read())
+    except FileNotFoundError:
+        return empty
+
+
+def _record(trial_id: str, rec: dict, status: str, error: str | None, restores: int) -> dict:
+    curve = [float(v) for v in rec["curve"]]
+    return {"trial": trial_id, "config": rec["config"], "status": status, "iterations": len(curve),
+            "best": min(curve) if curve else None, "curve": curve, "node_id": rec.get("node"),
+            "restores": restores, "error": error}
+
+
+class SweepProgress(Callback):
+    """Counts configs done, stopped early and failed across Tune trials (packed or not): a bar on
+    stderr, and `progress.json` in the sweep directory for notebooks and other watchers."""
+
+    def __init__(self, cfg: SweepConfig, sweep_dir: str, every_s: float = 2.0):
+        self.cfg, self.sweep_dir, self.every_s = cfg, sweep_dir, every_s
+        self.last, self.bar = 0.0, None
+
+    def __getstate__(self):  # Tune pickles its callbacks with the experiment; the bar is rebuilt
+        return {**self.__dict__, "bar": None, "last": 0.0}
+
+    def counts(self, trials) -> dict:
+        done = errors = 0
+        best = None
+        for t in trials:
+            if self.cfg.pack_size > 1:
+                n = (t.last_result or {}).get("configs_done", 0)
+                if t.status == "ERROR":
+                    errors += len(self.cfg.pack_range(t.config["pack"])) - n
+            else:
+                n, errors = int(t.status == "TERMINATED"), errors + int(t.status == "ERROR")
+            done += n
+            m = t.metric_analysis.get(METRIC, {}).get("min")
+            if m is not None and (best is None or m < best):
+                best = m
+        return {"trials": self.cfg.num_samples, "done": done, "errors": errors, "best": best,
+                "running": sum(t.status == "RUNNING" for t in trials)}
+
+    def on_step_begin(self, iteration, trials, **info):
+        self._update(trials)
+
+    def on_experiment_end(self, trials, **info):
+        self._update(trials, force=True)
+        if self.bar is not None:
+            self.bar.close()
+
+    def _update(self, trials, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last < self.every_s:
+            return
+        self.last = now
+        c = self.counts(trials)
+        write_json_atomic(join(self.sweep_dir, "progress.json"), {**c, "updated": time.time()})
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.cfg.num_samples, desc="[tune] trials", unit="trial", file=sys.stderr,
+                            dynamic_ncols=True)
+        self.bar.n = c["done"] + c["errors"]
+        self.bar.set_postfix(best=f"{c['best']:.4f}" if c["best"] is not None else "-", running=c["running"],
+                             errors=c["errors"], refresh=False)
+        self.bar.refresh()
+
+
+def trials_csv(trials: list[dict]) -> str:
+    """One row per trial: id, status, iterations, best metric, then each hyperparameter."""
+    import csv
+    import io
+
+    keys = sorted({k for t in trials for k in t["config"]})
+    out = io.StringIO()
+    w = csv.writer(out)
+    w.writerow(["trial", "status", "iterations", f"best_{METRIC}", *keys])
+    for t in sorted(trials, key=_rank):
+        w.writerow([t["trial"], t["status"], t["iterations"], t["best"], *(t["config"].get(k) for k in keys)])
+    return out.getvalue()
+
+
+def trials_table(trials: list[dict], top: int = 10) -> str:
+    """The best trials as an aligned table, with a count by status."""
+    keys = sorted({k for t in trials for k in t["config"]})
+    rows = [[f"{t['best']:.4f}" if t["best"] is not None else "-", str(t["iterations"] or 0), t["status"],
+             *(f"{v:.4g}" if isinstance(v := t["config"].get(k), float) else str(v) for k in keys)]
+            for t in sorted(trials, key=_rank)[:top]]
+    head = [METRIC, "iters", "status", *keys]
+    widths = [max(len(c) for c in col) for col in zip(head, *rows, strict=True)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [head, *rows]]
+    counts = status_counts(trials)
+    return "\n".join([f"[tune] best {min(top, len(trials))} of {len(trials)} trials "
+                      f"({', '.join(f'{n} {s}' for s, n in counts.items())}):", *lines])
+
+
+def status_counts(trials: list[dict]) -> dict[str, int]:
+    return {s: sum(t["status"] == s for t in trials) for s in ("completed", "stopped early", "error")}
+
+
+def _rank(t: dict) -> tuple:
+    return (t["best"] is None, t["best"] if t["best"] is not None else 0.0)
+
+
+def _searcher(cfg: SweepConfig):
+    from ray import tune
+
+    if cfg.search == "optuna":
+        try:
+            from ray.tune.search.optuna import OptunaSearch
+
+            return OptunaSearch(seed=cfg.seed)  # TPE
+        except (ImportError, AssertionError):  # Ray asserts optuna is importable
+            raise ValueError("--search optuna needs the optuna package: pip install optuna") from None
+    return tune.search.BasicVariantGenerator(random_state=cfg.seed)
