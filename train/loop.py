@@ -301,15 +301,7 @@ def train_loop_per_worker(config: dict) -> None:
     rank, world, local_world, device = _worker(config)
     mcfg, tcfg = GPTConfig(**config["model"]), TrainConfig(**config["train"])
     bf16 = use_bf16(tcfg, device)
-    torch.manual_seed(tcfg.seed)
-    with torch.device("meta"):  # no host copy of the weights: they are made on the device
-        raw = GPT(mcfg, init=False)
-    raw.to_empty(device=device)
-    raw.init_weights()
-    strategy = strategy_for(tcfg, raw.num_params(), _min_over_ranks(device_memory(device, local_world), device,
-                                                                    world))
-    model = parallelize(raw, strategy, device, bf16, world, one_node=local_world == world,
-                        compile_blocks=tcfg.compile == "on" or (tcfg.compile == "auto" and device.type == "cuda"))
+    raw, model, strategy = _build(mcfg, tcfg, device, bf16, world, local_world)
     optimizer = make_optimizer(model, tcfg)
     # Checkpoints travel on a gloo group of their own: the background write's collectives
     # must not interleave with training's.
@@ -395,6 +387,22 @@ def _worker(config: dict) -> tuple[int, int, int, torch.device]:
         torch.set_num_threads(config["threads"])
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     return rank, ctx.get_world_size(), ctx.get_local_world_size(), ray.train.torch.get_device()
+
+
+def _build(mcfg: GPTConfig, tcfg: TrainConfig, device: torch.device, bf16: bool, world: int,
+           local_world: int) -> tuple[GPT, torch.nn.Module, str]:
+    """The model made on the meta device, materialized on `device`, initialized, and wrapped;
+    returns (the plain model, the wrapped one, the strategy chosen)."""
+    torch.manual_seed(tcfg.seed)
+    with torch.device("meta"):  # no host copy of the weights: they are made on the device
+        raw = GPT(mcfg, init=False)
+    raw.to_empty(device=device)
+    raw.init_weights()
+    strategy = strategy_for(tcfg, raw.num_params(), _min_over_ranks(device_memory(device, local_world), device,
+                                                                    world))
+    model = parallelize(raw, strategy, device, bf16, world, one_node=local_world == world,
+                        compile_blocks=tcfg.compile == "on" or (tcfg.compile == "auto" and device.type == "cuda"))
+    return raw, model, strategy
 
 
 def _min_over_ranks(value: int, device: torch.device, world: int) -> int:
