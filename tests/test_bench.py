@@ -64,3 +64,12 @@ def test_the_results_table_has_a_row_per_benchmark_run():
     assert len(rows) == 2
     assert BENCHMARKS["train.ingest"][2] in rows[0] and "ratio delivered/consumed: 4571.0" in rows[0]
     assert "FAILED" in rows[1] and "boom" in rows[1]
+
+
+@pytest.mark.slow
+def test_end_to_end_benchmark_times_the_real_command(tmp_path):
+    lines = _run("bench.train.e2e", "--steps", "20", "--workdir", str(tmp_path), "--json")
+    result = json.loads(lines[-3])
+    assert len(result["seconds"]["plain"]) == 2 and len(result["seconds"]["log1"]) == 1
+    assert lines[-2].startswith("ratio plain/train wall, --log-every 10: ")
+    assert lines[-1].startswith("ratio plain/train wall, --log-every 1: ") and float(lines[-1].rsplit(" ", 1)[1]) > 0
