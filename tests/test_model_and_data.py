@@ -8,7 +8,14 @@ import torch
 
 from strata.dataset import arrow_schema
 from train.data import ShardRef, TokenBatches
-from train.loop import TrainConfig, lr_at, make_optimizer, train_step, validation_batches
+from train.loop import (
+    TrainConfig,
+    lr_at,
+    make_optimizer,
+    parallelize,
+    train_step,
+    validation_batches,
+)
 from train.model import GPT, preset
 
 SEQ = 8
@@ -180,7 +187,8 @@ def test_compiled_step_matches_eager():
         torch.manual_seed(0)
         model = GPT(cfg)
         opt = make_optimizer(model, tcfg)
-        step_fn = torch.compile(model) if compiled else model
+        # The training loop's way: each block compiled on its own, before any wrapping.
+        step_fn = parallelize(model, "ddp", torch.device("cpu"), False, 1, compile_blocks=compiled)
         losses.append([train_step(step_fn, opt, [batch], 1e-2, tcfg, torch.device("cpu")).item() for _ in range(3)])
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
 
