@@ -19,9 +19,16 @@ def _run(*args, timeout=600):
 
 def test_gpu_benchmark_runs_on_cpu_as_a_smoke_test():
     lines = _run("bench.train.gpu", "--device", "cpu", "--presets", "debug", "--seconds", "0.5", "--warmup", "1",
-                 "--no-compile", "--json")
-    [result] = json.loads(lines[-2])
-    assert result["preset"] == "debug" and result["steps"] >= 3 and result["tokens_per_s"] > 0
+                 "--fsdp-preset", "debug", "--no-compile", "--json")
+    result = json.loads(lines[-2])
+    assert [r["batch_size"] for r in result["runs"]] == [16, 32]  # the default micro-batch and twice it
+    assert all(r["preset"] == "debug" and r["steps"] >= 3 and r["tokens_per_s"] > 0 for r in result["runs"])
+    fsdp = result["fsdp"]
+    assert fsdp["restored_step"] == 1 and fsdp["weights_match"]  # the sharded checkpoint loads back
+    shares = result["profile"]["shares"]
+    assert set(shares) == {"matmul", "attention", "loss", "optimizer", "other", "idle"}
+    assert sum(shares.values()) == pytest.approx(1) and shares["matmul"] > 0
+    assert result["environment"]["torch"] and lines[0].startswith("environment: ")
     assert lines[-1].startswith("ratio lowest MFU/target")
 
 

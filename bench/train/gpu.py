@@ -1,84 +1,225 @@
-"""Tokens/s and MFU of the GPT presets in bf16 on one GPU: plain PyTorch, synthetic tokens.
+"""The prepared GPU check: tokens/s and MFU of the GPT presets through the real training step, an
+FSDP2 bf16 step of a large preset with a checkpoint saved and loaded, and a profile of where a step's
+time goes. Plain PyTorch on one device, synthetic tokens: no Ray, no dataset, no network.
 
-    bench/train/gpu.sh                      # gpt2-124m and gpt2-350m, about 5 minutes
-    python -m bench.train.gpu [--presets gpt2-124m gpt2-350m] [--seconds 45] [--no-compile]
+    bench/train/gpu.sh                      # the whole check, about 6 minutes on one H100/H200
+    python -m bench.train.gpu [--presets gpt2-124m gpt2-350m] [--seconds 20] [--no-compile]
+    python -m bench.train.gpu --device cpu --presets debug --fsdp-preset debug --seconds 0.5   # smoke test
 
-For each preset: the model on the device, train/loop.py's `train_step`
-(bf16 autocast, fused AdamW, gradient clipping) on random token rows, after
-torch.compile and a warm-up; then as many steps as fit in `--seconds`,
-timed between device synchronizations. MFU = FLOPs per token x tokens/s /
-the device's peak (train/hardware.py; STRATA_PEAK_TFLOPS overrides). The last
-line is the lowest MFU over the target (0.40 on H100/H200-class GPUs): >= 1
-meets it. `--device cpu --presets debug` runs it anywhere (a smoke test).
+For each preset, at its default micro-batch and at twice it: the model built
+as the training loop builds it (meta device, `parallelize` with each block
+compiled), train/loop.py's `train_step` (bf16 autocast, fused AdamW, the fused
+loss); warm-up steps compile, after which a recompile is an error; then as
+many steps as fit in `--seconds`, timed between device synchronizations.
+MFU = FLOPs per token x tokens/s / the device's peak (train/hardware.py;
+STRATA_PEAK_TFLOPS overrides). Then one FSDP2 bf16 step of `--fsdp-preset`
+(gpt2-774m) with unfused AdamW, a sharded checkpoint saved and loaded back
+(train/checkpoint.py), and a 5-step profile split into matmul, attention,
+loss, optimizer, other kernels and idle. The last line is the lowest MFU
+over its target (gpt2-124m 0.45, gpt2-350m 0.50): >= 1 meets every target.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import tempfile
 import time
 
 BATCH = {"debug": 16, "gpt2-124m": 32, "gpt2-350m": 16, "gpt2-774m": 8, "1.3b": 4}
-TARGET_MFU = 0.40
+TARGET_MFU = {"gpt2-124m": 0.45, "gpt2-350m": 0.50}
+# Kernel or op name fragments -> the share they count in (first match wins; the rest is "other").
+KINDS = [("attention", ("flash", "fmha", "attention", "sdpa", "scaled_dot")),
+         ("loss", ("logsumexp", "softmax", "cross_entropy", "nll", "linearcrossentropy")),
+         ("optimizer", ("adam", "foreach", "multi_tensor", "clip_grad")),
+         ("matmul", ("gemm", "matmul", "aten::mm", "aten::addmm", "aten::bmm", "cutlass", "xmma", "cublas"))]
 
 
-def measure(name: str, device, seconds: float, compile_model: bool, batch_size: int | None, warmup: int) -> dict:
-    import numpy as np
+def environment(device) -> dict:
+    """What the figures depend on: GPU, driver, torch, CUDA, and whether the flash attention kernel runs."""
+    import subprocess
+
     import torch
 
-    from train.hardware import device_name, peak_flops
-    from train.loop import TrainConfig, make_optimizer, train_step, use_bf16
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": str(device)}
+    if device.type != "cuda":
+        return env
+    env["gpu"] = torch.cuda.get_device_name(device)
+    try:
+        env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                       capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        env["driver"] = "unknown (no nvidia-smi)"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, 4, 128, 64, device=device, dtype=torch.bfloat16)
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        env["flash_attention"] = "used"
+    except RuntimeError as e:
+        env["flash_attention"] = f"not available: {str(e).splitlines()[0][:120]}"
+    return env
+
+
+def build(name: str, device, batch_size: int, compile_model: bool, strategy: str = "ddp", fused: bool = True):
+    """Model, optimizer and config, made the way the training loop makes them."""
+    import torch
+
+    from train.loop import TrainConfig, make_optimizer, parallelize, use_bf16
     from train.model import GPT, preset
 
     cfg = preset(name)
-    tcfg = TrainConfig(batch_size=batch_size or BATCH.get(name, 8), precision="auto", compile="on" if compile_model else "off")
-    bf16 = use_bf16(tcfg, device)
+    tcfg = TrainConfig(batch_size=batch_size, precision="auto", compile="on" if compile_model else "off",
+                       strategy=strategy)
+    bf16 = use_bf16(tcfg, device) or strategy == "fsdp"
     torch.manual_seed(0)
-    model = GPT(cfg).to(device)
-    flops_per_token = model.flops_per_token()
+    with torch.device("meta"):
+        raw = GPT(cfg, init=False)
+    raw.to_empty(device=device)
+    raw.init_weights()
+    model = parallelize(raw, strategy, device, bf16, 1, compile_blocks=compile_model)
     optimizer = make_optimizer(model, tcfg)
-    step_fn = torch.compile(model) if compile_model else model
+    if not fused:  # the path of the FSDP2 presets: FSDP2's DTensor parameters take the unfused AdamW
+        for group in optimizer.param_groups:
+            group["fused"] = False
+    return raw, model, optimizer, cfg, tcfg, bf16
+
+
+def _batches(cfg, batch_size: int):
+    import numpy as np
+
     rng = np.random.default_rng(0)
-    batches = [rng.integers(0, cfg.vocab_size, (tcfg.batch_size, cfg.seq_len + 1)) for _ in range(8)]
+    return [rng.integers(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1)) for _ in range(8)]
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(name: str, device, seconds: float, compile_model: bool, batch_size: int, warmup: int) -> dict:
+    import torch
+
+    from train.hardware import device_name, peak_flops
+    from train.loop import train_step
+
+    raw, model, optimizer, cfg, tcfg, bf16 = build(name, device, batch_size, compile_model)
+    batches = _batches(cfg, batch_size)
     t0 = time.perf_counter()
     for i in range(warmup):
-        train_step(step_fn, optimizer, [batches[i % 8]], 1e-4, tcfg, device, bf16).item()
-    sync()
+        train_step(model, optimizer, [batches[i % 8]], 1e-4, tcfg, device, bf16).item()
+    _sync(device)
     warm_s = time.perf_counter() - t0
-    steps, started = 0, time.perf_counter()
-    while steps < 3 or time.perf_counter() - started < seconds:
-        loss = train_step(step_fn, optimizer, [batches[steps % 8]], 1e-4, tcfg, device, bf16)
-        steps += 1
-        if steps % 10 == 0:
-            loss.item()
-    sync()
+    torch._dynamo.config.error_on_recompile = compile_model  # compiled once: a recompile now is a bug
+    try:
+        steps, started = 0, time.perf_counter()
+        while steps < 3 or time.perf_counter() - started < seconds:
+            loss = train_step(model, optimizer, [batches[steps % 8]], 1e-4, tcfg, device, bf16)
+            steps += 1
+            if steps % 10 == 0:
+                loss.item()
+        _sync(device)
+    finally:
+        torch._dynamo.config.error_on_recompile = False
     elapsed = time.perf_counter() - started
-    tps = steps * tcfg.batch_size * cfg.seq_len / elapsed
+    tps = steps * batch_size * cfg.seq_len / elapsed
     peak = peak_flops(device, bf16)
     out = {"preset": name, "device": device_name(device), "bf16": bf16, "compiled": compile_model,
-           "batch_size": tcfg.batch_size, "seq_len": cfg.seq_len, "steps": steps, "step_ms": 1e3 * elapsed / steps,
-           "tokens_per_s": tps, "flops_per_token": flops_per_token, "peak_flops": peak,
-           "mfu": flops_per_token * tps / peak if peak else None, "warmup_s": warm_s}
+           "batch_size": batch_size, "seq_len": cfg.seq_len, "steps": steps, "step_ms": 1e3 * elapsed / steps,
+           "tokens_per_s": tps, "flops_per_token": raw.flops_per_token(), "peak_flops": peak,
+           "mfu": raw.flops_per_token() * tps / peak if peak else None, "warmup_s": warm_s}
     if device.type == "cuda":
         out["max_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-    del model, optimizer, step_fn
-    if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     return out
 
 
+def fsdp_step_and_checkpoint(name: str, device, compile_model: bool) -> dict:
+    """One FSDP2 bf16 step with unfused AdamW, then a sharded checkpoint saved and loaded back."""
+    import torch
+    import torch.distributed as dist
+
+    from train.checkpoint import AsyncCheckpointer, load
+    from train.loop import train_step
+
+    if not dist.is_initialized():
+        store = dist.FileStore(tempfile.mktemp(prefix="strata-gpu-check-"), 1)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
+    raw, model, optimizer, cfg, tcfg, bf16 = build(name, device, BATCH.get(name, 4), compile_model,
+                                                   strategy="fsdp", fused=False)
+    batch = _batches(cfg, tcfg.batch_size)[0]
+    t = time.perf_counter()
+    loss = train_step(model, optimizer, [batch], 1e-4, tcfg, device, bf16).item()
+    _sync(device)
+    step_s = time.perf_counter() - t
+    ckpt = AsyncCheckpointer(model, optimizer, 0)
+    t = time.perf_counter()
+    ckpt.start(1, {"loss": loss})
+    _, local = ckpt.take()
+    save_s = time.perf_counter() - t
+    saved = [p.full_tensor().float().sum().item() for p in list(model.parameters())[:3]]
+    with torch.no_grad():  # change the weights, so that only a working load brings them back
+        for p in model.parameters():
+            p.add_(1.0)
+    t = time.perf_counter()
+    meta = load(local, model, optimizer, 0)
+    load_s = time.perf_counter() - t
+    loaded = [p.full_tensor().float().sum().item() for p in list(model.parameters())[:3]]
+    shutil.rmtree(local, ignore_errors=True)
+    out = {"preset": name, "loss": loss, "step_s": step_s, "save_s": save_s, "load_s": load_s,
+           "restored_step": meta["step"], "weights_match": saved == loaded}
+    del raw, model, optimizer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def profile(name: str, device, compile_model: bool, steps: int = 5) -> dict:
+    """Where `steps` steps' wall time goes, as shares: matmul, attention, loss, optimizer, other, idle."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    from train.loop import train_step
+
+    _, model, optimizer, cfg, tcfg, bf16 = build(name, device, BATCH.get(name, 8), compile_model)
+    batches = _batches(cfg, tcfg.batch_size)
+    for i in range(3):  # compile and warm up outside the profile
+        train_step(model, optimizer, [batches[i]], 1e-4, tcfg, device, bf16).item()
+    _sync(device)
+    gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CUDA] if gpu else [ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities) as prof:
+        t = time.perf_counter()
+        for i in range(steps):
+            train_step(model, optimizer, [batches[i % 8]], 1e-4, tcfg, device, bf16)
+        _sync(device)
+        wall_us = (time.perf_counter() - t) * 1e6
+    spent = dict.fromkeys([k for k, _ in KINDS] + ["other"], 0.0)
+    for e in prof.key_averages():
+        us = e.self_device_time_total if gpu else e.self_cpu_time_total
+        if us <= 0 or (not gpu and not e.key.startswith("aten::")):
+            continue  # on CPU only aten ops count (the rest is the profiler's own and Python frames)
+        key = e.key.lower()
+        kind = next((k for k, frags in KINDS if any(f in key for f in frags)), "other")
+        spent[kind] += us
+    busy = sum(spent.values())
+    shares = {k: v / max(wall_us, busy) for k, v in spent.items()}
+    shares["idle"] = max(0.0, 1.0 - sum(shares.values()))
+    return {"preset": name, "steps": steps, "wall_ms": wall_us / 1e3, "shares": shares}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", nargs="+", default=["gpt2-124m", "gpt2-350m"])
-    parser.add_argument("--seconds", type=float, default=45, help="timed seconds per preset")
+    parser.add_argument("--seconds", type=float, default=20, help="timed seconds per preset and micro-batch")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation happens here)")
-    parser.add_argument("--batch-size", type=int, help="rows per step (default: per preset)")
+    parser.add_argument("--batch-size", type=int, help="rows per step (default: per preset), timed also at twice it")
+    parser.add_argument("--fsdp-preset", default="gpt2-774m", help="the preset of the FSDP2 step (none: skip)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--json", action="store_true", help="print a JSON result line before the ratio")
@@ -87,25 +228,39 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     device = torch.device(args.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("no CUDA device: use --device cpu for a smoke test")
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: use --device cpu for a smoke test")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    env = environment(device)
+    print("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), flush=True)
     results = []
     for name in args.presets:
-        r = measure(name, device, args.seconds, args.compile, args.batch_size, args.warmup)
-        results.append(r)
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (unknown peak)"
-        print(f"{name:10} {r['device']}: batch {r['batch_size']} x {r['seq_len']}, {r['step_ms']:.1f} ms/step, "
-              f"{r['tokens_per_s']:,.0f} tokens/s, MFU {mfu} (warm-up {r['warmup_s']:.0f} s)", flush=True)
+        default = args.batch_size or BATCH.get(name, 8)
+        for batch_size in (default, 2 * default):
+            r = measure(name, device, args.seconds, args.compile, batch_size, args.warmup)
+            results.append(r)
+            mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (unknown peak)"
+            print(f"{name:10} {r['device']}: batch {r['batch_size']} x {r['seq_len']}, {r['step_ms']:.1f} ms/step, "
+                  f"{r['tokens_per_s']:,.0f} tokens/s, MFU {mfu} (warm-up {r['warmup_s']:.0f} s)", flush=True)
+    fsdp = None
+    if args.fsdp_preset != "none":
+        fsdp = fsdp_step_and_checkpoint(args.fsdp_preset, device, compile_model=False)  # one step: no compile
+        print(f"fsdp2 bf16 {fsdp['preset']}: step {fsdp['step_s']:.2f} s, loss {fsdp['loss']:.3f}; checkpoint save "
+              f"{fsdp['save_s']:.2f} s, load {fsdp['load_s']:.2f} s, step {fsdp['restored_step']} restored, "
+              f"weights {'match' if fsdp['weights_match'] else 'DIFFER'}", flush=True)
+    prof = profile(args.presets[0], device, args.compile)
+    print(f"profile of {prof['steps']} {prof['preset']} steps ({prof['wall_ms']:.0f} ms): "
+          + ", ".join(f"{k} {v:.0%}" for k, v in prof["shares"].items()), flush=True)
     if args.json:
-        print(json.dumps(results))
-    mfus = [r["mfu"] for r in results if r["mfu"] is not None]
-    if mfus:
-        print(f"ratio lowest MFU/target {TARGET_MFU:.2f}: {min(mfus) / TARGET_MFU:.2f}")
+        print(json.dumps({"environment": env, "runs": results, "fsdp": fsdp, "profile": prof}))
+    scored = [(r["mfu"] / TARGET_MFU[r["preset"]], r) for r in results
+              if r["mfu"] is not None and r["preset"] in TARGET_MFU]
+    if scored:
+        worst, r = min(scored, key=lambda s: s[0])
+        print(f"ratio lowest MFU/target: {worst:.2f} ({r['preset']} batch {r['batch_size']}: MFU {r['mfu']:.1%} "
+              f"against {TARGET_MFU[r['preset']]:.2f})")
     else:
-        print("ratio lowest MFU/target: n/a (no peak FLOP/s known for this device; set STRATA_PEAK_TFLOPS)")
+        print("ratio lowest MFU/target: n/a (no preset with a target ran on a device of known peak)")
 
 
 if __name__ == "__main__":

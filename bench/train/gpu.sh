@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Tier-2 GPU throughput on one GPU: tokens/s and MFU of gpt2-124m and gpt2-350m in bf16,
-# about 5 minutes (compilation included). Needs only torch with CUDA, numpy and pyarrow:
-# no Ray, no dataset, no network. Extra arguments go to `python -m bench.train.gpu`.
+# The prepared GPU check on one GPU (about 6 minutes, at most 8, compilation included): the
+# environment, tokens/s and MFU of gpt2-124m and gpt2-350m through the real training step at two
+# micro-batches, an FSDP2 bf16 gpt2-774m step with a checkpoint saved and loaded, a 5-step
+# profile, and last the lowest MFU over its target. Needs only torch with CUDA, numpy and pyarrow:
+# no Ray, no dataset, no network, no pip. Extra arguments go to `python -m bench.train.gpu`.
 #
 #   bench/train/gpu.sh                    # both presets
 #   bench/train/gpu.sh --presets gpt2-124m --seconds 30
@@ -11,13 +13,17 @@ PY="${PYTHON:-}"
 if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-  echo "gpu.sh: $PY has no torch that sees a CUDA device (set PYTHON=... to another interpreter)" >&2
+# No network and no pip on the GPU machine: say at once what is missing instead of installing it.
+if ! "$PY" - <<'EOF'
+import importlib.util, sys
+missing = [m for m in ("torch", "numpy", "pyarrow") if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(f"gpu.sh: {sys.executable} lacks {', '.join(missing)} (set PYTHON=... to an interpreter that has them)")
+import torch
+if not torch.cuda.is_available():
+    sys.exit(f"gpu.sh: torch {torch.__version__} in {sys.executable} sees no CUDA device")
+EOF
+then
   exit 2
 fi
-if ! "$PY" -c 'import numpy, pyarrow' 2>/dev/null; then
-  echo "gpu.sh: installing numpy and pyarrow for $PY" >&2
-  "$PY" -m pip install -q numpy pyarrow
-fi
-"$PY" -c 'import torch; print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, CUDA {torch.version.cuda}")'
 exec "$PY" -m bench.train.gpu "$@"
