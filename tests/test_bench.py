@@ -17,9 +17,11 @@ def _run(*args, timeout=600):
     return out.stdout.strip().splitlines()
 
 
-def test_gpu_benchmark_runs_on_cpu_as_a_smoke_test():
-    lines = _run("bench.train.gpu", "--device", "cpu", "--presets", "debug", "--seconds", "0.5", "--warmup", "1",
-                 "--fsdp-preset", "debug", "--no-compile", "--json")
+def test_the_gpu_check_runs_on_cpu_as_a_smoke_test():
+    out = subprocess.run(["bash", "bench/train/gpu.sh", "--smoke", "--json"], cwd=REPO, capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "PYTHON": sys.executable})
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
     result = json.loads(lines[-2])
     assert [r["batch_size"] for r in result["runs"]] == [16, 32]  # the default micro-batch and twice it
     assert all(r["preset"] == "debug" and r["steps"] >= 3 and r["tokens_per_s"] > 0 for r in result["runs"])
