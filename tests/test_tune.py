@@ -41,6 +41,19 @@ def test_sweep_runs_trials_and_writes_the_best_config(local_ray, dataset):
         driver.release()
 
 
+@pytest.mark.slow
+def test_a_trials_reports_do_not_throttle_it(local_ray, dataset):
+    """A trial reports after every step here; were tune.report paced by a controller poll (as
+    ray.train.report is, 2 s), nearly all of the trial's time would go to reporting."""
+    cfg = SweepConfig(num_samples=2, steps=12, report_every=1, max_rows=64, eval_rows=8, scheduler="fifo")
+    out = run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name="chatty", storage=Storage.from_env())
+    assert out["iterations"] == 2 * 12
+    with open(os.path.join(out["path"], "trials.json")) as f:
+        trials = json.load(f)["trials"]
+    shares = [t["report_share"] for t in trials]
+    assert len(shares) == 2 and all(0 < s < 0.5 for s in shares), shares
+
+
 def test_trials_table_ranks_trials_and_counts_statuses():
     from tune.driver import trials_table
 

@@ -188,11 +188,12 @@ def collect(grid, cfg: SweepConfig, space: dict) -> list[dict]:
             have = {rec["index"]: rec for rec in book["done"]}
             for i in cfg.pack_range(r.config["pack"]):
                 rec = have.get(i) or {"config": sample(space, cfg.seed, i), "curve": [], "status": "error"}
-                out.append(_record(f"{tid}:{i}", rec, rec["status"], error if i not in have else None, restores))
+                out.append(_record(f"{tid}:{i}", rec, rec["status"], error if i not in have else None, restores,
+                                   book.get("report_share")))
         else:
             rec = book["current"] or {"config": r.config, "curve": []}
             status = ("error" if r.error else "completed" if len(rec["curve"]) == cfg.reports else "stopped early")
-            out.append(_record(tid, rec, status, error, restores))
+            out.append(_record(tid, rec, status, error, restores, book.get("report_share")))
     return out
 
 
@@ -207,11 +208,12 @@ def _book(checkpoint) -> dict:
         return empty
 
 
-def _record(trial_id: str, rec: dict, status: str, error: str | None, restores: int) -> dict:
+def _record(trial_id: str, rec: dict, status: str, error: str | None, restores: int,
+            report_share: float | None) -> dict:
     curve = [float(v) for v in rec["curve"]]
     return {"trial": trial_id, "config": rec["config"], "status": status, "iterations": len(curve),
             "best": min(curve) if curve else None, "curve": curve, "node_id": rec.get("node"),
-            "restores": restores, "error": error}
+            "restores": restores, "error": error, "report_share": report_share}
 
 
 class SweepProgress(Callback):

@@ -300,6 +300,7 @@ def run_trial(config: dict, *, sweep: dict, space: dict, make_fit) -> None:
     finished = {r["index"] for r in book["done"]}
     milestones = set(rungs(s.reports)) if s.scheduler == "asha" else set()
     last_checkpoint = time.monotonic()
+    clock = {"started": time.monotonic(), "report_s": 0.0}  # how much of the trial's wall time reports block
     for index, hp in todo:
         if index in finished:
             continue
@@ -315,7 +316,7 @@ def run_trial(config: dict, *, sweep: dict, space: dict, make_fit) -> None:
             cur["node"] = node  # where the config last trained
             t = len(cur["curve"])
             if single:  # Tune's scheduler decides; every report is a checkpoint to resume from
-                _report({"val_loss": metric, "node_id": node}, book, fit.state())
+                _report({"val_loss": metric, "node_id": node}, book, fit.state(), clock)
             elif t in milestones:
                 recorded = book["rungs"].setdefault(str(t), [])
                 keep = asha_keeps(recorded, metric)
@@ -329,14 +330,17 @@ def run_trial(config: dict, *, sweep: dict, space: dict, make_fit) -> None:
         book["current"] = None
         if index == todo[-1][0] or time.monotonic() - last_checkpoint >= s.checkpoint_every_s:
             best = min(min(r["curve"]) for r in book["done"])
-            _report({"val_loss": best, "configs_done": len(book["done"]), "node_id": node}, book, None)
+            _report({"val_loss": best, "configs_done": len(book["done"]), "node_id": node}, book, None, clock)
             last_checkpoint = time.monotonic()
 
 
-def _report(metrics: dict, book: dict, state: dict | None) -> None:
-    """tune.report with a checkpoint of the book (and the in-flight state); Tune persists it before returning."""
+def _report(metrics: dict, book: dict, state: dict | None, clock: dict) -> None:
+    """tune.report with a checkpoint of the book (and the in-flight state); Tune persists it before returning.
+    The book keeps the share of this trial's wall time spent in reports before this one (`report_share`)."""
     from ray import tune
 
+    started = time.monotonic()
+    book["report_share"] = clock["report_s"] / max(started - clock["started"], 1e-9)
     d = tempfile.mkdtemp(prefix="strata-trial-")
     try:
         with open(os.path.join(d, "pack.json"), "w") as f:
@@ -346,3 +350,4 @@ def _report(metrics: dict, book: dict, state: dict | None) -> None:
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
     finally:
         shutil.rmtree(d, ignore_errors=True)
+        clock["report_s"] += time.monotonic() - started
