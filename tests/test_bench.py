@@ -23,7 +23,10 @@ def test_the_gpu_check_runs_on_cpu_as_a_smoke_test():
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     result = json.loads(lines[-2])
-    assert [r["batch_size"] for r in result["runs"]] == [16, 32]  # the default micro-batch and twice it
+    from train.loop import CPU_MICRO_BATCH
+
+    # The loop's default micro-batch on this device, and twice it.
+    assert [r["batch_size"] for r in result["runs"]] == [CPU_MICRO_BATCH, 2 * CPU_MICRO_BATCH]
     assert all(r["preset"] == "debug" and r["steps"] >= 3 and r["tokens_per_s"] > 0 for r in result["runs"])
     fsdp = result["fsdp"]
     assert fsdp["restored_step"] == 1 and fsdp["weights_match"]  # the sharded checkpoint loads back

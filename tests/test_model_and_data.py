@@ -225,3 +225,31 @@ def test_auto_strategy_is_chosen_by_device_memory_not_by_size():
     assert strategy_for(auto, 1_300_000_000, 24 * gib) == "fsdp"  # ... but not a 24 GB one
     assert strategy_for(auto, int(4 * gib / DDP_BYTES_PER_PARAM), 4 * gib) == "ddp"  # the boundary fits
     assert strategy_for(TrainConfig(strategy="fsdp"), 1000, 80 * gib) == "fsdp"  # asked for is asked for
+
+
+def test_micro_batch_is_sized_for_the_devices_memory():
+    from train.loop import (
+        CPU_MICRO_BATCH,
+        MAX_MICRO_BATCH,
+        activation_bytes_per_row,
+        micro_batch_for,
+    )
+
+    gib = 2**30
+    cfg, params = preset("gpt2-350m"), 355_000_000
+    sizes = [micro_batch_for(cfg, params, "ddp", 1, m * gib, True, "cuda") for m in (16, 24, 40, 80)]
+    assert sizes == sorted(sizes) and len(set(sizes)) > 1  # more memory, larger micro-batches
+    for memory, rows in zip((16, 24, 40, 80), sizes, strict=True):
+        assert rows & (rows - 1) == 0 and 1 <= rows <= MAX_MICRO_BATCH  # a power of two, capped
+        used = 16 * params + rows * activation_bytes_per_row(cfg, True)
+        assert used <= 0.8 * memory * gib  # what is chosen fits ...
+        if rows < MAX_MICRO_BATCH:  # ... and twice it would not
+            assert 16 * params + 2 * rows * activation_bytes_per_row(cfg, True) + 2 * gib > 0.8 * memory * gib
+    # fp32 keeps twice the activations; FSDP2 over 8 devices shards the states and leaves room for more rows.
+    assert micro_batch_for(cfg, params, "ddp", 1, 24 * gib, False, "cuda") < sizes[1]
+    big = preset("1.3b")
+    assert micro_batch_for(big, 1_300_000_000, "fsdp", 8, 40 * gib, True, "cuda") > micro_batch_for(
+        big, 1_300_000_000, "ddp", 1, 40 * gib, True, "cuda")
+    assert micro_batch_for(cfg, params, "ddp", 1, 24 * gib, True, "cpu") == CPU_MICRO_BATCH
+    with pytest.raises(ValueError, match="does not fit"):
+        micro_batch_for(big, 1_300_000_000, "ddp", 1, 16 * gib, True, "cuda")

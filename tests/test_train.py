@@ -157,7 +157,14 @@ def test_a_continued_run_keeps_its_dataset_and_data_order_and_one_writer(local_r
     out = run(model, _cfg(4, batch_size=8), dataset=ref, run_name="keep", storage=storage, use_gpu=False,
               allow_change=True)
     assert (out["start_step"], out["steps"]) == (2, 2)
-    assert [launch["config"]["train"]["batch_size"] for launch in read_launches(out["path"])] == [4, 8]
+    # No batch size given: the run keeps its own (it is part of the data order), not the device's default.
+    out = run(model, _cfg(6, batch_size=0), dataset=ref, run_name="keep", storage=storage, use_gpu=False)
+    assert (out["start_step"], out["steps"], out["micro_batch"]) == (4, 2, 8)
+    assert [launch["config"]["train"]["batch_size"] for launch in read_launches(out["path"])] == [4, 8, 8]
+    from train.loop import CPU_MICRO_BATCH
+
+    assert run(model, _cfg(2, batch_size=0), dataset=ref, run_name="auto", storage=storage,
+               use_gpu=False)["micro_batch"] == CPU_MICRO_BATCH  # a new run's is sized for its device
 
     # While a run trains, a second `train --run` with its name is refused, naming the live one.
     long = threading.Thread(target=run, args=(model, _cfg(40, checkpoint_every=0, log_every=20)), daemon=True,

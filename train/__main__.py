@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
         mfu = f", MFU {summary['mfu']:.1%}" if summary["mfu"] is not None else ""
         print(f"[train] run {run_name}: steps {summary['start_step']} -> {summary['start_step'] + summary['steps']}, "
               f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, "
+              f"micro-batch {summary['micro_batch']}, "
               f"{summary['tokens_per_s']:,.0f} tokens/s over {summary['loop_s']:.1f} s of loop{mfu}; of that time "
               f"data wait {summary['data_wait']:.1%}, evaluation {summary['eval_share']:.1%}, checkpoints "
               f"{summary['checkpoint_blocked']:.1%}, reports {summary['report_blocked']:.1%}; "

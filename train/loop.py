@@ -42,8 +42,8 @@ DDP_BYTES_PER_PARAM = 16 * 1.25
 class TrainConfig:
     max_steps: int = 200
     """Optimizer steps in total, counted across restarts."""
-    batch_size: int = 16
-    """Rows per worker per micro-batch."""
+    batch_size: int = 0
+    """Rows per worker per micro-batch; 0: sized for the device (`micro_batch_for`), kept across restarts."""
     grad_accum: int = 1
     """Micro-batches per optimizer step (gradient accumulation)."""
     lr: float = 3e-3
@@ -86,9 +86,11 @@ class TrainConfig:
             raise ValueError(f"compile must be auto, on or off, not {self.compile!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
-        for name in ("max_steps", "batch_size", "grad_accum", "eval_every", "log_every", "keep_checkpoints"):
+        for name in ("max_steps", "grad_accum", "eval_every", "log_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.batch_size < 0:
+            raise ValueError("batch_size must be >= 1, or 0 to size it for the device")
         if self.checkpoint_every < 0 or self.checkpoint_every_s < 0:
             raise ValueError("checkpoint_every and checkpoint_every_s must be >= 0")
 
@@ -98,6 +100,36 @@ def strategy_for(cfg: TrainConfig, params: int, device_memory: int) -> str:
     if cfg.strategy != "auto":
         return cfg.strategy
     return "ddp" if params * DDP_BYTES_PER_PARAM <= device_memory else "fsdp"
+
+
+# Activation bytes kept for backward per token, per layer and per unit of width, by a pre-norm GPT
+# block with flash attention in bf16 autocast (Korthikanti et al. 2022, without the s^2 attention
+# term); fp32 keeps twice as much.
+ACTIVATION_BYTES = 34
+CPU_MICRO_BATCH, MAX_MICRO_BATCH = 4, 64
+RESERVED_BYTES = 2 << 30  # CUDA context, NCCL buffers, allocator fragmentation
+
+
+def activation_bytes_per_row(mcfg: GPTConfig, bf16: bool) -> int:
+    """Activation memory of one row through forward and backward (the blocks, plus embeddings and the
+    fused loss's chunk, counted as two more layers)."""
+    return ACTIVATION_BYTES * (1 if bf16 else 2) * mcfg.seq_len * mcfg.n_embd * (mcfg.n_layer + 2)
+
+
+def micro_batch_for(mcfg: GPTConfig, params: int, strategy: str, world: int, memory: int, bf16: bool,
+                    device_type: str) -> int:
+    """Rows per micro-batch that fill about 80% of a device's memory: model states (fp32 weights,
+    gradients and AdamW's moments: 16 B a parameter, sharded under FSDP2) and what is left for
+    activations; a power of two, at most MAX_MICRO_BATCH. On CPU, CPU_MICRO_BATCH."""
+    if device_type != "cuda":
+        return CPU_MICRO_BATCH
+    states = 16 * params / (world if strategy == "fsdp" else 1)
+    rows = int((0.8 * memory - states - RESERVED_BYTES) // activation_bytes_per_row(mcfg, bf16))
+    if rows < 1:
+        raise ValueError(f"a micro-batch of one {mcfg.seq_len}-token row does not fit in {memory / 2**30:.0f} GiB "
+                         f"beside the model's {states / 2**30:.1f} GiB of states: use --strategy fsdp, more "
+                         "workers, or a smaller --seq-len")
+    return min(MAX_MICRO_BATCH, 1 << (rows.bit_length() - 1))
 
 
 def device_memory(device: torch.device, local_world: int) -> int:
@@ -110,10 +142,10 @@ def device_memory(device: torch.device, local_world: int) -> int:
 # Train-loop defaults per model preset; flags override them.
 TRAIN_PRESETS = {
     "debug": TrainConfig(max_steps=200, batch_size=16, lr=3e-3, warmup_steps=20),
-    "gpt2-124m": TrainConfig(max_steps=5000, batch_size=8, lr=6e-4, warmup_steps=500, eval_every=250),
-    "gpt2-350m": TrainConfig(max_steps=5000, batch_size=4, lr=3e-4, warmup_steps=500, eval_every=250),
-    "gpt2-774m": TrainConfig(max_steps=5000, batch_size=4, lr=2.5e-4, warmup_steps=500, eval_every=250),
-    "1.3b": TrainConfig(max_steps=5000, batch_size=4, lr=2e-4, warmup_steps=500, eval_every=250),
+    "gpt2-124m": TrainConfig(max_steps=5000, lr=6e-4, warmup_steps=500, eval_every=250),
+    "gpt2-350m": TrainConfig(max_steps=5000, lr=3e-4, warmup_steps=500, eval_every=250),
+    "gpt2-774m": TrainConfig(max_steps=5000, lr=2.5e-4, warmup_steps=500, eval_every=250),
+    "1.3b": TrainConfig(max_steps=5000, lr=2e-4, warmup_steps=500, eval_every=250),
 }
 
 
@@ -298,41 +330,18 @@ def train_loop_per_worker(config: dict) -> None:
     """Ray Train entry: `config` holds `model`, `train`, `shards`, `val_shards`, `run_dir`, `tokenizer`."""
     import ray.train
 
-    rank, world, local_world, device = _worker(config)
-    mcfg, tcfg = GPTConfig(**config["model"]), TrainConfig(**config["train"])
-    bf16 = use_bf16(tcfg, device)
-    raw, model, strategy = _build(mcfg, tcfg, device, bf16, world, local_world)
-    optimizer = make_optimizer(model, tcfg)
-    # Checkpoints travel on a gloo group of their own: the background write's collectives
-    # must not interleave with training's.
-    ckpt_pg = torch.distributed.new_group(backend="gloo") if torch.distributed.is_initialized() else None
-    checkpointer = AsyncCheckpointer(model, optimizer, rank, ckpt_pg)
-    start_step, resumed_from = 0, None
-    if checkpoint := ray.train.get_checkpoint():
-        with checkpoint.as_directory() as d:
-            start_step = load_checkpoint(d, model, optimizer, rank, ckpt_pg)["step"]
-        resumed_from = checkpoint.path
-    data = TokenBatches([ShardRef(**s) for s in config["shards"]], batch_size=tcfg.batch_size,
-                        rank=rank, world_size=world, seed=tcfg.seed)
-    val_batches = validation_batches(config["val_shards"], tcfg)
-    batches = Prefetch(data.from_step(start_step * tcfg.grad_accum))
-    meter = _Meter(raw.flops_per_token(), peak_flops(device, bf16),
-                   tcfg.batch_size * tcfg.grad_accum * mcfg.seq_len * world, world, start_step)
-    log = _Log(config["run_dir"], rank)
-    log.event({"event": "start", "start_step": start_step, "resumed_from": resumed_from, "world_size": world,
-               "strategy": strategy, "bf16": bf16, "device": device_name(device), "peak_flops": meter.peak,
-               "flops_per_token": meter.flops_per_token})
-
+    w = _start(config)
+    tcfg, checkpointer, batches = w.tcfg, w.checkpointer, w.batches
     clock = Clock()
     cadence = Cadence(max_steps=tcfg.max_steps, log_every=tcfg.log_every, report_every_s=tcfg.report_every_s,
                       checkpoint_every=tcfg.checkpoint_every, checkpoint_every_s=tcfg.checkpoint_every_s,
-                      start_step=start_step, started=clock.start)
+                      start_step=w.start_step, started=clock.start)
     step_losses: list[torch.Tensor] = []  # since the last log point, on the device: no sync per step
     saved_for_preemption = False
     try:
-        for step in range(start_step, tcfg.max_steps):
-            step_losses.append(train_step(model, optimizer, [next(batches) for _ in range(tcfg.grad_accum)],
-                                          lr_at(step, tcfg), tcfg, device, bf16))
+        for step in range(w.start_step, tcfg.max_steps):
+            step_losses.append(train_step(w.model, w.optimizer, [next(batches) for _ in range(tcfg.grad_accum)],
+                                          lr_at(step, tcfg), tcfg, w.device, w.bf16))
             done = step + 1
             if not cadence.log_due(done):
                 continue
@@ -340,19 +349,19 @@ def train_loop_per_worker(config: dict) -> None:
             clock.add("data", batches.take_waited())
             losses, report_due, save_due, written = _agree(
                 step_losses, *cadence.timers(time.perf_counter()), checkpointer.written() or not checkpointer.pending,
-                world)
+                w.world)
             step_losses.clear()
             seconds, shares = clock.window()  # the device is synced: the window ends here
-            metrics = meter.window(done, losses, seconds, shares, lr=lr_at(step, tcfg),
-                                   epoch=step * tcfg.grad_accum // data.steps_per_epoch)
-            if val_batches and (done == tcfg.max_steps or done % tcfg.eval_every == 0):
+            metrics = w.meter.window(done, losses, seconds, shares, lr=lr_at(step, tcfg),
+                                     epoch=step * tcfg.grad_accum // w.steps_per_epoch)
+            if w.val_batches and (done == tcfg.max_steps or done % tcfg.eval_every == 0):
                 with clock.timed("eval"):
-                    metrics["val_loss"] = evaluate(raw, val_batches, device, bf16)
+                    metrics["val_loss"] = evaluate(w.raw, w.val_batches, w.device, w.bf16)
             preempted = not saved_for_preemption and ray.train.get_preemption_info() is not None  # a barrier too
             decision = cadence.decide(done, report_due=report_due, save_due=save_due, preempted=preempted,
                                       checkpoint_written=bool(checkpointer.pending) and written)
             with clock.timed("checkpoint"):
-                handover = _checkpoint(checkpointer, decision, done, metrics, config, tcfg, world, written)
+                handover = _checkpoint(checkpointer, decision, done, metrics, config, tcfg, w.world, written)
             if decision.save:
                 cadence.saved(time.perf_counter())
                 saved_for_preemption = saved_for_preemption or preempted
@@ -363,15 +372,72 @@ def train_loop_per_worker(config: dict) -> None:
                     for ckpt_step, local, sync in handover or [(None, None, False)]:
                         _report(metrics, ckpt_step, local, sync)
                 cadence.reported(time.perf_counter())
-            if preempted and rank == 0:
+            if preempted and w.rank == 0:
                 print(f"[train] rank 0: a node of this run is being drained; checkpointed at step {done}")
-            log.step(metrics, losses)
-        seconds, shares = clock.overall()
-        log.event({"event": "end", **meter.total(seconds, shares)})
+            w.log.step(metrics, losses)
+        w.log.event({"event": "end", **w.meter.total(*clock.overall())})
     finally:
         batches.close()
         checkpointer.discard()
-        log.close()
+        w.log.close()
+
+
+@dataclass
+class _Worker:
+    """What a worker trains with, made by `_start`."""
+
+    rank: int
+    world: int
+    device: torch.device
+    bf16: bool
+    tcfg: TrainConfig
+    raw: GPT
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    checkpointer: AsyncCheckpointer
+    start_step: int
+    batches: Prefetch
+    steps_per_epoch: int
+    val_batches: list
+    meter: _Meter
+    log: _Log
+
+
+def _start(config: dict) -> _Worker:
+    """The worker's model built and wrapped, its latest checkpoint restored, its micro-batch sized (or the
+    run's kept), its data opened at the restored step, and the run's start logged."""
+    import ray.train
+
+    rank, world, local_world, device = _worker(config)
+    mcfg, tcfg = GPTConfig(**config["model"]), TrainConfig(**config["train"])
+    bf16 = use_bf16(tcfg, device)
+    memory = _min_over_ranks(device_memory(device, local_world), device, world)
+    raw, model, strategy = _build(mcfg, tcfg, device, bf16, world, local_world, memory)
+    optimizer = make_optimizer(model, tcfg)
+    # Checkpoints travel on a gloo group of their own: the background write's collectives
+    # must not interleave with training's.
+    ckpt_pg = torch.distributed.new_group(backend="gloo") if torch.distributed.is_initialized() else None
+    checkpointer = AsyncCheckpointer(model, optimizer, rank, ckpt_pg)
+    start_step, resumed_from, meta = 0, None, {}
+    if checkpoint := ray.train.get_checkpoint():
+        with checkpoint.as_directory() as d:
+            meta = load_checkpoint(d, model, optimizer, rank, ckpt_pg)
+        start_step, resumed_from = meta["step"], checkpoint.path
+    # The micro-batch is part of the data order: a run keeps the one it started with.
+    batch = tcfg.batch_size or meta.get("micro_batch") or micro_batch_for(
+        mcfg, raw.num_params(), strategy, world, memory, bf16, device.type)
+    tcfg = replace(tcfg, batch_size=batch)
+    data = TokenBatches([ShardRef(**s) for s in config["shards"]], batch_size=batch, rank=rank, world_size=world,
+                        seed=tcfg.seed)
+    meter = _Meter(raw.flops_per_token(), peak_flops(device, bf16), batch * tcfg.grad_accum * mcfg.seq_len * world,
+                   world, start_step)
+    log = _Log(config["run_dir"], rank)
+    log.event({"event": "start", "start_step": start_step, "resumed_from": resumed_from, "world_size": world,
+               "strategy": strategy, "bf16": bf16, "device": device_name(device), "peak_flops": meter.peak,
+               "flops_per_token": meter.flops_per_token, "micro_batch": batch})
+    return _Worker(rank, world, device, bf16, tcfg, raw, model, optimizer, checkpointer, start_step,
+                   Prefetch(data.from_step(start_step * tcfg.grad_accum)), data.steps_per_epoch,
+                   validation_batches(config["val_shards"], tcfg), meter, log)
 
 
 def _worker(config: dict) -> tuple[int, int, int, torch.device]:
@@ -390,7 +456,7 @@ def _worker(config: dict) -> tuple[int, int, int, torch.device]:
 
 
 def _build(mcfg: GPTConfig, tcfg: TrainConfig, device: torch.device, bf16: bool, world: int,
-           local_world: int) -> tuple[GPT, torch.nn.Module, str]:
+           local_world: int, memory: int) -> tuple[GPT, torch.nn.Module, str]:
     """The model made on the meta device, materialized on `device`, initialized, and wrapped;
     returns (the plain model, the wrapped one, the strategy chosen)."""
     torch.manual_seed(tcfg.seed)
@@ -398,8 +464,7 @@ def _build(mcfg: GPTConfig, tcfg: TrainConfig, device: torch.device, bf16: bool,
         raw = GPT(mcfg, init=False)
     raw.to_empty(device=device)
     raw.init_weights()
-    strategy = strategy_for(tcfg, raw.num_params(), _min_over_ranks(device_memory(device, local_world), device,
-                                                                    world))
+    strategy = strategy_for(tcfg, raw.num_params(), memory)
     model = parallelize(raw, strategy, device, bf16, world, one_node=local_world == world,
                         compile_blocks=tcfg.compile == "on" or (tcfg.compile == "auto" and device.type == "cuda"))
     return raw, model, strategy
@@ -424,6 +489,7 @@ def _checkpoint(checkpointer: AsyncCheckpointer, decision, done: int, metrics: d
         checkpointer.start(done, {"loss": metrics["loss"], "reason": decision.reason,
                                   "data_position": done * tcfg.grad_accum, "world_size": world,
                                   "model_config": config["model"], "train_config": config["train"],
+                                  "micro_batch": tcfg.batch_size,
                                   "tokenizer": config["tokenizer"],
                                   "tokenizer_definition": config.get("tokenizer_definition")})
         if decision.reason in ("end", "preemption"):  # must be registered before the run ends or the node goes

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from strata import tiers
 from strata.connect import connect, embedded
@@ -71,7 +71,8 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, wo
     workers, use_gpu = placement.workers, placement.use_gpu
     m = version.manifest
     if launches:
-        _check_continuation(launches[-1]["config"], run_name, model_cfg, train_cfg, m.tokenizer.hash, allow_change)
+        train_cfg = _check_continuation(launches[-1]["config"], run_name, model_cfg, train_cfg, m.tokenizer.hash,
+                                        allow_change)
     size = describe(model_cfg)
     resume_from = _newest_intact(run_dir)
     if resume_from:
@@ -112,10 +113,11 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, wo
     start_step = mine[0]["start_step"] if mine else (history[-1]["step"] if history else 0)
     last = mine[-1] if mine else {}
     wall = loop_totals([r for r in rows if r.get("event") == "end" and r["time"] >= started], workers)
+    start = next((r for r in rows if r.get("event") == "start" and r["time"] >= started), {})
     summary = {
         "run": run_name, "path": run_dir, "dataset": version.ref,
-        "strategy": next((r["strategy"] for r in rows if r.get("event") == "start" and r["time"] >= started),
-                         train_cfg.strategy),
+        "strategy": start.get("strategy", train_cfg.strategy),
+        "micro_batch": start.get("micro_batch", train_cfg.batch_size),
         "workers": workers, "use_gpu": use_gpu, **size,
         "start_step": start_step, "steps": (last["step"] - start_step) if mine else 0,
         "first_loss": mine[0]["loss"] if mine else None, "last_loss": last.get("loss"),
@@ -201,9 +203,9 @@ def _continued_dataset(before: dict, dataset: str, run_name: str, allow_change: 
 
 
 def _check_continuation(before: dict, run_name: str, model_cfg: GPTConfig, train_cfg: TrainConfig,
-                        tokenizer_hash: str, allow_change: bool) -> None:
+                        tokenizer_hash: str, allow_change: bool) -> TrainConfig:
     """A run continues only with the model and tokenizer it started with, and, unless asked,
-    with the same data order."""
+    with the same data order; returns `train_cfg`, with the run's batch size when none is given."""
     if before.get("model") and before["model"] != asdict(model_cfg):
         changed = sorted(k for k, v in asdict(model_cfg).items() if before["model"].get(k) != v)
         raise ValueError(f"run {run_name} was started with another model ({', '.join(changed)} differ): "
@@ -212,11 +214,14 @@ def _check_continuation(before: dict, run_name: str, model_cfg: GPTConfig, train
     if old and old != tokenizer_hash:
         raise DatasetError(f"run {run_name} was trained with tokenizer {old}; this dataset's is {tokenizer_hash}: "
                            "the token ids would mean different things")
+    if not train_cfg.batch_size:  # none given: the run's (sized for its device when that was none too)
+        train_cfg = replace(train_cfg, batch_size=before.get("train", {}).get("batch_size", 0))
     changed = [f"{k} {before['train'][k]} -> {getattr(train_cfg, k)}" for k in DATA_ORDER
                if k in before.get("train", {}) and before["train"][k] != getattr(train_cfg, k)]
     if changed and not allow_change:
         raise ValueError(f"run {run_name} would continue with another data order ({', '.join(changed)}): "
                          "pass --allow-change to continue anyway, or start a new --run")
+    return train_cfg
 
 
 def _newest_intact(run_dir: str) -> str | None:

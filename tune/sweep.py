@@ -30,6 +30,7 @@ import torch
 
 from strata.dataset import DatasetVersion, read_rows
 from train.loop import (
+    CPU_MICRO_BATCH,
     MODEL_KEYS,
     TRAIN_KEYS,
     TrainConfig,
@@ -232,7 +233,8 @@ class ModelFit:
                  train: dict, sweep: dict):
         s = SweepConfig(**sweep)
         base = TrainConfig(**train)
-        base = replace(base, max_steps=s.steps, warmup_steps=min(base.warmup_steps, s.steps // 4))
+        base = replace(base, max_steps=s.steps, warmup_steps=min(base.warmup_steps, s.steps // 4),
+                       batch_size=base.batch_size or CPU_MICRO_BATCH)  # trials train on CPU
         mcfg, self.tcfg = with_hyperparameters(hp, GPTConfig(**model), base)
         self.rows, self.every, self.steps = rows, s.report_every, s.steps
         self.val_batches = [val_rows[i: i + 32] for i in range(0, len(val_rows), 32)]

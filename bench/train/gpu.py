@@ -6,7 +6,9 @@ time goes. Plain PyTorch on one device, synthetic tokens: no Ray, no dataset, no
     python -m bench.train.gpu [--presets gpt2-124m gpt2-350m] [--seconds 20] [--no-compile]
     python -m bench.train.gpu --device cpu --presets debug --fsdp-preset debug --seconds 0.5   # smoke test
 
-For each preset, at its default micro-batch and at twice it: the model built
+For each preset, at its default micro-batch (train/loop.py's `micro_batch_for`:
+what the loop picks on this device) and at twice it where that is estimated to fit
+(else half of it): the model built
 as the training loop builds it (meta device, `parallelize` with each block
 compiled), train/loop.py's `train_step` (bf16 autocast, fused AdamW, the fused
 loss); warm-up steps compile, after which a recompile is an error; then as
@@ -27,7 +29,6 @@ import shutil
 import tempfile
 import time
 
-BATCH = {"debug": 16, "gpt2-124m": 32, "gpt2-350m": 16, "gpt2-774m": 8, "1.3b": 4}
 TARGET_MFU = {"gpt2-124m": 0.45, "gpt2-350m": 0.50}
 # Kernel or op name fragments -> the share they count in (first match wins; the rest is "other").
 KINDS = [("attention", ("flash", "fmha", "attention", "sdpa", "scaled_dot")),
@@ -85,6 +86,23 @@ def build(name: str, device, batch_size: int, compile_model: bool, strategy: str
         for group in optimizer.param_groups:
             group["fused"] = False
     return raw, model, optimizer, cfg, tcfg, bf16
+
+
+def micro_batches(name: str, device) -> tuple[int, int]:
+    """(the loop's default micro-batch for `name` on `device`, a second one: twice it if that is
+    estimated to fit in 80% of the device's memory, else half of it)."""
+    import torch
+
+    from train.loop import activation_bytes_per_row, device_memory, micro_batch_for
+    from train.model import GPT, preset
+
+    cfg = preset(name)
+    with torch.device("meta"):
+        params = GPT(cfg, init=False).num_params()
+    memory = device_memory(device, 1)
+    default = micro_batch_for(cfg, params, "ddp", 1, memory, True, device.type)
+    fits = 16 * params + 2 * default * activation_bytes_per_row(cfg, True) < 0.8 * memory
+    return default, 2 * default if fits or device.type != "cuda" else max(1, default // 2)
 
 
 def _batches(cfg, batch_size: int):
@@ -150,7 +168,7 @@ def fsdp_step_and_checkpoint(name: str, device, compile_model: bool) -> dict:
     if not dist.is_initialized():
         store = dist.FileStore(tempfile.mktemp(prefix="strata-gpu-check-"), 1)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
-    raw, model, optimizer, cfg, tcfg, bf16 = build(name, device, BATCH.get(name, 4), compile_model,
+    raw, model, optimizer, cfg, tcfg, bf16 = build(name, device, 4, compile_model,
                                                    strategy="fsdp", fused=False)
     batch = _batches(cfg, tcfg.batch_size)[0]
     t = time.perf_counter()
@@ -186,7 +204,7 @@ def profile(name: str, device, compile_model: bool, steps: int = 5) -> dict:
 
     from train.loop import train_step
 
-    _, model, optimizer, cfg, tcfg, bf16 = build(name, device, BATCH.get(name, 8), compile_model)
+    _, model, optimizer, cfg, tcfg, bf16 = build(name, device, micro_batches(name, device)[0], compile_model)
     batches = _batches(cfg, tcfg.batch_size)
     for i in range(3):  # compile and warm up outside the profile
         train_step(model, optimizer, [batches[i]], 1e-4, tcfg, device, bf16).item()
@@ -218,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--presets", nargs="+", default=["gpt2-124m", "gpt2-350m"])
     parser.add_argument("--seconds", type=float, default=20, help="timed seconds per preset and micro-batch")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation happens here)")
-    parser.add_argument("--batch-size", type=int, help="rows per step (default: per preset), timed also at twice it")
+    parser.add_argument("--batch-size", type=int, help="rows per step (default: the loop's for the preset and device), timed also at twice it")
     parser.add_argument("--fsdp-preset", default="gpt2-774m", help="the preset of the FSDP2 step (none: skip)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
@@ -235,8 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     print("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), flush=True)
     results = []
     for name in args.presets:
-        default = args.batch_size or BATCH.get(name, 8)
-        for batch_size in (default, 2 * default):
+        for batch_size in (args.batch_size, 2 * args.batch_size) if args.batch_size else micro_batches(name, device):
             r = measure(name, device, args.seconds, args.compile, batch_size, args.warmup)
             results.append(r)
             mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (unknown peak)"
