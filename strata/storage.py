@@ -294,13 +294,19 @@ class JsonlWriter:
         self.part, self.lines = 0, []
 
     def append(self, row: dict) -> None:
-        line = json.dumps(row) + "\n"
+        self.extend([row])
+
+    def extend(self, rows: list[dict]) -> None:
+        """Append `rows` with one write."""
+        if not rows:
+            return
+        lines = [json.dumps(row) + "\n" for row in rows]
         if self.local:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             with open(self.path, "a") as f:
-                f.write(line)
+                f.write("".join(lines))
             return
-        self.lines.append(line)
+        self.lines += lines
         write_bytes_atomic(join(self.path, f"part-{self.started:020d}-{self.part:05d}.jsonl"),
                            "".join(self.lines).encode())
         if len(self.lines) >= PART_LINES:

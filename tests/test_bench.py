@@ -80,8 +80,13 @@ def test_the_results_table_has_a_row_per_benchmark_run():
 
 @pytest.mark.slow
 def test_end_to_end_benchmark_times_the_real_command(tmp_path):
-    lines = _run("bench.train.e2e", "--steps", "20", "--workdir", str(tmp_path), "--json")
+    lines = _run("bench.train.e2e", "--steps", "12", "--short-steps", "4", "--workdir", str(tmp_path), "--json")
     result = json.loads(lines[-3])
-    assert len(result["seconds"]["plain"]) == 2 and len(result["seconds"]["log1"]) == 1
-    assert lines[-2].startswith("ratio plain/train wall, --log-every 10: ")
-    assert lines[-1].startswith("ratio plain/train wall, --log-every 1: ") and float(lines[-1].rsplit(" ", 1)[1]) > 0
+    assert all(len(result["seconds"][side]) == 2 for side in ("plain", "log10", "log1"))
+    fixed, per_step = result["fits"]["plain"]["fixed_s"], result["fits"]["plain"]["step_s"]
+    assert fixed + 12 * per_step == pytest.approx(result["seconds"]["plain"][1])  # the line meets both runs
+    assert lines[-2].startswith("ratio plain/train wall per step, --log-every 10: ")
+    assert lines[-1].startswith("ratio plain/train wall per step, --log-every 1: ")
+    # Each python -m train run is a whole run with its final checkpoint, under the workdir's storage.
+    runs = [r for r in os.listdir(tmp_path / "storage" / "runs") if r.startswith("bench-e2e-")]
+    assert len(runs) == 4, runs

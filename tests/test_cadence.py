@@ -20,9 +20,14 @@ def test_log_points_and_report_timer():
     c = _cadence(log_every=10, checkpoint_every=25, started=0.0)
     assert [d for d in range(1, 101) if c.log_due(d)] == [1, 10, 20, 25, 30, 40, 50, 60, 70, 75, 80, 90, 100]
     interval = c.report_every_s
-    assert c.timers(interval / 2) == (False, False) and c.timers(interval)[0]
+    assert c.timers(interval / 2)[:2] == (False, False) and c.timers(interval)[0]
     c.reported(interval)
     assert not c.timers(interval * 1.5)[0] and c.timers(interval * 2)[0]
+    # Whether a node is being drained is asked on a timer of its own, not at every log point.
+    check = c.drain_check_every_s
+    assert check < interval and not c.timers(check / 2)[2] and c.timers(check)[2]
+    c.checked(check)
+    assert not c.timers(check * 1.5)[2] and c.timers(check * 2)[2]
 
 
 def test_decisions():

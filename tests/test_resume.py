@@ -118,7 +118,8 @@ def test_a_drained_node_checkpoints_before_it_goes_and_the_run_resumes_from_it(t
                                                 object_store_memory=100 << 20))  # the spare
     env["cluster"].wait_for_nodes()
     run_dir = env["storage"].run("drained")
-    thread, result = _start(env, "drained", _cfg(checkpoint_every=0))  # no periodic checkpoints at all
+    # No periodic checkpoints at all; the run is short, so it asks about drains at every log point.
+    thread, result = _start(env, "drained", _cfg(checkpoint_every=0, drain_check_every_s=0))
     wait_for(lambda: _steps_done(run_dir) >= 10, "step 10")
     victim = _node_of_rank(env, run_dir, 1)
     accepted, why = GcsClient(address=env["cluster"].gcs_address).drain_node(

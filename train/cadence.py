@@ -47,13 +47,18 @@ class Cadence:
     checkpoint_every_s: float = 0.0
     start_step: int = 0
     started: float = 0.0
+    drain_check_every_s: float = 2.0
+    """How often to ask Ray whether a node of the run is being drained: the question is a round trip to
+    an actor and a barrier (about 15 ms), too dear for every log point; drain notices come tens of
+    seconds to minutes ahead."""
     last_report: float = field(init=False)
     last_save: float = field(init=False)
+    last_check: float = field(init=False)
 
     def __post_init__(self):
         # Never report faster than Ray polls: a report before the last one was drained blocks the loop.
         self.report_every_s = max(self.report_every_s, 1.5 * poll_interval_s())
-        self.last_report = self.last_save = self.started
+        self.last_report = self.last_save = self.last_check = self.started
 
     def log_due(self, done: int) -> bool:
         """Whether step `done` is a log point (metrics synced across ranks and written on the worker)."""
@@ -63,10 +68,12 @@ class Cadence:
     def _by_steps(self, done: int) -> bool:
         return bool(self.checkpoint_every) and done % self.checkpoint_every == 0
 
-    def timers(self, now: float) -> tuple[bool, bool]:
-        """(report timer elapsed, checkpoint timer elapsed) on this rank; ranks OR them together."""
+    def timers(self, now: float) -> tuple[bool, bool, bool]:
+        """(report timer elapsed, checkpoint timer elapsed, drain-check timer elapsed) on this rank;
+        ranks OR them together."""
         return (now - self.last_report >= self.report_every_s,
-                bool(self.checkpoint_every_s) and now - self.last_save >= self.checkpoint_every_s)
+                bool(self.checkpoint_every_s) and now - self.last_save >= self.checkpoint_every_s,
+                now - self.last_check >= self.drain_check_every_s)
 
     def decide(self, done: int, *, report_due: bool, save_due: bool, preempted: bool,
                checkpoint_written: bool) -> Decision:
@@ -77,6 +84,9 @@ class Cadence:
         reason = "end" if last else "preemption" if preempted else "interval"
         return Decision(report=save or report_due or checkpoint_written or done == self.start_step + 1,
                         save=save, reason=reason)
+
+    def checked(self, now: float) -> None:
+        self.last_check = now
 
     def reported(self, now: float) -> None:
         self.last_report = now

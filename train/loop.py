@@ -70,6 +70,9 @@ class TrainConfig:
     """Sync and write metrics (metrics.jsonl, TensorBoard) every this many steps."""
     report_every_s: float = 10.0
     """Report to Ray Train at most this often (never faster than its controller polls), and at checkpoints."""
+    drain_check_every_s: float = 2.0
+    """Ask Ray whether a node of the run is being drained (a spot reclaim) at most this often, at log
+    points; each ask is a barrier through an actor (about 15 ms). 0: at every log point."""
     seed: int = 0
     """Seed of model init and data order."""
     strategy: str = "auto"
@@ -91,8 +94,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.batch_size < 0:
             raise ValueError("batch_size must be >= 1, or 0 to size it for the device")
-        if self.checkpoint_every < 0 or self.checkpoint_every_s < 0:
-            raise ValueError("checkpoint_every and checkpoint_every_s must be >= 0")
+        if self.checkpoint_every < 0 or self.checkpoint_every_s < 0 or self.drain_check_every_s < 0:
+            raise ValueError("checkpoint_every, checkpoint_every_s and drain_check_every_s must be >= 0")
 
 
 def strategy_for(cfg: TrainConfig, params: int, device_memory: int) -> str:
@@ -335,7 +338,7 @@ def train_loop_per_worker(config: dict) -> None:
     clock = Clock()
     cadence = Cadence(max_steps=tcfg.max_steps, log_every=tcfg.log_every, report_every_s=tcfg.report_every_s,
                       checkpoint_every=tcfg.checkpoint_every, checkpoint_every_s=tcfg.checkpoint_every_s,
-                      start_step=w.start_step, started=clock.start)
+                      start_step=w.start_step, started=clock.start, drain_check_every_s=tcfg.drain_check_every_s)
     step_losses: list[torch.Tensor] = []  # since the last log point, on the device: no sync per step
     saved_for_preemption = False
     try:
@@ -347,8 +350,8 @@ def train_loop_per_worker(config: dict) -> None:
                 continue
             # Every rank reaches this point at the same steps; one all-reduce agrees on what comes next.
             clock.add("data", batches.take_waited())
-            losses, report_due, save_due, written = _agree(
-                step_losses, *cadence.timers(time.perf_counter()), checkpointer.written() or not checkpointer.pending,
+            losses, (report_due, save_due, check_due), written = _agree(
+                step_losses, cadence.timers(time.perf_counter()), checkpointer.written() or not checkpointer.pending,
                 w.world)
             step_losses.clear()
             seconds, shares = clock.window()  # the device is synced: the window ends here
@@ -357,7 +360,10 @@ def train_loop_per_worker(config: dict) -> None:
             if w.val_batches and (done == tcfg.max_steps or done % tcfg.eval_every == 0):
                 with clock.timed("eval"):
                     metrics["val_loss"] = evaluate(w.raw, w.val_batches, w.device, w.bf16)
-            preempted = not saved_for_preemption and ray.train.get_preemption_info() is not None  # a barrier too
+            preempted = False
+            if check_due and not saved_for_preemption:  # every rank asks at the same log points: it is a barrier
+                preempted = ray.train.get_preemption_info() is not None
+                cadence.checked(time.perf_counter())
             decision = cadence.decide(done, report_due=report_due, save_due=save_due, preempted=preempted,
                                       checkpoint_written=bool(checkpointer.pending) and written)
             with clock.timed("checkpoint"):
@@ -524,40 +530,58 @@ class _Meter:
 
 
 class _Log:
-    """Rank 0's per-step metrics: metrics.jsonl (JsonlWriter) and TensorBoard; other ranks write nothing."""
+    """Rank 0's per-step metrics: metrics.jsonl (JsonlWriter) and TensorBoard; other ranks write nothing.
+    On local disk each row is appended at once; on an object store, where an append is a PUT, step rows
+    go out every FLUSH_S seconds, at reports and with events, so logging every step costs a PUT per
+    interval, not per step. TensorBoard's own thread writes its events."""
+
+    FLUSH_S = 5.0
 
     def __init__(self, run_dir: str, rank: int):
         self.jsonl = JsonlWriter(f"{run_dir}/metrics.jsonl") if rank == 0 else None
         self.tb = _tensorboard(run_dir) if rank == 0 else None
+        self.rows: list[dict] = []
+        self.flushed = time.perf_counter()
 
     def event(self, row: dict) -> None:
         if self.jsonl:
-            self.jsonl.append({"time": time.time(), **row})
+            self.rows.append({"time": time.time(), **row})
+            self.flush()
 
     def step(self, metrics: dict, losses: list[float]) -> None:
-        self.event({**metrics, "step_losses": losses})
+        if not self.jsonl:
+            return
+        self.rows.append({"time": time.time(), **metrics, "step_losses": losses})
         if self.tb:
             for k, v in metrics.items():
                 if isinstance(v, int | float) and not isinstance(v, bool) and k not in ("step", "start_step"):
                     self.tb.add_scalar(f"train/{k}", v, metrics["step"])
-            self.tb.flush()
+        if self.jsonl.local or time.perf_counter() - self.flushed >= self.FLUSH_S or metrics.get("reported"):
+            self.flush()
+
+    def flush(self) -> None:
+        self.jsonl.extend(self.rows)
+        self.rows, self.flushed = [], time.perf_counter()
 
     def close(self) -> None:
+        if self.jsonl:
+            self.flush()
         if self.tb:
             self.tb.close()
 
 
-def _agree(step_losses: list[torch.Tensor], report_due: bool, save_due: bool, written: bool,
-           world: int) -> tuple[list, bool, bool, bool]:
-    """One all-reduce: (each step's loss averaged over ranks, any rank's report timer elapsed, any rank's
-    checkpoint timer elapsed, every rank's checkpoint write done)."""
+def _agree(step_losses: list[torch.Tensor], due: tuple[bool, ...], written: bool,
+           world: int) -> tuple[list, tuple[bool, ...], bool]:
+    """One all-reduce: (each step's loss averaged over ranks, each of `due` true on any rank, every
+    rank's checkpoint write done)."""
     device = step_losses[0].device
     flags = torch.cat([torch.stack(step_losses).float(),
-                       torch.tensor([float(report_due), float(save_due), float(not written)], device=device)])
+                       torch.tensor([*map(float, due), float(not written)], device=device)])
     if world > 1:
         torch.distributed.all_reduce(flags)
     values = flags.tolist()
-    return [v / world for v in values[:-3]], values[-3] > 0, values[-2] > 0, values[-1] == 0
+    n = len(step_losses)
+    return [v / world for v in values[:n]], tuple(v > 0 for v in values[n:-1]), values[-1] == 0
 
 
 def _report(metrics: dict, ckpt_step: int | None, local: str | None, sync: bool) -> None:
@@ -585,7 +609,7 @@ def _tensorboard(run_dir: str):
         return None
     from tensorboardX import SummaryWriter
 
-    return SummaryWriter(os.path.join(path, "tensorboard"))
+    return SummaryWriter(os.path.join(path, "tensorboard"), flush_secs=10)  # its own thread writes the events
 
 
 def _record_node(run_dir: str, rank: int) -> None:

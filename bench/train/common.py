@@ -54,3 +54,49 @@ def train_shards(storage_root: str, ref: str):
     version = resolve(Storage(storage_root), ref)
     return version, [ShardRef(version.file(s.path), s.rows) for s in version.manifest.shards
                      if s.split == "train"]
+
+
+def debug_configs(storage_root: str, ref: str, batch_size: int, steps: int):
+    """(model, train config) of the debug preset shaped for the dataset, as `python -m train` shapes it."""
+    from dataclasses import replace
+
+    from train.loop import TRAIN_PRESETS
+    from train.model import fit_to_dataset, preset
+
+    m = train_shards(storage_root, ref)[0].manifest
+    mcfg = fit_to_dataset(preset("debug"), vocab=m.tokenizer.vocab_size, seq_len=m.seq_len)
+    return mcfg, replace(TRAIN_PRESETS["debug"], batch_size=batch_size, max_steps=steps)
+
+
+def plain_loop(storage_root: str, ref: str, mcfg, tcfg, threads: int, warmup: int = 0, sync_every: int = 10):
+    """The training loop without Ray: train/loop.py's `train_step` on the dataset's train shards, read
+    ahead by the same `Prefetch`, the loss synced every `sync_every` steps (as the trainer syncs at
+    its log points). Returns (the model, mean seconds per step after `warmup` steps)."""
+    import time
+
+    import torch
+
+    from train.data import TokenBatches
+    from train.loop import Prefetch, lr_at, make_optimizer, train_step
+    from train.model import GPT
+
+    torch.set_num_threads(threads)
+    _, shards = train_shards(storage_root, ref)
+    torch.manual_seed(tcfg.seed)
+    model = GPT(mcfg)
+    optimizer = make_optimizer(model, tcfg)
+    batches = Prefetch(TokenBatches(shards, batch_size=tcfg.batch_size, seed=tcfg.seed).from_step(0))
+    device, loss = torch.device("cpu"), torch.zeros(())
+    started = time.perf_counter()
+    try:
+        for step in range(tcfg.max_steps):
+            if step == warmup:
+                loss.item()
+                started = time.perf_counter()
+            loss += train_step(model, optimizer, [next(batches)], lr_at(step, tcfg), tcfg, device)
+            if (step + 1) % sync_every == 0:
+                loss.item()
+                loss.zero_()
+        return model, (time.perf_counter() - started) / max(1, tcfg.max_steps - warmup)
+    finally:
+        batches.close()

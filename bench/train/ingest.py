@@ -5,7 +5,7 @@
 The iterator (train/data.py: parquet shards -> this rank's rows -> seeded
 shuffle buffer -> batches -> int64 tensors) runs alone, without read-ahead,
 as rank 0 of `--world-size` workers, epoch after epoch. The consumer is
-the plain-PyTorch training step of the debug model (as in bench.train.step),
+the plain-PyTorch training loop of the debug model (as in bench.train.e2e),
 measured in the same run on the same threads. Prints both and, as the last
 line, the ratio delivered/consumed (target >= 10).
 """
@@ -16,7 +16,6 @@ import json
 import time
 
 from bench.train import common
-from bench.train.step import configs, plain_step_seconds
 
 
 def delivered_tokens_per_s(storage_root: str, ref: str, batch_size: int, world_size: int, seconds: float) -> float:
@@ -48,9 +47,9 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     root, ref = common.make_dataset(args.workdir)
-    mcfg, tcfg = configs("debug", args.batch_size, args.steps, 5)
+    mcfg, tcfg = common.debug_configs(root, ref, args.batch_size, 5 + args.steps)
     delivered = delivered_tokens_per_s(root, ref, args.batch_size, args.world_size, args.seconds)
-    consumed = args.batch_size * mcfg.seq_len / plain_step_seconds(root, ref, mcfg, tcfg, 5, args.threads)
+    consumed = args.batch_size * mcfg.seq_len / common.plain_loop(root, ref, mcfg, tcfg, args.threads, warmup=5)[1]
     print(f"iterator delivers {delivered:12,.0f} tokens/s per worker (rank 0 of {args.world_size}, no read-ahead)")
     print(f"debug model eats  {consumed:12,.0f} tokens/s per worker ({args.threads} thread(s), batch {args.batch_size})")
     if args.json:
