@@ -5,7 +5,10 @@
    accounting. The dedup index is then built from these files.
 2. `DedupTokenizePack` (actor: the tokenizer loads once per worker): a work
    file's documents -> drop duplicates -> tokenize -> split by document ->
-   pack into rows of seq_len + 1 ids, each with a random sort key.
+   pack into rows of seq_len + 1 ids, each with a random sort key. What is
+   left of each split, shorter than a row, is a tail: `pack_tails` then packs
+   every unit's tails together, so at most one partial row per split per
+   version is left over, and counted.
 3. `write_shard`: a shard owns a slice of the 64-bit key space and reads it
    from every packed file (sorted by key, so row-group statistics skip the
    rest), then writes it sorted by key. Every shard is thus a random sample of
@@ -154,9 +157,7 @@ class DedupTokenizePack:
         # Fused mode (no dedup, so no global decision between reading and packing): read units directly.
         self.read = ReadConfig(**read) if read else None
         self.clean = CleanConfig(**clean) if clean else None
-        self.dtype = token_dtype(self.tok.vocab_size)
-        self.schema = pa.schema([("key", pa.uint64()), ("split", pa.int8()),
-                                 arrow_schema(seq_len, self.dtype).field(0)])
+        self.schema = packed_schema(seq_len, token_dtype(self.tok.vocab_size))
 
     def _duplicates(self, docs: np.ndarray, exact_keys: np.ndarray, bands: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(exact, near) boolean masks: a document is a duplicate if it does not win its keys."""
@@ -226,9 +227,13 @@ class DedupTokenizePack:
                 n = len(flat) // self.row_len
                 carry[split] = flat[n * self.row_len:]
                 if n:
-                    tables.append(self._rows(out_name, split, row_index, flat[: n * self.row_len]))
+                    tables.append(packed_rows(self.schema, self.seed, out_name, split, row_index[split],
+                                              flat[: n * self.row_len]))
+                    row_index[split] += n
                     stats[f"rows:{split}"] += n
-        stats["tokens_dropped"] = sum(len(c) for c in carry.values())  # tails shorter than a row
+        # What is left of each split is shorter than a row: it is packed with the other units' in `pack_tails`.
+        stats["tail_tokens"] = sum(len(c) for c in carry.values())
+        write_tails(join(self.work_dir, "tails", out_name), carry)
         # Sorted by (split, key) in small row groups, so each shard reads just its key range.
         table = pa.concat_tables(tables) if tables else self.schema.empty_table()
         table = table.sort_by([("split", "ascending"), ("key", "ascending")])
@@ -237,14 +242,68 @@ class DedupTokenizePack:
                 "packed_file": [out_name], "node": [_node()], "peak_rss_mb": [_peak_rss_mb()],
                 "busy_s": [time.perf_counter() - started]}
 
-    def _rows(self, name: str, split: str, row_index: Counter, flat: np.ndarray) -> pa.Table:
-        n = len(flat) // self.row_len
-        first = row_index[split]
-        row_index[split] += n
-        keys = mix64(np.uint64(hash64(f"{self.seed}:{name}:{split}")) + np.arange(first, first + n, dtype=np.uint64))
-        tokens = pa.FixedSizeListArray.from_arrays(pa.array(flat.astype(self.dtype)), self.row_len)
-        return pa.Table.from_arrays([pa.array(keys), pa.array(np.full(n, SPLIT_IDS[split], np.int8)), tokens],
-                                    schema=self.schema)
+
+def packed_schema(seq_len: int, dtype: str) -> pa.Schema:
+    return pa.schema([("key", pa.uint64()), ("split", pa.int8()), arrow_schema(seq_len, dtype).field(0)])
+
+
+def packed_rows(schema: pa.Schema, seed: int, name: str, split: str, first: int, flat: np.ndarray) -> pa.Table:
+    """Rows `first`, `first + 1`, ... of `split` in packed file `name`, each with its random sort key."""
+    row_len = schema.field("tokens").type.list_size
+    n = len(flat) // row_len
+    keys = mix64(np.uint64(hash64(f"{seed}:{name}:{split}")) + np.arange(first, first + n, dtype=np.uint64))
+    tokens = pa.FixedSizeListArray.from_arrays(pa.array(flat, type=schema.field("tokens").type.value_type), row_len)
+    return pa.Table.from_arrays([pa.array(keys), pa.array(np.full(n, SPLIT_IDS[split], np.int8)), tokens],
+                                schema=schema)
+
+
+TAILS_SCHEMA = pa.schema([("split", pa.int8()), ("tokens", pa.list_(pa.uint32()))])
+TAILS_FILE = "packed-tails.parquet"
+
+
+def write_tails(path: str, carry: dict[str, np.ndarray]) -> None:
+    """A unit's tails: per split, the tokens after its last full row."""
+    splits = [s for s in SPLIT_IDS if len(carry[s])]
+    fs, p = filesystem(path)
+    pq.write_table(pa.Table.from_pydict({"split": [SPLIT_IDS[s] for s in splits],
+                                         "tokens": [carry[s] for s in splits]}, schema=TAILS_SCHEMA), p,
+                   filesystem=fs)
+
+
+def pack_tails(work_dir: str, names: list[str], *, seq_len: int, dtype: str, seed: int, eot_id: int) -> dict:
+    """Every unit's tails, in name order, packed together into `packed/packed-tails.parquet`.
+
+    What is left over is shorter than a row per split and ends a document: its tokens are counted as
+    unpacked, and so is every document with text in it, so that every document counted kept is whole
+    in the shards. Returns {"rows:SPLIT", "unpacked_tokens:SPLIT",
+    "unpacked_documents", "packed_file"}.
+    """
+    schema, row_len = packed_schema(seq_len, dtype), seq_len + 1
+    streams = {s: [np.zeros(0, dtype=np.uint32)] for s in SPLIT_IDS}
+    ids = {v: k for k, v in SPLIT_IDS.items()}
+    for name in sorted(names):
+        fs, p = filesystem(join(work_dir, "tails", name))
+        t = pq.read_table(p, filesystem=fs)
+        for split, tokens in zip(t["split"].to_pylist(), t["tokens"].to_numpy(zero_copy_only=False), strict=True):
+            streams[ids[split]].append(np.asarray(tokens, dtype=np.uint32))
+    out, tables = {"unpacked_documents": 0}, []
+    for split, parts in streams.items():
+        flat = np.concatenate(parts)
+        n = len(flat) // row_len
+        if n:
+            tables.append(packed_rows(schema, seed, TAILS_FILE, split, 0, flat[: n * row_len]))
+        out[f"rows:{split}"] = n
+        out[f"unpacked_tokens:{split}"] = len(flat) - n * row_len
+        # Each document ends with an end-of-text id; one whose text is all in the rows may leave just its id.
+        left = flat[n * row_len:]
+        out["unpacked_documents"] += int((left == eot_id).sum()) - int(len(left) > 0 and left[0] == eot_id)
+    out["packed_file"] = None
+    if tables:
+        fs, p = filesystem(join(work_dir, "packed", TAILS_FILE))
+        table = pa.concat_tables(tables).sort_by([("split", "ascending"), ("key", "ascending")])
+        pq.write_table(table, p, filesystem=fs, row_group_size=ROW_GROUP_ROWS)
+        out["packed_file"] = TAILS_FILE
+    return out
 
 
 # ---------------------------------------------------------------- pass 3

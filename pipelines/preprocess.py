@@ -28,6 +28,7 @@ from strata.cli import parser as cli_parser
 from strata.connect import connect
 from strata.cost import UsageMonitor
 from strata.dataset import (
+    DOCUMENT_STATUSES,
     DatasetError,
     DocumentCounts,
     Shard,
@@ -206,7 +207,7 @@ def _run_leased(cfg: PreprocessConfig, storage: Storage, run_id: str, lease: Lea
 
     staging = storage.run_files(cfg.dataset, f"g{lease.gen:08d}-{uuid.uuid4().hex[:8]}")
     work = join(staging, "_work")
-    make_dirs(join(work, "docs"), join(work, "packed"), join(staging, "dedup"))
+    make_dirs(join(work, "docs"), join(work, "packed"), join(work, "tails"), join(staging, "dedup"))
     record = run_info("preprocess", {**asdict(cfg), "run_id": run_id})
     write_json_atomic(join(staging, "run.json"), record)
     try:
@@ -279,11 +280,13 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> dict:
                     index=index, read=asdict(cfg.read) if fused else None,
                     clean=asdict(cfg.clean) if fused else None)).take_all()
         packed = Counter()
-        pass2_wall = time.time() - pass2_started
         for row in p2:
             packed.update(json.loads(row["stats"]))
             counts.update(json.loads(row["counts"]))
             _add_samples(samples, row)
+        tails = _pack_tails(cfg, ray, work, [r["packed_file"] for r in p2], definition, on_cpu) if p2 else {}
+        packed.update({k: v for k, v in tails.items() if k != "packed_file"})
+        pass2_wall = time.time() - pass2_started
         dedup_files = {t: [] for t in ("exact", "band")}
         for s, i in enumerate(index):
             for t in tables:
@@ -305,7 +308,7 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> dict:
              if packed.get(f"rows:{split}", 0) for n in [shards_per_split[sid]] for i in range(n)]
     shards = []
     if specs:
-        packed_files = [join(work, "packed", r["packed_file"]) for r in p2]
+        packed_files = [join(work, "packed", f) for f in [r["packed_file"] for r in p2] + [tails["packed_file"]] if f]
         shards = ray.data.from_items(specs, override_num_blocks=len(specs)).map_batches(
             write_shard, batch_size=1, label_selector=on_cpu,
             fn_kwargs={"staging": staging, "packed_files": packed_files}).take_all()
@@ -315,6 +318,16 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> dict:
             "nodes": sorted({r["node"] for r in rows_all}),
             "peak_rss_mb": round(max((r.get("peak_rss_mb", 0) for r in rows_all), default=0), 1),
             "pass2_utilization": round(sum(r["busy_s"] for r in p2) / max(pass2_wall * min(cpus, len(p2) or 1), 1e-9), 3)}
+
+
+def _pack_tails(cfg, ray, work, names, definition, on_cpu) -> dict:
+    """Every unit's tails packed together (pipelines/pack.py `pack_tails`), in one task on the cpu tier."""
+    from pipelines.pack import pack_tails
+
+    tok = _tokenizer(cfg, definition)
+    task = ray.remote(pack_tails).options(label_selector=on_cpu, num_cpus=1)
+    return ray.get(task.remote(work, names, seq_len=cfg.pack.seq_len, dtype=token_dtype(tok.vocab_size),
+                               seed=cfg.pack.seed, eot_id=tok.eot_id))
 
 
 def _add_samples(samples: dict, row: dict) -> None:
@@ -368,14 +381,16 @@ def _train_tokenizer(paths: list[str], vocab: int, sample_bytes: int) -> str:
 
 def _accounting(stats: dict) -> DocumentCounts:
     counts, packed = stats["counts"], stats["packed"]
+    unpacked = packed.get("unpacked_documents", 0)
     docs = DocumentCounts(
-        read=sum(counts.values()), kept=packed.get("kept", 0),
+        read=sum(counts.values()), kept=packed.get("kept", 0) - unpacked, unpacked=unpacked,
         filtered=sum(v for k, v in counts.items() if k.startswith("filtered:")),
         duplicate=packed.get("duplicate:exact", 0) + packed.get("duplicate:near", 0),
         rejected=sum(v for k, v in counts.items() if k.startswith("rejected:")),
         reasons=dict(sorted({**{k: v for k, v in counts.items() if k != "kept"},
-                             **{k: v for k, v in packed.items() if k.startswith("duplicate:") and v}}.items())))
-    if not docs.balanced() or counts.get("kept", 0) != docs.kept + docs.duplicate:
+                             **{k: v for k, v in packed.items() if k.startswith("duplicate:") and v},
+                             **({"unpacked:tail": unpacked} if unpacked else {})}.items())))
+    if not docs.balanced() or counts.get("kept", 0) != docs.kept + docs.unpacked + docs.duplicate:
         raise RuntimeError(f"document accounting does not balance: {docs}")  # a bug, never bad input
     return docs
 
@@ -387,11 +402,13 @@ def _table(stats: dict | None, started: float, cpus: float, total_bytes: int) ->
     seconds = time.time() - started
     tokens = packed.get("tokens:train", 0) + packed.get("tokens:validation", 0)
     return {
-        "documents": {k: getattr(docs, k) for k in ("read", "kept", "filtered", "duplicate", "rejected")},
+        "documents": {k: getattr(docs, k) for k in DOCUMENT_STATUSES},
         "filtered_by_rule": {k.split(":", 1)[1]: v for k, v in docs.reasons.items() if k.startswith("filtered:")},
         "duplicate": {"exact": packed.get("duplicate:exact", 0), "near": packed.get("duplicate:near", 0)},
         "rejected_by_reason": {k.split(":", 1)[1]: v for k, v in docs.reasons.items() if k.startswith("rejected:")},
-        "bytes": total_bytes, "tokens": tokens, "tokens_dropped": packed.get("tokens_dropped", 0),
+        "bytes": total_bytes, "tokens": tokens,
+        # Tokens of kept documents in no row: what is left of each split after every tail is packed.
+        "tokens_unpacked": {s: packed.get(f"unpacked_tokens:{s}", 0) for s in ("train", "validation")},
         "rows": {s: packed.get(f"rows:{s}", 0) for s in ("train", "validation")}, "shards": len(stats["shards"]),
         "seconds": round(seconds, 2), "cpus": cpus,
         "mb_per_s_per_cpu": round(total_bytes / 1e6 / seconds / max(cpus, 1), 3),
@@ -446,6 +463,7 @@ def format_table(stats: dict) -> str:
     lines += [f"{'    ' + k:<28}{v:>14,}" for k, v in stats["duplicate"].items()]
     lines += [f"{'  rejected':<28}{d['rejected']:>14,}"]
     lines += [f"{'    ' + k:<28}{v:>14,}" for k, v in sorted(stats["rejected_by_reason"].items())]
+    lines += [f"{'  unpacked (last partial row)':<28}{d.get('unpacked', 0):>14,}"]
     lines += [f"{'input MB':<28}{stats['bytes'] / 1e6:>14,.1f}", f"{'tokens':<28}{stats['tokens']:>14,}",
               f"{'rows (train / validation)':<28}{stats['rows']['train']:>7,} / {stats['rows']['validation']:,}",
               f"{'shards':<28}{stats['shards']:>14,}", f"{'seconds':<28}{stats['seconds']:>14,.1f}",

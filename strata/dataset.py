@@ -90,20 +90,26 @@ class Shard:
     """The version whose run added this shard."""
 
 
+DOCUMENT_STATUSES = ("read", "kept", "filtered", "duplicate", "rejected", "unpacked")
+
+
 @dataclass(kw_only=True)
 class DocumentCounts:
-    """Every document read is kept, filtered, duplicate or rejected, with a reason."""
+    """Every document read is kept, filtered, duplicate, rejected or unpacked, with a reason."""
 
     read: int = 0
     kept: int = 0
     filtered: int = 0
     duplicate: int = 0
     rejected: int = 0
+    unpacked: int = 0
+    """Kept by every rule but not whole in the shards: they end in the last partial row of a split,
+    which is not written (less than one row's worth of tokens per split per version)."""
     reasons: dict[str, int] = field(default_factory=dict)
     """Count per `status:reason`, e.g. `rejected:invalid-utf8`."""
 
     def balanced(self) -> bool:
-        return self.read == self.kept + self.filtered + self.duplicate + self.rejected
+        return self.read == self.kept + self.filtered + self.duplicate + self.rejected + self.unpacked
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -281,7 +287,7 @@ def _totals(parent: DatasetVersion | None, shards: list[Shard], fields: dict) ->
         "versions": before.get("versions", 0) + 1,
         "inputs": before.get("inputs", 0) + len(fields["inputs"]),
         "documents": {k: before.get("documents", {}).get(k, 0) + getattr(docs, k)
-                      for k in ("read", "kept", "filtered", "duplicate", "rejected")},
+                      for k in DOCUMENT_STATUSES},
         "tokens": before.get("tokens", 0) + fields["tokens"],
         "rows": {split: sum(s.rows for s in shards if s.split == split) for split in SPLITS},
         "packed_tokens": sum(s.tokens for s in shards),

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     best = sw["best"]
     print(textwrap.dedent(f"""
         ======================== strata demo: summary ========================
-        tier 1  {d['read']} documents read: {d['kept']} kept, {d['filtered']} filtered,
+        tier 1  {d['read']} documents read: {d['kept']} kept, {d['filtered']} filtered, {d['unpacked']} unpacked,
                 {d['duplicate']} duplicate {pre['stats']['duplicate']}, {d['rejected']} rejected {pre['stats']['rejected_by_reason']}
                 {pre['tokens']:,} tokens -> {pre['sequences']:,} packed rows in {pre['shards']} shards
         tier 2  {tr['steps']} steps, loss {tr['first_loss']:.3f} -> {tr['last_loss']:.3f} (validation {tr['val_loss']:.3f}),

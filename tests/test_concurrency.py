@@ -44,7 +44,8 @@ def test_overlapping_runs_publish_each_input_once(tmp_path):
     waited = [err for _, _, err in results if "waiting for" in err]
     assert len(waited) == 1 and "which holds dataset web" in waited[0]
     assert "already produced web@v0001" in waited[0]
-    assert resolve(storage, "web").manifest.documents.kept == len(made["good"])
+    docs = resolve(storage, "web").manifest.documents
+    assert docs.kept + docs.unpacked == len(made["good"])
 
     # New input, two runs without a run id: the second waits, then finds nothing new.
     (tmp_path / "raw" / "late.txt").write_text(" ".join(f"late words {i % 13} here" for i in range(80)))
@@ -53,7 +54,8 @@ def test_overlapping_runs_publish_each_input_once(tmp_path):
     assert list_versions(storage, "web") == ["v0001", "v0002"]
     summaries = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in results]
     assert sorted(str(s["version"]) for s in summaries) == ["None", "v0002"]
-    assert resolve(storage, "web").manifest.documents.kept == 1  # the one new file, published once
+    docs = resolve(storage, "web").manifest.documents
+    assert docs.kept + docs.unpacked == 1  # the one new file, published once
 
     # With --no-wait (a Kubernetes CronJob), the loser exits at once with its own code and names the holder.
     (tmp_path / "raw" / "later.txt").write_text(" ".join(f"later words {i % 11} here" for i in range(80)))
@@ -63,4 +65,5 @@ def test_overlapping_runs_publish_each_input_once(tmp_path):
     busy = next(err for code, _, err in results if code == EXIT_BUSY)
     assert "dataset web is in use by" in busy and "pid" in busy and "left for a later run" in busy
     assert list_versions(storage, "web") == ["v0001", "v0002", "v0003"]
-    assert resolve(storage, "web").manifest.totals["documents"]["kept"] == len(made["good"]) + 2
+    totals = resolve(storage, "web").manifest.totals["documents"]
+    assert totals["kept"] + totals["unpacked"] == len(made["good"]) + 2

@@ -78,7 +78,8 @@ def test_submitted_preprocessing_job_succeeds_and_commits_a_version(head, corpus
                "python", "-m", "pipelines.preprocess", "--input", corpus["path"], "--dataset", "submitted", "--json")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith("{")))
-    assert summary["dataset"] == "submitted" and summary["documents"]["kept"] == len(corpus["good"])
+    d = summary["documents"]
+    assert summary["dataset"] == "submitted" and d["kept"] + d["unpacked"] == len(corpus["good"])
     assert summary["version"] in list_versions(Storage(storage_root), "submitted")
     status = _job(head, "status", "strata-test-preprocess")
     assert "succeeded" in status.stdout.lower()
@@ -121,7 +122,7 @@ def test_strata_submit_runs_a_scheduled_slot_once(head, corpus, storage_root):
     assert sub_id.startswith("strata-preprocess-slotted-") and sub_id.endswith("-20261130T100000")
     assert f"{sub_id} SUCCEEDED" in first.stderr
     summary = json.loads(next(line for line in reversed(first.stdout.splitlines()) if line.startswith("{")))
-    assert summary["documents"]["kept"] == len(corpus["good"])
+    assert summary["documents"]["kept"] + summary["documents"]["unpacked"] == len(corpus["good"])
     again = _submit(head, *args[:5], "--slot-time", "2026-11-30T10:59:59", *args[7:], env=env)  # the same hour
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already submitted for this slot (SUCCEEDED); nothing to do" in again.stderr

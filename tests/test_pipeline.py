@@ -24,12 +24,13 @@ _rows = read_rows
 
 def test_every_document_is_accounted_for(dataset, corpus):
     d = dataset["documents"]
-    assert d["read"] == d["kept"] + d["filtered"] + d["duplicate"] + d["rejected"]
-    assert d["kept"] == len(corpus["good"])
+    assert d["read"] == d["kept"] + d["filtered"] + d["duplicate"] + d["rejected"] + d["unpacked"]
+    assert d["kept"] + d["unpacked"] == len(corpus["good"])  # unpacked: they end in a last partial row
     assert (d["rejected"], d["filtered"], d["duplicate"]) == tuple(
         sum(corpus[k].values()) for k in ("rejected", "filtered", "duplicate"))
-    assert dataset["reasons"] == {f"{kind}:{k}": v for kind in ("rejected", "filtered", "duplicate")
-                                  for k, v in corpus[kind].items()}
+    assert dataset["reasons"] == {**{f"{kind}:{k}": v for kind in ("rejected", "filtered", "duplicate")
+                                     for k, v in corpus[kind].items()},
+                                  **({"unpacked:tail": d["unpacked"]} if d["unpacked"] else {})}
     assert dataset["stats"]["duplicate"] == corpus["duplicate"]
 
 
@@ -52,7 +53,7 @@ def test_version_is_committed_with_a_complete_manifest(dataset, corpus):
     with open(v.file(m.rejects)) as f:
         rejects = json.load(f)
     assert rejects["counts"] == dataset["reasons"]
-    assert set(rejects["samples"]) == set(dataset["reasons"])  # every reason has samples
+    assert set(rejects["samples"]) == set(dataset["reasons"]) - {"unpacked:tail"}  # every reject has samples
     assert all(s["doc_id"].startswith(corpus["path"]) for v_ in rejects["samples"].values() for s in v_)
 
 
@@ -83,7 +84,8 @@ def test_rerun_processes_only_new_files_and_dedups_against_earlier_versions(loca
     (tmp_path / "new.txt").write_text(new_doc)
     (tmp_path / "old-again.txt").write_text(corpus["good"][5])  # new file, old content
     out = run(debug("corpus", read={"inputs": (corpus["path"], str(tmp_path))}), storage)
-    assert out["documents"] == {"read": 2, "kept": 1, "filtered": 0, "duplicate": 1, "rejected": 0}
+    d = out["documents"]
+    assert (d["read"], d["kept"] + d["unpacked"], d["filtered"], d["duplicate"], d["rejected"]) == (2, 1, 0, 1, 0)
     assert out["version"] not in before and list_versions(storage, "corpus") == before + [out["version"]]
     m = resolve(storage, f"corpus@{out['version']}").manifest
     assert sorted(os.path.basename(f["path"]) for f in m.inputs) == ["new.txt", "old-again.txt"]
@@ -100,7 +102,8 @@ def test_run_id_makes_a_run_idempotent(local_ray, corpus, tmp_path):
     assert (first["already_existed"], second["already_existed"]) == (False, True)
     assert second["version"] == first["version"] and list_versions(storage, "slots") == [first["version"]]
     third = run(debug("slots", read={"inputs": (str(tmp_path),)}), storage, run_id="2026-11-30T03")
-    assert third["documents"]["kept"] == 1 and third["version"] != first["version"]
+    assert third["documents"]["kept"] + third["documents"]["unpacked"] == 1
+    assert third["version"] not in (None, first["version"])
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +127,7 @@ def test_shuffle_is_global_deterministic_and_bounded(local_ray, split_corpus):
     a, rows_a = _shuffled(storage, "shuf-a", root, seed=0)
     b, rows_b = _shuffled(storage, "shuf-b", root, seed=0)
     c, rows_c = _shuffled(storage, "shuf-c", root, seed=1)
-    assert a["documents"]["kept"] == len(made["good"]) and len(rows_a) >= 4
+    assert a["documents"]["kept"] + a["documents"]["unpacked"] == len(made["good"]) and len(rows_a) >= 4
     assert rows_a.keys() == rows_b.keys() and all(np.array_equal(rows_a[k], rows_b[k]) for k in rows_a)
     flat = lambda rs: np.concatenate([rs[k] for k in sorted(rs)])  # noqa: E731
     assert not np.array_equal(flat(rows_a), flat(rows_c))  # another seed, another order ...
@@ -145,7 +148,8 @@ def test_mixed_compressed_inputs_and_a_trained_tokenizer(local_ray, tmp_path):
     storage = Storage.from_env()
     out = run(debug("mixed", read={"inputs": (str(tmp_path),)}, pack={"tokenizer": "train:300", "seq_len": 32},
                     dedup={"near_dedup": False}), storage)
-    assert out["documents"] == {"read": 60, "kept": 60, "filtered": 0, "duplicate": 0, "rejected": 0}
+    d = out["documents"]
+    assert (d["read"], d["kept"] + d["unpacked"], d["filtered"], d["duplicate"], d["rejected"]) == (60, 60, 0, 0, 0)
     v = resolve(storage, f"mixed@{out['version']}")
     tok = v.manifest.tokenizer
     assert tok.kind == "hf" and tok.file.endswith("/tokenizer.json") and tok.vocab_size <= 300
@@ -176,9 +180,79 @@ def test_without_dedup_one_fused_pass_keeps_the_accounting(local_ray, corpus):
     out = run(debug("fused", read={"inputs": (corpus["path"],)},
                     dedup={"exact_dedup": False, "near_dedup": False}), Storage.from_env())
     d = out["documents"]
-    assert d["kept"] == len(corpus["good"]) + len(corpus["variants"]) and d["duplicate"] == 0
+    assert d["kept"] + d["unpacked"] == len(corpus["good"]) + len(corpus["variants"]) and d["duplicate"] == 0
     assert (d["rejected"], d["filtered"]) == (sum(corpus["rejected"].values()), sum(corpus["filtered"].values()))
-    assert d["read"] == d["kept"] + d["filtered"] + d["rejected"]
+    assert d["read"] == d["kept"] + d["filtered"] + d["rejected"] + d["unpacked"]
     v = resolve(Storage.from_env(), f"fused@{out['version']}")
     assert v.manifest.dedup["files"] == {"exact": [], "band": []}
     assert sum(len(_rows(p)) for p in v.shard_paths("train") + v.shard_paths("validation")) == out["sequences"]
+
+
+def test_packing_keeps_every_kept_document(local_ray, tmp_path):
+    """Every unit's tail (shorter than a row) is packed with the others: a document counted kept is
+    whole in the shards; the only ones that are not are counted unpacked. Every document here is 63
+    bytes and its end-of-text id, a quarter of a row, so rows hold whole documents and each can be
+    found by its text."""
+    import random
+
+    rng, words = random.Random(3), ["alpha", "beta", "gamma", "delta", "omega", "sigma"]
+    corpus, texts = tmp_path / "units", []
+    corpus.mkdir()
+    for f in range(4):  # each file > 64 KiB: it is cut into work units of 64 KiB
+        with open(corpus / f"part-{f}.jsonl", "w") as out:
+            for _ in range(1200):
+                n, body = len(texts), " ".join(rng.choice(words) for _ in range(12))
+                texts.append(f"<s{n:05d}> {body[:45].ljust(45, 'z')} <e{n:05d}>")
+                out.write(json.dumps({"text": texts[-1]}) + "\n")
+    assert {len(t) for t in texts} == {63}
+    out = run(debug("tails", read={"inputs": (str(corpus),), "split_bytes": 64 << 10}, pack={"seq_len": 255}),
+              Storage.from_env())
+    d, n = out["documents"], len(texts)
+    assert d["read"] == n and d["kept"] + d["unpacked"] == n and d["filtered"] == d["duplicate"] == 0
+    v = resolve(Storage.from_env(), f"tails@{out['version']}")
+    rows = np.concatenate([read_rows(p) for p in v.shard_paths("train") + v.shard_paths("validation")])
+    tok = ByteTokenizer()
+    docs = [doc for row in rows for doc in np.split(row, np.flatnonzero(row == tok.eot_id) + 1) if len(doc)]
+    assert all(doc[-1] == tok.eot_id for doc in docs)  # rows are whole documents
+    pieces = [tok.decode(doc[:-1]) for doc in docs]
+    found = set(pieces)
+    assert len(found) == len(pieces)  # none twice
+    assert found <= set(texts) and len(found) == d["kept"]  # every kept document is whole in a shard ...
+    assert d["unpacked"] < 2 * 4  # ... the others fit in the last partial row of each split
+    unpacked = v.manifest.stats["tokens_unpacked"]
+    assert unpacked["train"] + unpacked["validation"] == 64 * d["unpacked"]
+    assert rows.size + 64 * d["unpacked"] == v.manifest.tokens  # no token lost either
+
+
+def test_tails_pack_together_and_the_leftover_is_counted(tmp_path):
+    """pack_tails on tails that cut documents anywhere: the rows are the tails' stream in order, and
+    the documents counted unpacked are those with text in what is left."""
+    from pipelines.dedup import hash64
+    from pipelines.pack import TAILS_FILE, mix64, pack_tails, write_tails
+
+    eot, row_len, rng = 0, 17, np.random.default_rng(5)
+    (tmp_path / "tails").mkdir()
+    (tmp_path / "packed").mkdir()
+    stream, doc_ends = [], []  # the train stream, and where each document's text ends in it
+    for unit in range(5):
+        parts = [rng.integers(1, 9, rng.integers(1, 12)) for _ in range(rng.integers(1, 4))]
+        tail = np.concatenate([np.append(p, eot) for p in parts]).astype(np.uint32)
+        if unit % 2:  # an odd unit's tail opens with the rest of a document begun in its rows
+            tail = np.concatenate([rng.integers(1, 9, 3).astype(np.uint32), [eot], tail])
+        for i in np.flatnonzero(tail == eot):
+            doc_ends.append(len(stream) + i)
+        stream.extend(tail.tolist())
+        write_tails(str(tmp_path / "tails" / f"packed-{unit}.parquet"),
+                    {"train": tail, "validation": np.zeros(0, np.uint32)})
+    out = pack_tails(str(tmp_path), [f"packed-{u}.parquet" for u in range(5)], seq_len=row_len - 1,
+                     dtype="uint16", seed=0, eot_id=eot)
+    n = len(stream) // row_len
+    assert out["rows:train"] == n and out["unpacked_tokens:train"] == len(stream) - n * row_len
+    # Each document's text ends just before its end-of-text id: it has text left over if that is at or past
+    # the cut, unless the id alone is left (its text ends in a row).
+    assert out["unpacked_documents"] == sum(1 for e in doc_ends if e > n * row_len)
+    table = pq.read_table(tmp_path / "packed" / TAILS_FILE)
+    order = {int(k): i for i, k in enumerate(mix64(np.uint64(hash64(f"0:{TAILS_FILE}:train")) +
+                                                   np.arange(n, dtype=np.uint64)))}
+    rows = sorted(zip(table["key"].to_pylist(), table["tokens"].to_pylist(), strict=True), key=lambda r: order[r[0]])
+    assert np.concatenate([r[1] for r in rows]).tolist() == stream[: n * row_len]
