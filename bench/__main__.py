@@ -23,6 +23,8 @@ OUT = Path(__file__).resolve().parent / "results"
 BENCHMARKS = {
     "preprocess": ("bench.preprocess", ["--mb", "100", "--memory-gb", "0.5"],
                    "tier-1 throughput, pipeline / hand-written multiprocessing", ">= 0.9"),
+    "dedup": ("bench.dedup", [], "near-duplicate recall and precision at the threshold, measured / LSH's S-curve",
+              "recall >= 0.99 at one-word edits (test); ~1"),
     "train.e2e": ("bench.train.e2e", [], "wall time per step of the whole command timed at two lengths, plain "
                   "PyTorch / python -m train (--log-every 1; the line above it: 10)", ">= 0.97"),
     "train.ingest": ("bench.train.ingest", [], "tokens/s delivered / consumed by the debug model", ">= 10"),

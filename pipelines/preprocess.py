@@ -137,6 +137,8 @@ def _prior_state(earlier: list, cfg: PreprocessConfig) -> dict[str, list[str]]:
         state = v.manifest.dedup
         for table in files:
             if table == "band" and state.get("params") != cfg.dedup.params():
+                _log(f"near-dedup against {v.ref} skipped: its MinHash/LSH parameters {state.get('params')} "
+                     f"differ from this run's {cfg.dedup.params()} (pass --bands/--rows/--num-perm to match)")
                 continue  # different shingles/bands: signatures are not comparable
             files[table] += [v.file(p) for p in state.get("files", {}).get(table, [])]
     return files

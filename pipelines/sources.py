@@ -16,6 +16,7 @@ separated block.
 from __future__ import annotations
 
 import glob
+import gzip
 import io
 import json
 import os
@@ -158,75 +159,55 @@ class _Raw(io.RawIOBase):
         super().close()
 
 
-class _Decompressor(io.RawIOBase):
-    """Streaming decompression that hands out everything decoded before damage, then raises."""
+class _Zstd(io.RawIOBase):
+    """zstd: every frame of a concatenation (`cat a.zst b.zst`), in bounded steps.
 
-    def __init__(self, f):
-        self.f, self.buf = f, b""
+    Input goes to the decoder in small slices, so one step's output stays bounded (a frame of zeros
+    decodes some 40,000 times larger than it is: 64 KiB in one call would be 2.5 GB). What was
+    decoded before damage is handed out before the error; a file ending inside a frame raises
+    EOFError (the zstandard stream reader would end it silently).
+    """
 
-    def readable(self):
-        return True
-
-    def _decode(self, chunk: bytes) -> bytes:
-        raise NotImplementedError
-
-    def _complete(self) -> bool:
-        """Whether the stream ended cleanly (not truncated)."""
-        raise NotImplementedError
-
-    def readinto(self, b):
-        while not self.buf:
-            chunk = self.f.read(1 << 16)
-            if not chunk:
-                if not self._complete():
-                    raise EOFError("compressed stream ended before its end marker")
-                return 0
-            self.buf = self._decode(chunk)
-        n = min(len(b), len(self.buf))
-        b[:n], self.buf = self.buf[:n], self.buf[n:]
-        return n
-
-
-class _Gzip(_Decompressor):
-    """gzip, including files of several concatenated members."""
-
-    def __init__(self, f):
-        super().__init__(f)
-        self.d = zlib.decompressobj(wbits=31)
-
-    def _decode(self, chunk):
-        if self.d.eof:  # the next member of a concatenated gzip file
-            self.d = zlib.decompressobj(wbits=31)
-        out = self.d.decompress(chunk)
-        while self.d.eof and self.d.unused_data:
-            rest, self.d = self.d.unused_data, zlib.decompressobj(wbits=31)
-            out += self.d.decompress(rest)
-        return out
-
-    def _complete(self):
-        return self.d.eof
-
-
-class _Zstd(_Decompressor):
-    """zstd, one frame (the zstandard stream reader does not notice truncation)."""
+    SLICE = 256  # bytes of input per step: at most ~11 MB out
 
     def __init__(self, f):
         import zstandard
 
-        super().__init__(f)
-        self.d = zstandard.ZstdDecompressor().decompressobj()
-        self.error = zstandard.ZstdError
+        self.f, self.pending, self.off, self.buf = f, b"", 0, b""
+        self.new, self.error = zstandard.ZstdDecompressor().decompressobj, zstandard.ZstdError
+        self.d, self.in_frame = self.new(), False
 
-    def _decode(self, chunk):
-        if self.d.eof:
-            raise zlib.error("data after the end of the zstd frame")  # multi-frame: not supported
+    def readable(self):
+        return True
+
+    def _step(self) -> bool:
+        """Decode one slice into `buf`; False at the end of the input."""
+        if self.off >= len(self.pending):
+            self.pending, self.off = self.f.read(1 << 16), 0
+            if not self.pending:
+                if self.in_frame:
+                    raise EOFError("zstd stream ended inside a frame")
+                return False
+        if self.d.eof:  # the next frame
+            self.d = self.new()
+        piece = self.pending[self.off: self.off + self.SLICE]
+        self.off += len(piece)
         try:
-            return self.d.decompress(chunk)
+            self.buf = self.d.decompress(piece)
         except self.error as e:
             raise zlib.error(str(e)) from e
+        self.in_frame = not self.d.eof
+        if self.d.eof and self.d.unused_data:  # the rest of the slice starts the next frame
+            self.pending, self.off = self.d.unused_data + self.pending[self.off:], 0
+        return True
 
-    def _complete(self):
-        return self.d.eof
+    def readinto(self, b):
+        while not self.buf:
+            if not self._step():
+                return 0
+        n = min(len(b), len(self.buf))
+        b[:n], self.buf = self.buf[:n], self.buf[n:]
+        return n
 
 
 def open_stream(path: str, start: int = 0) -> io.BufferedReader:
@@ -237,8 +218,8 @@ def open_stream(path: str, start: int = 0) -> io.BufferedReader:
         raw.seek(start)
     stream = io.BufferedReader(_Raw(raw), buffer_size=1 << 20)
     compression = describe(path)[1]
-    if compression == "gz":
-        return io.BufferedReader(_Gzip(stream), buffer_size=1 << 20)
+    if compression == "gz":  # the standard library's: members, zero padding, truncation, bounded reads
+        return gzip.GzipFile(fileobj=stream, mode="rb")
     if compression == "zst":
         return io.BufferedReader(_Zstd(stream), buffer_size=1 << 20)
     return stream

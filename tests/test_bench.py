@@ -90,3 +90,12 @@ def test_end_to_end_benchmark_times_the_real_command(tmp_path):
     # Each python -m train run is a whole run with its final checkpoint, under the workdir's storage.
     runs = [r for r in os.listdir(tmp_path / "storage" / "runs") if r.startswith("bench-e2e-")]
     assert len(runs) == 4, runs
+
+
+def test_dedup_benchmark_prints_recall_and_precision_beside_the_s_curve():
+    lines = _run("bench.dedup", "--pairs", "300", "--json")
+    result = json.loads(lines[-2])
+    assert sum(row["pairs"] for row in result["table"]) == 300
+    assert all(0 <= row["collided"] <= 1 and 0 <= row["s_curve"] <= 1 for row in result["table"])
+    assert result["table"][-1]["collided"] > result["table"][0]["collided"]  # similar pairs collide more
+    assert lines[-1].startswith("ratio measured/S-curve: recall ")

@@ -65,12 +65,55 @@ def test_rules_are_off_by_default():
     assert quality_reason("x" * 20, CleanConfig(min_chars=1, max_chars=10)) == "too-long"
 
 
-def test_lsh_parameters_follow_the_threshold():
-    assert DedupConfig(threshold=0.8).lsh() == (8, 16)
-    assert DedupConfig(threshold=0.5, num_perm=128).lsh() == (32, 4)
-    assert DedupConfig(bands=32).lsh() == (32, 4)
-    with pytest.raises(ValueError):
-        DedupConfig(bands=7)
+def _weighted_error(threshold: float, bands: int, rows: int, fn_weight: float) -> float:
+    """The weighted false-positive and false-negative areas under the S-curve (trapezoids, each side of
+    the threshold on a grid of its own)."""
+    low, high = np.linspace(0, threshold, 20001), np.linspace(threshold, 1, 20001)
+
+    def p(s):
+        return 1 - (1 - s**rows) ** bands
+
+    return (1 - fn_weight) * np.trapezoid(p(low), low) + fn_weight * np.trapezoid(1 - p(high), high)
+
+
+def test_lsh_bands_and_rows_minimise_the_weighted_error_over_all_splits():
+    from pipelines.dedup import optimal_lsh
+
+    for threshold, num_perm, w in ((0.8, 128, 0.5), (0.8, 128, 0.9), (0.5, 64, 0.5), (0.9, 256, 0.7)):
+        b, r = optimal_lsh(threshold, num_perm, w)
+        assert b * r <= num_perm
+        mine = _weighted_error(threshold, b, r, w)
+        # No split of num_perm, divisor or not, does better (up to the integration grid's error).
+        assert all(mine <= _weighted_error(threshold, bb, rr, w) + 1e-4
+                   for bb in range(1, num_perm + 1) for rr in range(1, num_perm // bb + 1)), (threshold, b, r)
+    # For 0.8 over 128 permutations divisors allowed only 8 x 16, whose S-curve is centred at 0.88.
+    assert optimal_lsh(0.8, 128, 0.5) != (8, 16)
+    assert DedupConfig(bands=32).lsh() == (32, 4) and DedupConfig(bands=10, rows=12).lsh() == (10, 12)
+    with pytest.raises(ValueError, match="at most num_perm"):
+        DedupConfig(bands=10, rows=13)
+
+
+def test_default_lsh_catches_one_word_edits_and_not_unrelated_documents():
+    """One-word edits of ~100-word documents share a band >= 99% of the time; unrelated documents
+    over the same 2,000-word vocabulary <= 0.1%."""
+    rng = random.Random(11)
+    vocab = [f"w{i}" for i in range(2000)]
+    hasher = MinHasher(DedupConfig())
+
+    def shares_a_band(a: str, b: str) -> bool:
+        return bool(np.intersect1d(hasher.band_keys(hasher.signature(a)), hasher.band_keys(hasher.signature(b))).size)
+
+    docs = [[rng.choice(vocab) for _ in range(rng.randint(90, 110))] for _ in range(1000)]
+    edited = []
+    for d in docs:
+        e = list(d)
+        e[rng.randrange(len(e))] = rng.choice(vocab)
+        edited.append(e)
+    caught = sum(shares_a_band(" ".join(a), " ".join(b)) for a, b in zip(docs, edited, strict=True))
+    merged = sum(shares_a_band(" ".join(docs[i]), " ".join(docs[i + 1])) for i in range(0, 1000, 2))
+    merged += sum(shares_a_band(" ".join(docs[i]), " ".join(edited[i + 2])) for i in range(0, 998, 2))
+    assert caught >= 990, caught
+    assert merged <= 1, merged  # of 999 unrelated pairs
 
 
 def _doc(seed, n=200):
