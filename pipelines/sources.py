@@ -417,12 +417,23 @@ def _parquet(f: dict, cfg: ReadConfig) -> Iterator[dict]:
     row = 0
     try:
         for batch in pf.iter_batches(columns=[cfg.text_field], batch_size=1024):
-            for value in batch.column(0).to_pylist():
-                if isinstance(value, str):
-                    yield _row(f"{f['path']}:{row}", value) if "\x00" not in value else \
-                        _row(f"{f['path']}:{row}", "", "rejected", "binary", value)
-                else:
-                    yield _row(f"{f['path']}:{row}", "", "rejected", "missing-text-field", repr(value))
+            column = batch.column(0)
+            if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+                column = column.cast(pa.large_binary())  # the bytes as stored: a bad value is its row's
+            textual = pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)
+            for value in column.to_pylist():
+                yield _parquet_value(f"{f['path']}:{row}", value, textual, cfg.max_record_bytes)
                 row += 1
     except (OSError, pa.ArrowInvalid) as e:
         yield _row(f"{f['path']}:damage", "", "rejected", "corrupt-file", str(e))
+
+
+def _parquet_value(doc_id: str, value, textual: bool, cap: int) -> dict:
+    """One parquet row's text value as a record, or its reason: null, not text, too large, invalid UTF-8."""
+    if value is None:
+        return _row(doc_id, "", "rejected", "missing-text-field", "null")
+    if not textual:
+        return _row(doc_id, "", "rejected", "missing-text-field", repr(value))
+    if len(value) > cap:
+        return _row(doc_id, "", "rejected", "record-too-large", value)
+    return decode_text(doc_id, value)

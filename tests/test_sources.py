@@ -72,6 +72,21 @@ def test_parquet_text_column(tmp_path):
     assert (bad["status"], bad["reason"]) == ("rejected", "corrupt-file")
 
 
+def test_a_bad_parquet_value_rejects_its_row_only(tmp_path):
+    """Invalid UTF-8, NUL, a null, a value over --max-record-bytes: each rejects its row with a
+    reason; the rows around it are kept. A column that is not text rejects every row, by name."""
+    raw = pa.array([b"first", b"bad \xff\xfe utf-8", b"nul \x00 inside", None, b"y" * 5000, b"last"], pa.binary())
+    text = pa.Array.from_buffers(pa.string(), len(raw), raw.buffers(), null_count=raw.null_count)  # unvalidated
+    pq.write_table(pa.table({"text": text}), tmp_path / "a.parquet")
+    rows = records(tmp_path / "a.parquet", max_record_bytes=1000)
+    assert statuses(rows) == [("ok", ""), ("rejected", "invalid-utf8"), ("rejected", "binary"),
+                              ("rejected", "missing-text-field"), ("rejected", "record-too-large"), ("ok", "")]
+    assert [r["text"] for r in rows if r["status"] == "ok"] == ["first", "last"]
+    assert [r["doc_id"].rsplit(":", 1)[1] for r in rows] == [str(i) for i in range(6)]
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
+    assert statuses(records(tmp_path / "ints.parquet")) == [("rejected", "missing-text-field")] * 2
+
+
 def _jsonl(n, seed=0):
     rng = random.Random(seed)
     return b"".join(json.dumps({"text": f"doc {i} " + "x" * rng.randint(0, 300)}).encode() + b"\n"
