@@ -1,4 +1,5 @@
-"""Cleaning and quality filters: each rule is a small function with its own counter.
+"""Cleaning and quality filters: a list of named rules, each a small function with its own counter,
+built once from the config (`build_rules`, `QualityFilter`).
 
 The rules follow the Gopher (Rae et al. 2021, appendix A) and C4 (Raffel et al.
 2020) heuristics. Every threshold is a config field; `None` turns a rule off.
@@ -8,9 +9,11 @@ rules would throw away); the `web` preset turns the prose rules on.
 
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
@@ -110,57 +113,99 @@ def _ngram_fractions(words: list[str]) -> tuple[float, float]:
     return top, sum(len(w) for w, d in zip(words, dup, strict=True) if d) / chars
 
 
+class _Doc:
+    """A document's text and the views rules share, each computed once, when a rule first asks."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    @functools.cached_property
+    def words(self) -> list[str]:
+        return self.text.split()
+
+    @functools.cached_property
+    def n(self) -> int:
+        return len(self.words) or 1
+
+    @functools.cached_property
+    def mean_word_length(self) -> float:
+        return sum(len(w) for w in self.words) / self.n
+
+    @functools.cached_property
+    def ngrams(self) -> tuple[float, float]:
+        return _ngram_fractions(_WORD.findall(self.text.lower()))
+
+    @functools.cached_property
+    def lines(self) -> list[str]:
+        return [line for line in self.text.split("\n") if line.strip()] or [""]
+
+    def line_share(self, test) -> float:
+        return sum(1 for line in self.lines if test(line)) / len(self.lines)
+
+
+@dataclass
+class Rule:
+    """A named quality rule: `fails(doc)` is true for a document it filters; `count` is how many it did."""
+
+    name: str
+    fails: Callable[[_Doc], bool]
+    count: int = 0
+
+
+def build_rules(cfg: CleanConfig) -> list[Rule]:
+    """The rules `cfg` turns on, in the order they are tried (a document is filtered by the first it fails)."""
+    on = {k: v for k, v in vars(cfg).items() if v is not None}
+    candidates = [
+        ("too-short", "min_chars", lambda d, v: len(d.text) < v),
+        ("too-long", "max_chars", lambda d, v: len(d.text) > v),
+        ("gopher-min-words", "min_words", lambda d, v: len(d.words) < v),
+        ("gopher-max-words", "max_words", lambda d, v: len(d.words) > v),
+        ("gopher-mean-word-length", "min_mean_word_length", lambda d, v: d.mean_word_length < v),
+        ("gopher-mean-word-length", "max_mean_word_length", lambda d, v: d.mean_word_length > v),
+        ("gopher-alpha-words", "min_alpha_word_fraction",
+         lambda d, v: sum(1 for w in d.words if any(c.isalpha() for c in w)) / d.n < v),
+        ("gopher-symbol-ratio", "max_symbol_word_ratio",
+         lambda d, v: (d.text.count("#") + d.text.count("...") + d.text.count("…")) / d.n > v),
+        ("gopher-top-2gram", "max_top_2gram_fraction", lambda d, v: d.ngrams[0] > v),
+        ("gopher-duplicate-5grams", "max_duplicate_5gram_fraction", lambda d, v: d.ngrams[1] > v),
+        ("gopher-bullet-lines", "max_bullet_line_fraction",
+         lambda d, v: d.line_share(lambda line: line.lstrip().startswith(_BULLETS)) > v),
+        ("gopher-ellipsis-lines", "max_ellipsis_line_fraction",
+         lambda d, v: d.line_share(lambda line: line.rstrip().endswith(("...", "…"))) > v),
+        ("gopher-duplicate-lines", "max_duplicate_line_fraction",
+         lambda d, v: (len(d.lines) - len(set(d.lines))) / len(d.lines) > v),
+        ("c4-terminal-punctuation", "min_terminal_punct_line_fraction",
+         lambda d, v: d.line_share(lambda line: line.rstrip().endswith((".", "!", "?", '"', "'"))) < v),
+        ("c4-bad-phrase", "c4_bad_phrases",
+         lambda d, v: any(p in d.text.lower() for p in _C4_BAD) or "{" in d.text),
+    ]
+    return [Rule(name, functools.partial(test, v=on[field])) for name, field, test in candidates
+            if field in on and on[field] is not False]
+
+
+class QualityFilter:
+    """The config's rules, built once; `reason(text)` is the first rule the text fails, or ''."""
+
+    def __init__(self, cfg: CleanConfig):
+        self.rules = build_rules(cfg)
+
+    def reason(self, text: str) -> str:
+        doc = _Doc(text)
+        for rule in self.rules:
+            if rule.fails(doc):
+                rule.count += 1
+                return rule.name
+        return ""
+
+    def counts(self) -> dict[str, int]:
+        """Documents filtered per rule name."""
+        out: Counter = Counter()
+        for rule in self.rules:
+            out[rule.name] += rule.count
+        return {k: v for k, v in out.items() if v}
+
+
 def quality_reason(text: str, cfg: CleanConfig) -> str:
-    """The first rule `text` fails, or '' if it passes them all."""
-    if len(text) < cfg.min_chars:
-        return "too-short"
-    if len(text) > cfg.max_chars:
-        return "too-long"
-    needs_words = any(v is not None for v in (
-        cfg.min_words, cfg.max_words, cfg.min_mean_word_length, cfg.max_mean_word_length,
-        cfg.min_alpha_word_fraction, cfg.max_symbol_word_ratio, cfg.max_top_2gram_fraction,
-        cfg.max_duplicate_5gram_fraction))
-    if needs_words:
-        words = text.split()
-        n = len(words) or 1
-        if cfg.min_words is not None and len(words) < cfg.min_words:
-            return "gopher-min-words"
-        if cfg.max_words is not None and len(words) > cfg.max_words:
-            return "gopher-max-words"
-        mean = sum(len(w) for w in words) / n
-        if cfg.min_mean_word_length is not None and mean < cfg.min_mean_word_length:
-            return "gopher-mean-word-length"
-        if cfg.max_mean_word_length is not None and mean > cfg.max_mean_word_length:
-            return "gopher-mean-word-length"
-        if cfg.min_alpha_word_fraction is not None and \
-                sum(1 for w in words if any(c.isalpha() for c in w)) / n < cfg.min_alpha_word_fraction:
-            return "gopher-alpha-words"
-        if cfg.max_symbol_word_ratio is not None and \
-                (text.count("#") + text.count("...") + text.count("…")) / n > cfg.max_symbol_word_ratio:
-            return "gopher-symbol-ratio"
-        if cfg.max_top_2gram_fraction is not None or cfg.max_duplicate_5gram_fraction is not None:
-            lowered = _WORD.findall(text.lower())
-            top2, dup5 = _ngram_fractions(lowered)
-            if cfg.max_top_2gram_fraction is not None and top2 > cfg.max_top_2gram_fraction:
-                return "gopher-top-2gram"
-            if cfg.max_duplicate_5gram_fraction is not None and dup5 > cfg.max_duplicate_5gram_fraction:
-                return "gopher-duplicate-5grams"
-    lines = [line for line in text.split("\n") if line.strip()] or [""]
-    if cfg.max_bullet_line_fraction is not None and \
-            sum(1 for line in lines if line.lstrip().startswith(_BULLETS)) / len(lines) > cfg.max_bullet_line_fraction:
-        return "gopher-bullet-lines"
-    if cfg.max_ellipsis_line_fraction is not None and \
-            sum(1 for line in lines if line.rstrip().endswith(("...", "…"))) / len(lines) > cfg.max_ellipsis_line_fraction:
-        return "gopher-ellipsis-lines"
-    if cfg.max_duplicate_line_fraction is not None and \
-            (len(lines) - len(set(lines))) / len(lines) > cfg.max_duplicate_line_fraction:
-        return "gopher-duplicate-lines"
-    if cfg.min_terminal_punct_line_fraction is not None and \
-            sum(1 for line in lines if line.rstrip().endswith((".", "!", "?", '"', "'"))) / len(lines) \
-            < cfg.min_terminal_punct_line_fraction:
-        return "c4-terminal-punctuation"
-    if cfg.c4_bad_phrases:
-        lowered = text.lower()
-        if any(p in lowered for p in _C4_BAD) or "{" in text:
-            return "c4-bad-phrase"
-    return ""
+    """The first rule `text` fails, or '' if it passes them all (one document; a worker keeps a
+    `QualityFilter`)."""
+    return QualityFilter(cfg).reason(text)

@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipelines.clean import CleanConfig, normalize, quality_reason
+from pipelines.clean import CleanConfig, QualityFilter, normalize
 from pipelines.dedup import DedupConfig, MinHasher, exact_key, hash64, shard_of
 from pipelines.sources import ReadConfig, read_file
 from strata.dataset import arrow_schema, token_dtype
@@ -80,12 +80,13 @@ def docs_schema(bands: int) -> pa.Schema:
 def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, counts: Counter,
                   samples: dict) -> Iterator[tuple[str, str]]:
     """(doc_id, text) of the unit's kept documents; every other record is counted by reason."""
+    quality = QualityFilter(ccfg)
     for f in unit:
         for rec in read_file(f, rcfg):
             status, reason = rec["status"], rec["reason"]
             if status == "ok":
                 text = normalize(rec["text"], ccfg)
-                reason = quality_reason(text, ccfg)
+                reason = quality.reason(text)
                 status = "filtered" if reason else "kept"
             if status == "kept":
                 counts["kept"] += 1

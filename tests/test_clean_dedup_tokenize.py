@@ -60,6 +60,20 @@ def test_each_rule_has_its_own_reason(rule, text, reason):
     assert quality_reason(normalize(_prose(), cfg), cfg) == ""
 
 
+def test_rules_are_a_list_built_once_each_with_its_counter():
+    from pipelines.clean import QualityFilter
+
+    web = QualityFilter(CleanConfig(**WEB))
+    names = [r.name for r in web.rules]
+    assert names[:4] == ["too-short", "too-long", "gopher-min-words", "gopher-max-words"]
+    assert "c4-bad-phrase" in names and "c4-terminal-punctuation" not in names  # off in the web preset
+    assert [r.name for r in QualityFilter(CleanConfig()).rules] == ["too-short", "too-long"]
+    texts = ["tiny", _prose(), "lorem ipsum " + _prose(), "tiny too"]
+    assert [web.reason(normalize(t, CleanConfig(**WEB))) for t in texts] == [
+        "too-short", "", "c4-bad-phrase", "too-short"]
+    assert web.counts() == {"too-short": 2, "c4-bad-phrase": 1}
+
+
 def test_rules_are_off_by_default():
     assert quality_reason("a b c d e " * 30, CleanConfig()) == ""
     assert quality_reason("x" * 20, CleanConfig(min_chars=1, max_chars=10)) == "too-long"
