@@ -225,18 +225,18 @@ def open_stream(path: str, start: int = 0) -> io.BufferedReader:
     return stream
 
 
-def read_capped_line(stream, cap: int) -> tuple[bytes | None, int]:
+def read_capped_line(stream, cap: int, limit: float = float("inf")) -> tuple[bytes | None, int]:
     """The next line (without its newline) and the bytes consumed; None if longer than `cap`.
 
-    An over-long line is skipped chunk by chunk, never held whole. Returns
-    (b"", 0) at the end of the stream.
+    An over-long line is skipped chunk by chunk, never held whole, and only until `limit` bytes
+    are consumed (a range reader stops at its range's end). Returns (b"", 0) at the end of the stream.
     """
     line = stream.readline(cap + 1)
     n = len(line)
     if not line:
         return b"", 0
     if len(line) > cap and not line.endswith(b"\n"):
-        while line and not line.endswith(b"\n"):
+        while line and not line.endswith(b"\n") and n < limit:
             line = stream.readline(1 << 20)
             n += len(line)
         return None, n
@@ -330,14 +330,18 @@ def _owned_lines(stream, f: dict, cap: int) -> Iterator[tuple[int, bytes | None]
             n += len(piece)
             if not piece or piece.endswith(b"\n"):
                 break
+            if f["start"] - 1 + n >= end:  # no line starts in this range: a long line is read by its owner only
+                return
         pos = f["start"] - 1 + n
     compressed = bool(describe(f["path"])[1])
     while compressed or pos < end:
-        line, n = read_capped_line(stream, cap)
+        line, n = read_capped_line(stream, cap, float("inf") if compressed else end - pos)
         if n == 0:
             return
         yield pos, line
         pos += n
+        if line is None and not compressed and pos >= end:
+            return  # an over-long line runs past this range: the range holding its end skips the rest
 
 
 def _json(stream, f: dict, cfg: ReadConfig, kind: str) -> Iterator[dict]:

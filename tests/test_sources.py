@@ -172,6 +172,23 @@ def test_a_huge_line_is_skipped_without_holding_it(tmp_path):
     assert big["reason"] == "record-too-large"
 
 
+def test_a_long_line_is_read_once_not_by_every_range_it_covers(tmp_path, monkeypatch):
+    """A 24 MB line cut into 2 MiB ranges: each range stops at its own end, the one where the line
+    begins too, so the file is read about once (it used to be read 7 times: every range the line
+    covered scanned to its end)."""
+    from pipelines import sources
+
+    with open(tmp_path / "a.jsonl", "wb") as f:
+        f.write(b'{"text": "before"}\n{"text": "' + b"y" * (24 << 20) + b'"}\n{"text": "after"}\n')
+    size = os.path.getsize(tmp_path / "a.jsonl")
+    read = []
+    original = sources._Raw.readinto
+    monkeypatch.setattr(sources._Raw, "readinto", lambda self, b: read.append(original(self, b)) or read[-1])
+    rows = records(tmp_path / "a.jsonl", split_bytes=2 << 20, max_record_bytes=1 << 20)
+    assert statuses(rows) == [("ok", ""), ("rejected", "record-too-large"), ("ok", "")]
+    assert sum(read) < 1.3 * size, sum(read) / size  # each range's own bytes, and a buffer's read-ahead
+
+
 @pytest.mark.parametrize("split_bytes", [1 << 16, 100_000, 1 << 20])
 def test_ranges_read_every_jsonl_record_exactly_once(tmp_path, split_bytes):
     data = _jsonl(3000, seed=split_bytes)
