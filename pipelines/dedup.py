@@ -52,10 +52,15 @@ class DedupConfig:
     """Dedup index actors (0: one per two cpu-tier CPUs)."""
     against_previous: bool = True
     """Also drop documents that duplicate anything in earlier versions of the dataset."""
+    max_duplicate_fraction: float = 0.9
+    """Refuse to commit when dedup removes more than this share of one input source's documents (a
+    source is an input as given: a directory, glob, file or URI); 1 turns the guard off."""
 
     def __post_init__(self):
         if not 0.0 < self.threshold < 1.0 or self.num_perm < 2 or self.shingle_words < 1:
             raise ValueError("need 0 < threshold < 1, num_perm >= 2, shingle_words >= 1")
+        if not 0.0 < self.max_duplicate_fraction <= 1.0:
+            raise ValueError("need 0 < max_duplicate_fraction <= 1")
         if not 0.0 < self.false_negative_weight < 1.0:
             raise ValueError("need 0 < false_negative_weight < 1")
         if self.rows and not self.bands:

@@ -114,6 +114,7 @@ def read_clean_sign(batch: dict, *, read: dict, clean: dict, dedup: dict, work_d
     n_bands = hasher.bands if hasher else 1  # arrow has no zero-width lists: a 0 placeholder
     schema = docs_schema(n_bands)
     kept, chars, pending = 0, 0, defaultdict(list)
+    kept_by_path: Counter = Counter()  # what dedup may remove, per input file (audited per source)
 
     def flush(writer):
         bands = np.array(pending["bands"], dtype=np.uint64).reshape(-1)
@@ -131,6 +132,7 @@ def read_clean_sign(batch: dict, *, read: dict, clean: dict, dedup: dict, work_d
             pending["exact"].append(exact_key(text) if dcfg.exact_dedup else 0)
             pending["bands"].append(hasher.band_keys(hasher.signature(text)) if hasher else [0])
             pending["text"].append(text)
+            kept_by_path[doc_path(doc_id)] += 1
             chars += len(text)
             if len(pending["doc"]) >= 1024 or chars >= 8 << 20:
                 kept += flush(writer)
@@ -138,7 +140,13 @@ def read_clean_sign(batch: dict, *, read: dict, clean: dict, dedup: dict, work_d
         if pending["doc"]:
             kept += flush(writer)
     return {"counts": [json.dumps(counts)], "samples": [json.dumps(samples)], "docs_file": [name],
-            "docs": [kept], "node": [_node()], "peak_rss_mb": [_peak_rss_mb()]}
+            "docs": [kept], "kept_by_path": [json.dumps(kept_by_path)], "node": [_node()],
+            "peak_rss_mb": [_peak_rss_mb()]}
+
+
+def doc_path(doc_id: str) -> str:
+    """The input file of a record id (`PATH:OFFSET`)."""
+    return doc_id.rsplit(":", 1)[0]
 
 
 # ---------------------------------------------------------------- pass 2
@@ -205,13 +213,14 @@ class DedupTokenizePack:
         name = str(batch["docs_file"][0]) if "docs_file" in batch else f"docs-{digest(json.loads(batch['unit'][0]))}"
         out_name = name.replace("docs-", "packed-").removesuffix(".parquet") + ".parquet"
         fs, out_path = filesystem(join(self.work_dir, "packed", out_name))
-        stats, counts = Counter(), Counter()
+        stats, counts, removed_by_path = Counter(), Counter(), Counter()
         samples: dict[str, list] = defaultdict(list)
         carry = {s: np.zeros(0, dtype=np.uint32) for s in SPLIT_IDS}
         row_index = Counter()
         eot = np.array([self.tok.eot_id], dtype=np.uint32)
         tables = []
         for ids, texts, exact, near in self._chunks(batch, counts, samples):
+            removed_by_path.update(doc_path(ids[i]) for i in np.flatnonzero(exact | near))
             for kind, mask in (("exact", exact), ("near", near)):
                 stats[f"duplicate:{kind}"] += int(mask.sum())
                 for i in np.flatnonzero(mask)[: SAMPLES_PER_REASON - len(samples[f"duplicate:{kind}"])]:
@@ -240,7 +249,7 @@ class DedupTokenizePack:
         table = table.sort_by([("split", "ascending"), ("key", "ascending")])
         pq.write_table(table, out_path, filesystem=fs, row_group_size=ROW_GROUP_ROWS)
         return {"stats": [json.dumps(stats)], "counts": [json.dumps(counts)], "samples": [json.dumps(samples)],
-                "packed_file": [out_name], "node": [_node()], "peak_rss_mb": [_peak_rss_mb()],
+                "removed_by_path": [json.dumps(removed_by_path)], "packed_file": [out_name], "node": [_node()], "peak_rss_mb": [_peak_rss_mb()],
                 "busy_s": [time.perf_counter() - started]}
 
 

@@ -214,13 +214,14 @@ def _run_leased(cfg: PreprocessConfig, storage: Storage, run_id: str, lease: Lea
     write_json_atomic(join(staging, "run.json"), record)
     try:
         with UsageMonitor() as usage:
-            stats = _run_passes(cfg, ray, units, work, staging, cpus, _prior_state(earlier, cfg), parent)
+            passes = _run_passes(cfg, ray, units, work, staging, cpus, _prior_state(earlier, cfg), parent)
         delete_dir(work)
-        if not stats["shards"]:
+        _check_dedup_share(passes.dedup_by_source, cfg.dedup.max_duplicate_fraction)
+        if not passes.shards:
             delete_dir(staging)
             _log("no document survived: no version created")
-            return _empty_summary(cfg, started, "no rows", stats)
-        version = _commit(cfg, storage, staging, files, record, stats, started, cpus, total_bytes, run_id, lease)
+            return _empty_summary(cfg, started, "no rows", passes)
+        version = _commit(cfg, storage, staging, files, record, passes, started, cpus, total_bytes, run_id, lease)
     except BaseException:
         delete_dir(staging)  # a failed run leaves nothing behind (a killed one: the next writer cleans up)
         raise
@@ -228,13 +229,33 @@ def _run_leased(cfg: PreprocessConfig, storage: Storage, run_id: str, lease: Lea
                                                           "tokens_per_s_per_cpu", "peak_worker_rss_mb")}
     figures["tokens_per_s"] = version.manifest.tokens / max(usage.ended - usage.started, 1e-9)
     figures["version"] = version.manifest.version
-    rec = write_record(storage, record, name=cfg.dataset, usage=usage, work_nodes=stats["nodes"], figures=figures,
+    rec = write_record(storage, record, name=cfg.dataset, usage=usage, work_nodes=passes.nodes, figures=figures,
                        beside=join(storage.dataset(cfg.dataset), f"{version.manifest.version}.record.json"))
     return {**_summary(version), "cost": rec["cost"], "node_hours": rec["node_hours"],
             "cpu_busy": rec["utilization"]["cpu_busy"]}
 
 
-def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> dict:
+@dataclass
+class PassResults:
+    """What the three passes hand the commit: the accounting (computed once), the shards and the rest."""
+
+    docs: DocumentCounts
+    packed: Counter
+    """Pass 2's and the tails' figures: tokens:SPLIT, rows:SPLIT, unpacked_tokens:SPLIT, duplicate:KIND."""
+    samples: dict
+    shards: list[dict]
+    tokenizer: object
+    definition: str | None
+    dedup_files: dict
+    index: list
+    nodes: list[str]
+    peak_rss_mb: float
+    pass2_utilization: float
+    dedup_by_source: dict[str, dict]
+    """Per input source: documents dedup looked at, how many it removed, and the share."""
+
+
+def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> PassResults:
     from pipelines.dedup import DedupIndex
     from pipelines.pack import DedupTokenizePack, read_clean_sign, write_shard
 
@@ -315,11 +336,20 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> dict:
             write_shard, batch_size=1, label_selector=on_cpu,
             fn_kwargs={"staging": staging, "packed_files": packed_files}).take_all()
     rows_all = p1 + p2 + shards
-    return {"counts": counts, "packed": packed, "samples": samples, "index": sizes, "tokenizer": tok,
-            "definition": definition, "shards": shards, "dedup_files": dedup_files,
-            "nodes": sorted({r["node"] for r in rows_all}),
-            "peak_rss_mb": round(max((r.get("peak_rss_mb", 0) for r in rows_all), default=0), 1),
-            "pass2_utilization": round(sum(r["busy_s"] for r in p2) / max(pass2_wall * min(cpus, len(p2) or 1), 1e-9), 3)}
+    source_of = {f["path"]: f.get("source", f["path"]) for unit in units for f in unit}
+    looked, removed = Counter(), Counter()
+    for rows, column, into in ((p1, "kept_by_path", looked), (p2, "removed_by_path", removed)):
+        for row in rows:
+            for path, n in json.loads(row[column]).items():
+                into[source_of.get(path, path)] += n
+    by_source = {s: {"documents": n, "removed": removed[s], "share": round(removed[s] / n, 6)}
+                 for s, n in sorted(looked.items())}
+    return PassResults(
+        docs=_accounting(counts, packed), packed=packed, samples=samples, shards=shards, tokenizer=tok,
+        definition=definition, dedup_files=dedup_files, index=sizes, nodes=sorted({r["node"] for r in rows_all}),
+        peak_rss_mb=round(max((r.get("peak_rss_mb", 0) for r in rows_all), default=0), 1),
+        pass2_utilization=round(sum(r["busy_s"] for r in p2) / max(pass2_wall * min(cpus, len(p2) or 1), 1e-9), 3),
+        dedup_by_source=by_source)
 
 
 def _pack_tails(cfg, ray, work, names, definition, on_cpu) -> dict:
@@ -381,8 +411,22 @@ def _train_tokenizer(paths: list[str], vocab: int, sample_bytes: int) -> str:
     return train_bpe(texts(), vocab).definition
 
 
-def _accounting(stats: dict) -> DocumentCounts:
-    counts, packed = stats["counts"], stats["packed"]
+def _check_dedup_share(by_source: dict[str, dict], limit: float) -> None:
+    """Refuse a run whose dedup removes more than `limit` of one source's documents: one colliding band
+    or a bad key can wipe out a source, and nothing downstream would notice."""
+    over = {s: v for s, v in by_source.items() if v["share"] > limit}
+    if over:
+        worst = max(over, key=lambda s: over[s]["share"])
+        v = over[worst]
+        raise DatasetError(
+            f"dedup would remove {v['removed']:,} of {v['documents']:,} documents ({v['share']:.1%}) of source "
+            f"{worst!r}{f' and {len(over) - 1} more' if len(over) > 1 else ''}, more than --max-duplicate-fraction "
+            f"{limit}: nothing was committed. If the source is mostly copies, rerun with a higher "
+            "--max-duplicate-fraction (1 turns the guard off)")
+
+
+def _accounting(counts: Counter, packed: Counter) -> DocumentCounts:
+    """Every document read, by status and reason, from pass 1's counts and pass 2's figures."""
     unpacked = packed.get("unpacked_documents", 0)
     docs = DocumentCounts(
         read=sum(counts.values()), kept=packed.get("kept", 0) - unpacked, unpacked=unpacked,
@@ -397,10 +441,10 @@ def _accounting(stats: dict) -> DocumentCounts:
     return docs
 
 
-def _table(stats: dict | None, started: float, cpus: float, total_bytes: int) -> dict:
+def _table(passes: PassResults | None, started: float, cpus: float, total_bytes: int) -> dict:
     """The summary table, stored in the manifest and printed."""
-    stats = stats or {"counts": Counter(), "packed": Counter(), "shards": [], "peak_rss_mb": 0}
-    docs, packed = _accounting(stats), stats["packed"]
+    docs = passes.docs if passes else DocumentCounts()
+    packed = passes.packed if passes else Counter()
     seconds = time.time() - started
     tokens = packed.get("tokens:train", 0) + packed.get("tokens:validation", 0)
     return {
@@ -411,30 +455,31 @@ def _table(stats: dict | None, started: float, cpus: float, total_bytes: int) ->
         "bytes": total_bytes, "tokens": tokens,
         # Tokens of kept documents in no row: what is left of each split after every tail is packed.
         "tokens_unpacked": {s: packed.get(f"unpacked_tokens:{s}", 0) for s in ("train", "validation")},
-        "rows": {s: packed.get(f"rows:{s}", 0) for s in ("train", "validation")}, "shards": len(stats["shards"]),
+        "rows": {s: packed.get(f"rows:{s}", 0) for s in ("train", "validation")}, "shards": len(passes.shards) if passes else 0,
         "seconds": round(seconds, 2), "cpus": cpus,
         "mb_per_s_per_cpu": round(total_bytes / 1e6 / seconds / max(cpus, 1), 3),
         "tokens_per_s_per_cpu": round(tokens / seconds / max(cpus, 1)),
-        "peak_worker_rss_mb": stats["peak_rss_mb"],
-        "pack_worker_utilization": stats.get("pass2_utilization", 0.0),
+        "peak_worker_rss_mb": passes.peak_rss_mb if passes else 0,
+        "pack_worker_utilization": passes.pass2_utilization if passes else 0.0,
+        "dedup_by_source": passes.dedup_by_source if passes else {},
     }
 
 
-def _commit(cfg, storage, staging, files, record, stats, started, cpus, total_bytes, run_id, lease):
-    docs = _accounting(stats)
+def _commit(cfg, storage, staging, files, record, passes: PassResults, started, cpus, total_bytes, run_id, lease):
+    docs = passes.docs
     shards = sorted((Shard(path=s["path"], split=s["split"], rows=s["rows"], tokens=s["tokens"])
-                     for s in stats["shards"]), key=lambda s: s.path)
-    tok = stats["tokenizer"]
-    if stats["definition"]:
-        write_bytes_atomic(join(staging, TOKENIZER_FILE), stats["definition"].encode())
-    table = _table(stats, started, cpus, total_bytes)
-    write_json_atomic(join(staging, "rejects.json"), {"counts": docs.reasons, "samples": stats["samples"]})
-    record.update(finished_at=time.time(), work_nodes=stats["nodes"])
+                     for s in passes.shards), key=lambda s: s.path)
+    tok = passes.tokenizer
+    if passes.definition:
+        write_bytes_atomic(join(staging, TOKENIZER_FILE), passes.definition.encode())
+    table = _table(passes, started, cpus, total_bytes)
+    write_json_atomic(join(staging, "rejects.json"), {"counts": docs.reasons, "samples": passes.samples})
+    record.update(finished_at=time.time(), work_nodes=passes.nodes)
     return commit(storage, cfg.dataset, staging, dict(
         tokenizer=tok.info(), seq_len=cfg.pack.seq_len, dtype=token_dtype(tok.vocab_size), shards=shards,
         documents=docs, tokens=table["tokens"], inputs=files, run=record, stats=table, rejects="rejects.json",
         run_id=run_id,
-        dedup={"params": cfg.dedup.params(), "files": stats["dedup_files"], "index_entries": stats["index"]}),
+        dedup={"params": cfg.dedup.params(), "files": passes.dedup_files, "index_entries": passes.index}),
         lease=lease)
 
 
@@ -446,10 +491,10 @@ def _summary(version) -> dict:
             "snapshot": m.totals, "run_id": m.run_id, "already_existed": False}
 
 
-def _empty_summary(cfg, started: float, why: str, stats: dict | None = None) -> dict:
+def _empty_summary(cfg, started: float, why: str, passes: PassResults | None = None) -> dict:
     """No version: nothing new, or nothing survived. The counts still say what was read."""
-    table = _table(stats, started, 0, 0)
-    docs = _accounting(stats) if stats else DocumentCounts()
+    table = _table(passes, started, 0, 0)
+    docs = passes.docs if passes else DocumentCounts()
     return {"dataset": cfg.dataset, "version": None, "path": None, "documents": table["documents"],
             "reasons": docs.reasons, "tokens": 0, "sequences": 0, "shards": 0, "stats": table,
             "run_id": "", "already_existed": False, "note": why}
@@ -473,6 +518,19 @@ def format_table(stats: dict) -> str:
               f"{'MB/s per CPU':<28}{stats['mb_per_s_per_cpu']:>14,.3f}",
               f"{'tokens/s per CPU':<28}{stats['tokens_per_s_per_cpu']:>14,}"]
     return "\n".join(lines)
+
+
+def _unreadable_input(e: BaseException):
+    """The `InputUnreadable` a worker raised, from the Ray errors around it (or None)."""
+    from pipelines.sources import InputUnreadable
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, InputUnreadable):
+            return e
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+    return None
 
 
 def _log(msg: str) -> None:
@@ -503,6 +561,10 @@ def main(argv: list[str] | None = None) -> dict:
         sys.exit(EXIT_BUSY)
     except (FileNotFoundError, DatasetError, ValueError) as e:
         sys.exit(f"error: {e}")
+    except Exception as e:
+        if (cause := _unreadable_input(e)) is None:
+            raise
+        sys.exit(f"error: {cause}")
     if summary["already_existed"]:
         _log(f"run {args.run_id!r} already exists as {summary['dataset']}@{summary['version']}")
     elif summary["version"] is None:

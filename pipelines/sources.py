@@ -86,13 +86,14 @@ def list_inputs(inputs: list[str]) -> list[dict]:
             if not matches:
                 raise FileNotFoundError(f"input glob {spec!r} matches no file")
             for m in matches:
-                _add(found, os.path.abspath(m))
+                _add(found, os.path.abspath(m), spec)
         else:
-            _add(found, spec if "://" in spec else os.path.abspath(os.path.expanduser(spec)))
+            _add(found, spec if "://" in spec else os.path.abspath(os.path.expanduser(spec)), spec)
     return [found[p] for p in sorted(found)]
 
 
-def _add(found: dict[str, dict], path: str) -> None:
+def _add(found: dict[str, dict], path: str, source: str) -> None:
+    """`path`'s files, each with its `source`: the input it was found under (dedup is audited per source)."""
     fs, p = filesystem(path)
     info = fs.get_file_info(p)
     if info.type == pafs.FileType.NotFound:
@@ -104,7 +105,7 @@ def _add(found: dict[str, dict], path: str) -> None:
     for i in infos:
         if i.type == pafs.FileType.File and not i.base_name.startswith("."):
             full = prefix + i.path
-            found[full] = {"path": full, "size": i.size, "mtime_ns": i.mtime_ns}
+            found.setdefault(full, {"path": full, "size": i.size, "mtime_ns": i.mtime_ns, "source": source})
 
 
 def plan_units(files: list[dict], cfg: ReadConfig, parallelism: int = 1) -> list[list[dict]]:
@@ -306,8 +307,26 @@ def read_file(f: dict, cfg: ReadConfig) -> Iterator[dict]:
                 yield from _whole(stream, f, cfg)
     except EOFError as e:
         yield _row(f"{path}:damage", "", "rejected", "truncated-compressed", str(e))
-    except (OSError, zlib.error) as e:  # corrupt gzip/zstd data, unreadable file
+    except (gzip.BadGzipFile, zlib.error) as e:  # corrupt gzip/zstd data: the file's own damage
         yield _row(f"{path}:damage", "", "rejected", "corrupt-file", str(e))
+    except FileNotFoundError as e:
+        raise InputUnreadable(
+            f"input file {path} is not there on node {_node_name()} (it was when the run listed its inputs): "
+            "a local path must be on every cpu-tier node (a shared filesystem), or give a URI") from e
+    except OSError as e:  # a reset, a timeout, throttling: not the file's fault, so never recorded as read
+        raise InputUnreadable(f"reading {path} failed: {e}. Nothing of this run is committed and the file "
+                              "is not recorded as consumed: rerun to retry it") from e
+
+
+class InputUnreadable(OSError):
+    """An input file could not be read for a reason that is not its content (missing on this node, an
+    I/O error after the filesystem's own retries): the work unit fails, and with it the run."""
+
+
+def _node_name() -> str:
+    import socket
+
+    return socket.gethostname()
 
 
 def _whole(stream, f: dict, cfg: ReadConfig) -> Iterator[dict]:
@@ -412,7 +431,7 @@ def _parquet(f: dict, cfg: ReadConfig) -> Iterator[dict]:
     fs, p = filesystem(f["path"])
     try:
         pf = pq.ParquetFile(fs.open_input_file(p))
-    except (OSError, pa.ArrowInvalid) as e:
+    except pa.ArrowInvalid as e:  # the file's own damage (I/O errors fail the unit, see read_file)
         yield _row(f"{f['path']}:damage", "", "rejected", "corrupt-file", str(e))
         return
     if cfg.text_field not in pf.schema_arrow.names:
@@ -428,7 +447,7 @@ def _parquet(f: dict, cfg: ReadConfig) -> Iterator[dict]:
             for value in column.to_pylist():
                 yield _parquet_value(f"{f['path']}:{row}", value, textual, cfg.max_record_bytes)
                 row += 1
-    except (OSError, pa.ArrowInvalid) as e:
+    except pa.ArrowInvalid as e:  # the file's own damage (I/O errors fail the unit, see read_file)
         yield _row(f"{f['path']}:damage", "", "rejected", "corrupt-file", str(e))
 
 

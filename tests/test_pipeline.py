@@ -89,7 +89,8 @@ def test_rerun_processes_only_new_files_and_dedups_against_earlier_versions(loca
     assert out["version"] not in before and list_versions(storage, "corpus") == before + [out["version"]]
     m = resolve(storage, f"corpus@{out['version']}").manifest
     assert sorted(os.path.basename(f["path"]) for f in m.inputs) == ["new.txt", "old-again.txt"]
-    full = run(debug("corpus", read={"inputs": (str(tmp_path),), "incremental": False}), storage)
+    full = run(debug("corpus", read={"inputs": (str(tmp_path),), "incremental": False},
+                     dedup={"max_duplicate_fraction": 1.0}), storage)  # a source all duplicates: allowed here
     assert full["version"] is None and full["documents"]["duplicate"] == 2  # reread, all seen before
 
 
@@ -256,3 +257,33 @@ def test_tails_pack_together_and_the_leftover_is_counted(tmp_path):
                                                    np.arange(n, dtype=np.uint64)))}
     rows = sorted(zip(table["key"].to_pylist(), table["tokens"].to_pylist(), strict=True), key=lambda r: order[r[0]])
     assert np.concatenate([r[1] for r in rows]).tolist() == stream[: n * row_len]
+
+
+def test_dedup_is_audited_per_source_and_a_source_wiped_out_is_refused(local_ray, tmp_path):
+    """Per input source, the documents dedup looked at and removed are in the manifest; a run that would
+    remove more than --max-duplicate-fraction of one source commits nothing and names the source."""
+    import random
+
+    from strata.dataset import DatasetError
+
+    rng, words = random.Random(4), [f"w{i}" for i in range(500)]
+    texts = [" ".join(rng.choice(words) for _ in range(60)) for _ in range(40)]
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    # b: the same documents (one with a word changed) and two of its own
+    copies = texts[:-1] + [texts[-1].replace(texts[-1].split()[3], "changed", 1)] + [
+        " ".join(rng.choice(words) for _ in range(60)) for _ in range(2)]
+    for i, part in enumerate((copies[:20], copies[20:])):  # a source of two files
+        (b / f"part-{i}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
+    storage = Storage.from_env()
+    first = run(debug("audit", read={"inputs": (str(a),)}), storage)
+    assert first["stats"]["dedup_by_source"] == {str(a): {"documents": 40, "removed": 0, "share": 0.0}}
+    with pytest.raises(DatasetError, match=f"remove 40 of 42 documents \\(95.2%\\) of source '{b}'"):
+        run(debug("audit", read={"inputs": (str(a), str(b))}), storage)
+    assert list_versions(storage, "audit") == [first["version"]]  # nothing committed
+    second = run(debug("audit", read={"inputs": (str(a), str(b))}, dedup={"max_duplicate_fraction": 0.96}),
+                 storage)
+    assert second["stats"]["dedup_by_source"] == {str(b): {"documents": 42, "removed": 40, "share": 0.952381}}
+    assert second["documents"]["duplicate"] == 40

@@ -106,6 +106,50 @@ def test_truncated_compressed_file_keeps_what_came_before_the_damage(tmp_path, c
     assert [r["reason"] for r in damaged][-1] == "truncated-compressed"
 
 
+def test_an_io_error_half_way_fails_the_file_instead_of_counting_it_read(tmp_path, monkeypatch):
+    """A connection reset 40 KB into a file is not the file's damage: the read raises (the unit fails,
+    nothing is committed, the file is not consumed) instead of ending the file as one corrupt-file.
+    A local input missing on a worker's node says so."""
+    import pyarrow.fs as pafs
+
+    from pipelines import sources
+
+    (tmp_path / "a.jsonl").write_bytes(_jsonl(2000))
+    [f] = list_inputs([str(tmp_path / "a.jsonl")])
+
+    class Resetting:
+        def __init__(self, inner):
+            self.inner, self.served = inner, 0
+
+        def read(self, n=-1):
+            if self.served > 40_000:
+                raise ConnectionResetError("connection reset by peer")
+            data = self.inner.read(min(n, 8192) if n and n > 0 else 8192)
+            self.served += len(data)
+            return data
+
+        def seek(self, pos):
+            self.inner.seek(pos)
+
+        def close(self):
+            self.inner.close()
+
+    class FlakyFS:
+        def open_input_file(self, path):
+            return Resetting(pafs.LocalFileSystem().open_input_file(path))
+
+    monkeypatch.setattr(sources, "filesystem", lambda path: (FlakyFS(), path))
+    got = []
+    with pytest.raises(sources.InputUnreadable, match="connection reset.*not recorded as consumed"):
+        for row in read_file({**f, "start": 0, "end": f["size"]}, ReadConfig(inputs=(str(tmp_path),))):
+            got.append(row)
+    assert got and all(r["status"] == "ok" for r in got)  # no corrupt-file reject stands for the rest
+    monkeypatch.undo()
+    (tmp_path / "a.jsonl").unlink()
+    with pytest.raises(sources.InputUnreadable, match="is not there on node .*shared filesystem"):
+        list(read_file({**f, "start": 0, "end": f["size"]}, ReadConfig(inputs=(str(tmp_path),))))
+
+
 def _zstd(data: bytes) -> bytes:
     return zstandard.ZstdCompressor().compress(data)
 

@@ -161,20 +161,20 @@ def test_a_continued_run_keeps_its_dataset_and_data_order_and_one_writer(local_r
     out = run(model, _cfg(6, batch_size=0), dataset=ref, run_name="keep", storage=storage, use_gpu=False)
     assert (out["start_step"], out["steps"], out["micro_batch"]) == (4, 2, 8)
     assert [launch["config"]["train"]["batch_size"] for launch in read_launches(out["path"])] == [4, 8, 8]
-    from train.loop import CPU_MICRO_BATCH
-
-    assert run(model, _cfg(2, batch_size=0), dataset=ref, run_name="auto", storage=storage,
-               use_gpu=False)["micro_batch"] == CPU_MICRO_BATCH  # a new run's is sized for its device
 
     # While a run trains, a second `train --run` with its name is refused, naming the live one.
-    long = threading.Thread(target=run, args=(model, _cfg(40, checkpoint_every=0, log_every=20)), daemon=True,
-                            kwargs=dict(dataset=ref, run_name="busy", storage=storage, use_gpu=False))
+    long = threading.Thread(target=run, args=(model, _cfg(40, checkpoint_every=0, log_every=20, batch_size=0)),
+                            daemon=True, kwargs=dict(dataset=ref, run_name="busy", storage=storage, use_gpu=False))
     long.start()
     wait_for(lambda: holder(storage.run("busy")) is not None, "the first run's lease")
     with pytest.raises(LeaseBusy, match=f"training run busy is in use by .*pid {os.getpid()}"):
         run(model, _cfg(400), dataset=ref, run_name="busy", storage=storage, use_gpu=False)
     long.join(timeout=600)
     assert holder(storage.run("busy")) is None
+    from train.loop import CPU_MICRO_BATCH
+
+    start = next(r for r in read_jsonl(os.path.join(storage.run("busy"), "metrics.jsonl")) if r.get("event") == "start")
+    assert start["micro_batch"] == CPU_MICRO_BATCH  # no batch size given: a new run's is sized for its device
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """The real command against plain PyTorch, on the wall clock: `python -m train` end to end (CLI,
 embedded Ray, Ray Train, checkpoint at the end) vs a plain loop doing the same steps on the same data.
 
-    python -m bench.train.e2e [--steps 700] [--short-steps 100] [--batch-size 16] [--threads 1] [--workdir DIR]
+    python -m bench.train.e2e [--steps 700] [--short-steps 100] [--log-every 10 1] [--batch-size 16] [--workdir DIR]
 
 Every run is a whole process timed from outside, on the same cores: plain
 PyTorch, `python -m train --log-every 10` and `--log-every 1`, in turn, at
@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = common.parser(__doc__)
     parser.add_argument("--steps", type=int, default=700, help="training steps of the long runs")
     parser.add_argument("--short-steps", type=int, default=100, help="training steps of the short runs")
+    parser.add_argument("--log-every", type=int, nargs="+", default=[10, 1], help="the train runs' --log-every "
+                        "values (default: 10 1)")
     parser.add_argument("--plain", nargs=2, metavar=("ROOT", "REF"), help=argparse.SUPPRESS)  # the plain side
     args = parser.parse_args(argv)
     if args.plain:
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
                 "--run", f"bench-e2e-{log_every}-{steps}-{time.strftime('%Y%m%d-%H%M%S')}"]
 
     lengths = (args.short_steps, args.steps)
-    sides = {"plain": "plain PyTorch", "log10": "train --log-every 10", "log1": "train --log-every 1"}
+    sides = {"plain": "plain PyTorch", **{f"log{n}": f"train --log-every {n}" for n in args.log_every}}
     print(f"debug model, batch {args.batch_size}, {args.threads} torch thread(s), dataset {ref}; whole processes "
           f"at {lengths[0]} and {lengths[1]} steps, in turn", flush=True)
     seconds: dict[str, list[float]] = {side: [] for side in sides}
@@ -96,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{label:22} {seconds[side][0]:7.1f} s / {seconds[side][1]:7.1f} s: {1e3 * per_step:6.1f} ms a step, "
               f"{fixed:5.1f} s fixed", flush=True)
     plain_fixed, plain_step = fits["plain"]
-    for side in ("log10", "log1"):
+    trains = [side for side in sides if side != "plain"]
+    for side in trains:
         fixed, per_step = fits[side]
         hour = (f"{HOUR / (HOUR * per_step / plain_step + fixed - plain_fixed):.3f}" if per_step > 0 < plain_step
                 else "n/a (runs too short to show a slope)")
@@ -106,8 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         print(json.dumps({"seconds": seconds, "lengths": lengths, "batch_size": args.batch_size,
                           "fits": {side: {"fixed_s": f, "step_s": s} for side, (f, s) in fits.items()}}))
-    print(f"ratio plain/train wall per step, --log-every 10: {plain_step / fits['log10'][1]:.3f}")
-    print(f"ratio plain/train wall per step, --log-every 1: {plain_step / fits['log1'][1]:.3f}")
+    for side in trains:
+        print(f"ratio plain/train wall per step, --log-every {side[3:]}: {plain_step / fits[side][1]:.3f}")
 
 
 if __name__ == "__main__":
