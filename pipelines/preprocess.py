@@ -307,7 +307,8 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> PassResu
             packed.update(json.loads(row["stats"]))
             counts.update(json.loads(row["counts"]))
             _add_samples(samples, row)
-        tails = _pack_tails(cfg, ray, work, [r["packed_file"] for r in p2], definition, on_cpu) if p2 else {}
+        tok = _tokenizer(cfg, definition)
+        tails = _pack_tails(cfg, ray, work, [r["packed_file"] for r in p2], tok, on_cpu) if p2 else {}
         packed.update({k: v for k, v in tails.items() if k != "packed_file"})
         pass2_wall = time.time() - pass2_started
         dedup_files = {t: [] for t in ("exact", "band")}
@@ -322,7 +323,6 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> PassResu
 
     # Pass 3: a global, seeded shuffle of rows into shards of about shard_bytes.
     _log("pass 3/3: shuffle rows into shards")
-    tok = _tokenizer(cfg, definition)
     row_bytes = (cfg.pack.seq_len + 1) * {"uint8": 1, "uint16": 2, "uint32": 4}[token_dtype(tok.vocab_size)]
     per_shard = max(1, cfg.pack.shard_bytes // row_bytes)
     shards_per_split = {sid: max(1, math.ceil(packed.get(f"rows:{split}", 0) / per_shard))
@@ -352,11 +352,10 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> PassResu
         dedup_by_source=by_source)
 
 
-def _pack_tails(cfg, ray, work, names, definition, on_cpu) -> dict:
+def _pack_tails(cfg, ray, work, names, tok, on_cpu) -> dict:
     """Every unit's tails packed together (pipelines/pack.py `pack_tails`), in one task on the cpu tier."""
     from pipelines.pack import pack_tails
 
-    tok = _tokenizer(cfg, definition)
     task = ray.remote(pack_tails).options(label_selector=on_cpu, num_cpus=1)
     return ray.get(task.remote(work, names, seq_len=cfg.pack.seq_len, dtype=token_dtype(tok.vocab_size),
                                seed=cfg.pack.seed, eot_id=tok.eot_id))

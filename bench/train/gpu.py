@@ -91,14 +91,11 @@ def build(name: str, device, batch_size: int, compile_model: bool, strategy: str
 def micro_batches(name: str, device) -> tuple[int, int]:
     """(the loop's default micro-batch for `name` on `device`, a second one: twice it if that is
     estimated to fit in 80% of the device's memory, else half of it)."""
-    import torch
-
     from train.loop import activation_bytes_per_row, device_memory, micro_batch_for
-    from train.model import GPT, preset
+    from train.model import describe, preset
 
     cfg = preset(name)
-    with torch.device("meta"):
-        params = GPT(cfg, init=False).num_params()
+    params = describe(cfg)["params"]
     memory = device_memory(device, 1)
     default = micro_batch_for(cfg, params, "ddp", 1, memory, True, device.type)
     fits = 16 * params + 2 * default * activation_bytes_per_row(cfg, True) < 0.8 * memory
