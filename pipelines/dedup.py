@@ -123,16 +123,23 @@ class MinHasher:
         self.mix = rng.integers(1, 2**63, (self.bands, self.rows), dtype=np.uint64) | np.uint64(1)
         self.pow = rng.integers(1, 2**63, self.k, dtype=np.uint64) | np.uint64(1)
 
-    def signature(self, text: str) -> np.ndarray:
-        """(num_perm,) uint32 MinHash of the text's word shingles (multiply-shift hashing)."""
+    def shingles(self, text: str) -> np.ndarray:
+        """The uint64 hashes of the text's shingles of k consecutive words (a polynomial hash, mod 2^64)."""
         words = np.array([zlib.crc32(w.encode()) for w in _WORD.findall(text.lower())] or [0], dtype=np.uint64)
         n = max(1, len(words) - self.k + 1)
         pad = np.concatenate([words, np.zeros(self.k, dtype=np.uint64)])
         shingles = np.zeros(n, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            for j in range(self.k):
+                shingles += pad[j: j + n] * self.pow[j]
+        return shingles
+
+    def signature(self, text: str) -> np.ndarray:
+        """(num_perm,) uint32 MinHash of the text's word shingles (multiply-shift hashing)."""
+        shingles = self.shingles(text)
+        n = len(shingles)
         sig = np.full(len(self.a), np.iinfo(np.uint64).max, dtype=np.uint64)
         with np.errstate(over="ignore"):
-            for j in range(self.k):  # polynomial hash of k consecutive word hashes, mod 2^64
-                shingles += pad[j: j + n] * self.pow[j]
             for i in range(0, n, 4096):  # (P, chunk) at a time: bounded memory for long documents
                 h = (self.a[:, None] * shingles[None, i: i + 4096] + self.b[:, None]) >> np.uint64(32)
                 np.minimum(sig, h.min(axis=1), out=sig)
@@ -203,11 +210,12 @@ class DedupIndex:
     def sizes(self) -> dict[str, int]:
         return {t: len(v[0]) for t, v in self.tables.items()}
 
-    def losers(self, table: str, keys: np.ndarray, docs: np.ndarray) -> np.ndarray:
-        """Whether each (key, doc) of this run lost its key: to an earlier version, or a smaller doc key."""
+    def winners(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(doc key, from an earlier version) of the winner of each key; a (key, doc) of this run lost
+        its key when the winner is another document or an earlier version's."""
         k, d, p = self.tables[table]
         i = np.searchsorted(k, keys.astype(np.uint64))  # every key asked for was registered
-        return (p[i] != 1) | (d[i] != docs.astype(np.uint64))
+        return d[i], p[i] != 1
 
     def save(self, table: str, path: str) -> int:
         """Write the entries this run added (priority 1 winners) for later runs to load."""
@@ -239,3 +247,58 @@ def shard_of(keys: np.ndarray, n: int) -> np.ndarray:
 
 def suggested_shards(cpus: float) -> int:
     return max(1, math.floor(cpus / 2))
+
+
+def jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    """The Jaccard similarity of two sets of shingle hashes."""
+    a, b = np.unique(a), np.unique(b)
+    union = len(np.union1d(a, b))
+    return len(np.intersect1d(a, b, assume_unique=True)) / union if union else 1.0
+
+
+def size_histogram(sizes) -> dict[str, int]:
+    """Cluster sizes in power-of-two bins: `2`, `3-4`, `5-8`, ..."""
+    bins: dict[str, int] = {}
+    for n in sorted(sizes):
+        hi = 2
+        while hi < n:
+            hi *= 2
+        label = "2" if hi == 2 else f"{hi // 2 + 1}-{hi}"
+        bins[label] = bins.get(label, 0) + 1
+    return bins
+
+
+def audit_pairs(docs_paths: list[str], pairs: list[dict], winners: list[int], cfg: dict) -> dict:
+    """The texts behind sampled duplicate pairs, from pass 1's work files (a cpu-tier task).
+
+    `pairs` are {removed, kept, kind} by doc key; returns them with their doc ids, the Jaccard
+    similarity their MinHash signatures estimate and their true one, and the doc ids of `winners`
+    (the largest clusters' kept documents). Only the row groups holding a wanted key are read.
+    """
+    import pyarrow.parquet as pq
+
+    from strata.storage import filesystem
+
+    wanted = {p["removed"] for p in pairs} | {p["kept"] for p in pairs} | set(winners)
+    texts, ids = {}, {}
+    for path in docs_paths:
+        fs, p = filesystem(path)
+        f = pq.ParquetFile(fs.open_input_file(p))
+        for g in range(f.num_row_groups):
+            docs = f.read_row_group(g, columns=["doc"]).column(0).to_numpy()
+            if not np.isin(docs, np.fromiter(wanted, np.uint64, len(wanted))).any():
+                continue
+            t = f.read_row_group(g, columns=["doc", "doc_id", "text"])
+            for doc, doc_id, text in zip(*(t.column(c).to_pylist() for c in ("doc", "doc_id", "text")), strict=True):
+                if doc in wanted:
+                    texts[doc], ids[doc] = text, doc_id
+    hasher = MinHasher(DedupConfig(**cfg))
+    out = []
+    for pair in pairs:
+        a, b = texts.get(pair["removed"]), texts.get(pair["kept"])
+        if a is None or b is None:
+            continue
+        out.append({"kind": pair["kind"], "removed": ids[pair["removed"]], "kept": ids[pair["kept"]],
+                    "estimated_jaccard": round(float((hasher.signature(a) == hasher.signature(b)).mean()), 4),
+                    "true_jaccard": round(jaccard(hasher.shingles(a), hasher.shingles(b)), 4)})
+    return {"pairs": out, "winner_ids": {str(w): ids.get(w, "") for w in winners}}

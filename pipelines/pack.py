@@ -168,59 +168,77 @@ class DedupTokenizePack:
         self.clean = CleanConfig(**clean) if clean else None
         self.schema = packed_schema(seq_len, token_dtype(self.tok.vocab_size))
 
-    def _duplicates(self, docs: np.ndarray, exact_keys: np.ndarray, bands: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(exact, near) boolean masks: a document is a duplicate if it does not win its keys."""
+    def _duplicates(self, docs: np.ndarray, exact_keys: np.ndarray, bands: np.ndarray) -> dict[str, np.ndarray]:
+        """Per document: `exact` and `near` (it lost a key: a duplicate), the doc key of the `winner` it
+        lost to (its exact key's, else its first lost band's) and whether that is in an `earlier` version."""
+        n = len(docs)
+        out = {"exact": np.zeros(n, bool), "near": np.zeros(n, bool), "winner": np.zeros(n, np.uint64),
+               "earlier": np.zeros(n, bool)}
+        if self.dedup.near_dedup:
+            width = bands.shape[1]
+            winner, earlier = self._winners("band", bands.ravel())
+            lost = (earlier | (winner != np.repeat(docs, width))).reshape(n, width)
+            first = lost.argmax(axis=1)
+            out["near"] = lost.any(axis=1)
+            out["winner"] = winner.reshape(n, width)[np.arange(n), first]
+            out["earlier"] = earlier.reshape(n, width)[np.arange(n), first]
+        if self.dedup.exact_dedup:
+            winner, earlier = self._winners("exact", exact_keys)
+            exact = earlier | (winner != docs)
+            out["exact"], out["near"] = exact, out["near"] & ~exact
+            out["winner"] = np.where(exact, winner, out["winner"])
+            out["earlier"] = np.where(exact, earlier, out["earlier"])
+        return out
+
+    def _winners(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         import ray
 
-        n, shards = len(docs), len(self.index)
-        exact = np.zeros(n, dtype=bool)
-        near = np.zeros(n, dtype=bool)
-        if self.dedup.exact_dedup:
-            exact = self._lose("exact", exact_keys, docs, ray, shards)
-        if self.dedup.near_dedup:
-            lost = self._lose("band", bands.ravel(), np.repeat(docs, bands.shape[1]), ray, shards)
-            near = lost.reshape(n, -1).any(axis=1) & ~exact
-        return exact, near
-
-    def _lose(self, table: str, keys: np.ndarray, docs: np.ndarray, ray, shards: int) -> np.ndarray:
-        owner = shard_of(keys, shards)
-        lost = np.zeros(len(keys), dtype=bool)
-        refs = {s: self.index[s].losers.remote(table, keys[owner == s], docs[owner == s])
-                for s in range(shards) if (owner == s).any()}
+        owner = shard_of(keys, len(self.index))
+        winner, earlier = np.zeros(len(keys), np.uint64), np.zeros(len(keys), bool)
+        refs = {s: self.index[s].winners.remote(table, keys[owner == s])
+                for s in range(len(self.index)) if (owner == s).any()}
         for s, ref in refs.items():
-            lost[owner == s] = ray.get(ref)
-        return lost
+            winner[owner == s], earlier[owner == s] = ray.get(ref)
+        return winner, earlier
 
     def _chunks(self, batch: dict, counts: Counter, samples: dict):
-        """(doc ids, texts, exact mask, near mask) per chunk of up to 1024 documents."""
+        """(doc ids, texts, `_duplicates` of them) per chunk of up to 1024 documents."""
         if "unit" in batch:
             records = clean_records(json.loads(batch["unit"][0]), self.read, self.clean, counts, samples)
             while chunk := list(islice(records, 1024)):
-                ids, texts = [c[0] for c in chunk], [c[1] for c in chunk]
-                none = np.zeros(len(ids), dtype=bool)
-                yield ids, texts, none, none
+                none = np.zeros(len(chunk), dtype=bool)
+                yield [c[0] for c in chunk], [c[1] for c in chunk], {"exact": none, "near": none}
             return
         fs, path = filesystem(join(self.work_dir, "docs", str(batch["docs_file"][0])))
         for chunk in pq.ParquetFile(fs.open_input_file(path)).iter_batches(batch_size=1024):
             ids, texts = chunk.column("doc_id").to_pylist(), chunk.column("text").to_pylist()
             bands = chunk.column("bands")
             bands = bands.flatten().to_numpy().reshape(len(ids), bands.type.list_size)
-            exact, near = self._duplicates(chunk.column("doc").to_numpy(), chunk.column("exact").to_numpy(), bands)
-            yield ids, texts, exact, near
+            docs = chunk.column("doc").to_numpy()
+            yield ids, texts, {**self._duplicates(docs, chunk.column("exact").to_numpy(), bands), "doc": docs}
 
     def __call__(self, batch: dict) -> dict:
         started = time.perf_counter()
         name = str(batch["docs_file"][0]) if "docs_file" in batch else f"docs-{digest(json.loads(batch['unit'][0]))}"
         out_name = name.replace("docs-", "packed-").removesuffix(".parquet") + ".parquet"
         fs, out_path = filesystem(join(self.work_dir, "packed", out_name))
-        stats, counts, removed_by_path = Counter(), Counter(), Counter()
+        stats, counts, removed_by_path, clusters = Counter(), Counter(), Counter(), Counter()
         samples: dict[str, list] = defaultdict(list)
+        pairs: list[dict] = []
         carry = {s: np.zeros(0, dtype=np.uint32) for s in SPLIT_IDS}
         row_index = Counter()
         eot = np.array([self.tok.eot_id], dtype=np.uint32)
         tables = []
-        for ids, texts, exact, near in self._chunks(batch, counts, samples):
-            removed_by_path.update(doc_path(ids[i]) for i in np.flatnonzero(exact | near))
+        for ids, texts, dup in self._chunks(batch, counts, samples):
+            exact, near = dup["exact"], dup["near"]
+            removed = np.flatnonzero(exact | near)
+            removed_by_path.update(doc_path(ids[i]) for i in removed)
+            if len(removed):
+                clusters.update(dup["winner"][removed].tolist())
+                stats["removed_by_earlier_version"] += int(dup["earlier"][removed].sum())
+                pairs = audit_sample(pairs + [
+                    {"removed": int(dup["doc"][i]), "kept": int(dup["winner"][i]),
+                     "kind": "exact" if exact[i] else "near"} for i in removed if not dup["earlier"][i]])
             for kind, mask in (("exact", exact), ("near", near)):
                 stats[f"duplicate:{kind}"] += int(mask.sum())
                 for i in np.flatnonzero(mask)[: SAMPLES_PER_REASON - len(samples[f"duplicate:{kind}"])]:
@@ -249,8 +267,21 @@ class DedupTokenizePack:
         table = table.sort_by([("split", "ascending"), ("key", "ascending")])
         pq.write_table(table, out_path, filesystem=fs, row_group_size=ROW_GROUP_ROWS)
         return {"stats": [json.dumps(stats)], "counts": [json.dumps(counts)], "samples": [json.dumps(samples)],
-                "removed_by_path": [json.dumps(removed_by_path)], "packed_file": [out_name], "node": [_node()], "peak_rss_mb": [_peak_rss_mb()],
-                "busy_s": [time.perf_counter() - started]}
+                "removed_by_path": [json.dumps(removed_by_path)], "clusters": [json.dumps(clusters)],
+                "pairs": [json.dumps(pairs)], "packed_file": [out_name], "node": [_node()],
+                "peak_rss_mb": [_peak_rss_mb()], "busy_s": [time.perf_counter() - started]}
+
+
+AUDIT_PAIRS = 8  # sampled duplicate pairs per kind in a version's dedup audit
+
+
+def audit_sample(pairs: list[dict]) -> list[dict]:
+    """The AUDIT_PAIRS pairs of each kind with the smallest removed doc keys: a uniform sample of the
+    duplicates, the same whichever unit saw them, so samples of units merge into the sample of a run."""
+    out = []
+    for kind in ("exact", "near"):
+        out += sorted((p for p in pairs if p["kind"] == kind), key=lambda p: p["removed"])[:AUDIT_PAIRS]
+    return out
 
 
 def packed_schema(seq_len: int, dtype: str) -> pa.Schema:

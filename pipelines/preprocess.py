@@ -253,6 +253,8 @@ class PassResults:
     pass2_utilization: float
     dedup_by_source: dict[str, dict]
     """Per input source: documents dedup looked at, how many it removed, and the share."""
+    dedup_audit: dict
+    """Written beside the version (`AUDIT_FILE`): see `_dedup_audit`."""
 
 
 def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> PassResults:
@@ -344,12 +346,48 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> PassResu
                 into[source_of.get(path, path)] += n
     by_source = {s: {"documents": n, "removed": removed[s], "share": round(removed[s] / n, 6)}
                  for s, n in sorted(looked.items())}
+    audit = _dedup_audit(cfg, ray, [join(work, "docs", f) for f in docs_files], p2, by_source, on_cpu) \
+        if tables and p2 else {}
     return PassResults(
         docs=_accounting(counts, packed), packed=packed, samples=samples, shards=shards, tokenizer=tok,
         definition=definition, dedup_files=dedup_files, index=sizes, nodes=sorted({r["node"] for r in rows_all}),
         peak_rss_mb=round(max((r.get("peak_rss_mb", 0) for r in rows_all), default=0), 1),
         pass2_utilization=round(sum(r["busy_s"] for r in p2) / max(pass2_wall * min(cpus, len(p2) or 1), 1e-9), 3),
-        dedup_by_source=by_source)
+        dedup_by_source=by_source, dedup_audit=audit)
+
+
+AUDIT_FILE = "dedup-audit.json"
+LARGEST_CLUSTERS = 5
+
+
+def _dedup_audit(cfg, ray, docs_paths: list[str], p2: list[dict], by_source: dict, on_cpu) -> dict:
+    """What dedup removed, to check before trusting it: removal rates per source, a histogram of
+    duplicate-cluster sizes (a kept document and those removed as its duplicates), the largest clusters,
+    and sampled pairs with the Jaccard similarity their MinHash estimates and their true one."""
+    from pipelines.dedup import audit_pairs, size_histogram
+    from pipelines.pack import audit_sample
+
+    clusters, pairs = Counter(), []
+    for row in p2:
+        clusters.update({int(k): v for k, v in json.loads(row["clusters"]).items()})
+        pairs = audit_sample(pairs + json.loads(row["pairs"]))
+    largest = clusters.most_common(LARGEST_CLUSTERS)
+    found = ray.get(ray.remote(audit_pairs).options(label_selector=on_cpu).remote(
+        docs_paths, pairs, [w for w, _ in largest], asdict(cfg.dedup))) if clusters else {"pairs": [], "winner_ids": {}}
+    audit = {
+        "by_source": by_source,
+        "cluster_sizes": size_histogram(n + 1 for n in clusters.values()),
+        "largest_clusters": [{"size": n + 1, "kept": found["winner_ids"].get(str(w)) or "(an earlier version)"}
+                             for w, n in largest],
+        "sampled_pairs": found["pairs"],
+        "removed_by_earlier_version": sum(json.loads(r["stats"]).get("removed_by_earlier_version", 0) for r in p2),
+        "threshold": cfg.dedup.threshold, "lsh": dict(zip(("bands", "rows"), cfg.dedup.lsh(), strict=True)),
+    }
+    if clusters:
+        _log(f"dedup: {sum(clusters.values()):,} removed in {len(clusters):,} clusters; sizes "
+             + ", ".join(f"{k}: {v:,}" for k, v in audit["cluster_sizes"].items())
+             + f"; largest {audit['largest_clusters'][0]['size']:,}")
+    return audit
 
 
 def _pack_tails(cfg, ray, work, names, tok, on_cpu) -> dict:
@@ -473,12 +511,16 @@ def _commit(cfg, storage, staging, files, record, passes: PassResults, started, 
         write_bytes_atomic(join(staging, TOKENIZER_FILE), passes.definition.encode())
     table = _table(passes, started, cpus, total_bytes)
     write_json_atomic(join(staging, "rejects.json"), {"counts": docs.reasons, "samples": passes.samples})
+    audit = {}
+    if passes.dedup_audit:
+        write_json_atomic(join(staging, AUDIT_FILE), passes.dedup_audit)
+        audit = {"audit": AUDIT_FILE}
     record.update(finished_at=time.time(), work_nodes=passes.nodes)
     return commit(storage, cfg.dataset, staging, dict(
         tokenizer=tok.info(), seq_len=cfg.pack.seq_len, dtype=token_dtype(tok.vocab_size), shards=shards,
         documents=docs, tokens=table["tokens"], inputs=files, run=record, stats=table, rejects="rejects.json",
         run_id=run_id,
-        dedup={"params": cfg.dedup.params(), "files": passes.dedup_files, "index_entries": passes.index}),
+        dedup={"params": cfg.dedup.params(), "files": passes.dedup_files, "index_entries": passes.index, **audit}),
         lease=lease)
 
 

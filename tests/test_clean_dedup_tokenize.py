@@ -166,11 +166,13 @@ def test_index_keeps_one_winner_per_key_and_earlier_versions_win(tmp_path):
     shards = [DedupIndex(s, 2, [str(tmp_path / "work.parquet")], {"exact": [str(tmp_path / "prior.parquet")]},
                          ("exact", "band")) for s in range(2)]
     owner = np.array(exact, dtype=np.uint64) % 2
-    lost = np.zeros(4, dtype=bool)
+    winner, earlier = np.zeros(4, dtype=np.uint64), np.zeros(4, dtype=bool)
     for s, idx in enumerate(shards):
         mine = owner == s
-        lost[mine] = idx.losers("exact", np.array(exact, np.uint64)[mine], np.array(docs, np.uint64)[mine])
+        winner[mine], earlier[mine] = idx.winners("exact", np.array(exact, np.uint64)[mine])
+    lost = earlier | (winner != np.array(docs, np.uint64))
     assert lost.tolist() == [True, False, False, True]  # doc 3 beats doc 5; key 30 was taken earlier
+    assert winner[lost].tolist() == [3, 99] and earlier[lost].tolist() == [False, True]
     assert sum(i.sizes()["exact"] for i in shards) == 3 and sum(i.sizes()["band"] for i in shards) == 7
     assert shards[0].save("exact", str(tmp_path / "s0.parquet")) + shards[1].save("exact", str(tmp_path / "s1.parquet")) == 2
 

@@ -43,7 +43,7 @@ def test_version_is_committed_with_a_complete_manifest(dataset, corpus):
     assert m.stats["tokens"] == m.tokens and m.stats["shards"] == len(m.shards)
     assert m.stats["mb_per_s_per_cpu"] > 0 and m.stats["tokens_per_s_per_cpu"] > 0
     assert os.listdir(v.path) == ["manifest.json"] and m.files.startswith("data/")
-    assert sorted(os.listdir(v.file(m.files))) == sorted(["run.json", "rejects.json", "dedup"]
+    assert sorted(os.listdir(v.file(m.files))) == sorted(["run.json", "rejects.json", "dedup", "dedup-audit.json"]
                                                          + [os.path.basename(s.path) for s in m.shards])  # no work files
     for shard in m.shards:
         table = pq.read_table(v.file(shard.path))
@@ -259,12 +259,20 @@ def test_tails_pack_together_and_the_leftover_is_counted(tmp_path):
     assert np.concatenate([r[1] for r in rows]).tolist() == stream[: n * row_len]
 
 
+def _shingle_jaccard(a: str, b: str, k: int = 5) -> float:
+    """The Jaccard similarity of two texts' k-word shingle sets (the test's own, not strata's)."""
+    sets = [{tuple(w[i: i + k]) for i in range(max(1, len(w) - k + 1))} for w in (a.lower().split(), b.lower().split())]
+    return len(sets[0] & sets[1]) / len(sets[0] | sets[1])
+
+
 def test_dedup_is_audited_per_source_and_a_source_wiped_out_is_refused(local_ray, tmp_path):
     """Per input source, the documents dedup looked at and removed are in the manifest; a run that would
-    remove more than --max-duplicate-fraction of one source commits nothing and names the source."""
+    remove more than --max-duplicate-fraction of one source commits nothing and names the source. Beside
+    each version, the audit: duplicate-cluster sizes and sampled pairs with estimated and true Jaccard."""
     import random
 
     from strata.dataset import DatasetError
+    from strata.storage import read_json
 
     rng, words = random.Random(4), [f"w{i}" for i in range(500)]
     texts = [" ".join(rng.choice(words) for _ in range(60)) for _ in range(40)]
@@ -272,18 +280,47 @@ def test_dedup_is_audited_per_source_and_a_source_wiped_out_is_refused(local_ray
     a.mkdir()
     b.mkdir()
     (a / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    # b: the same documents (one with a word changed) and two of its own
-    copies = texts[:-1] + [texts[-1].replace(texts[-1].split()[3], "changed", 1)] + [
-        " ".join(rng.choice(words) for _ in range(60)) for _ in range(2)]
+    # b: the same documents (one with a word changed), two of its own, the first copied twice over and
+    # the second with one word changed: clusters of 2 (40 of them against a, one near) and of 3.
+    own = [" ".join(rng.choice(words) for _ in range(60)) for _ in range(2)]
+    edited = own[1].split()
+    edited[30] = "edited"
+    copies = texts[:-1] + [texts[-1].replace(texts[-1].split()[3], "changed", 1)] + own + [
+        own[0], "  " + own[0].upper(), " ".join(edited)]
     for i, part in enumerate((copies[:20], copies[20:])):  # a source of two files
         (b / f"part-{i}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
     storage = Storage.from_env()
     first = run(debug("audit", read={"inputs": (str(a),)}), storage)
     assert first["stats"]["dedup_by_source"] == {str(a): {"documents": 40, "removed": 0, "share": 0.0}}
-    with pytest.raises(DatasetError, match=f"remove 40 of 42 documents \\(95.2%\\) of source '{b}'"):
+    n, dups = len(copies), len(copies) - 2
+    with pytest.raises(DatasetError, match=f"remove {dups} of {n} documents \\({dups / n:.1%}\\) of source '{b}'"):
         run(debug("audit", read={"inputs": (str(a), str(b))}), storage)
     assert list_versions(storage, "audit") == [first["version"]]  # nothing committed
     second = run(debug("audit", read={"inputs": (str(a), str(b))}, dedup={"max_duplicate_fraction": 0.96}),
                  storage)
-    assert second["stats"]["dedup_by_source"] == {str(b): {"documents": 42, "removed": 40, "share": 0.952381}}
-    assert second["documents"]["duplicate"] == 40
+    assert second["stats"]["dedup_by_source"] == {str(b): {"documents": n, "removed": dups,
+                                                           "share": round(dups / n, 6)}}
+    assert second["documents"]["duplicate"] == dups
+    v = resolve(storage, f"audit@{second['version']}")
+    audit = read_json(v.file(v.manifest.dedup["audit"]))
+    assert audit["by_source"] == second["stats"]["dedup_by_source"]
+    assert audit["cluster_sizes"] == {"2": 41, "3-4": 1} and audit["removed_by_earlier_version"] == 40
+    assert audit["largest_clusters"][0] == {"size": 3, "kept": next(
+        p["kept"] for p in audit["sampled_pairs"] if p["kind"] == "exact")}
+    pairs = sorted(audit["sampled_pairs"], key=lambda p: p["kind"])
+    assert [p["kind"] for p in pairs] == ["exact", "exact", "near"]  # pairs within the run only
+    line = {r: json.loads(x)["text"] for f in sorted(b.iterdir()) for r, x in
+            ((f"{f}:{o}", ln) for o, ln in _offsets(f.read_text()))}
+    for p in pairs:
+        true = _shingle_jaccard(line[p["removed"]], line[p["kept"]])
+        assert p["true_jaccard"] == pytest.approx(true, abs=1e-3)
+        assert abs(p["estimated_jaccard"] - true) < 0.2
+    assert pairs[0]["true_jaccard"] == 1.0 and pairs[2]["true_jaccard"] < 1.0
+
+
+def _offsets(text: str):
+    """(byte offset, line) of each line of a jsonl file's text (ASCII here)."""
+    at = 0
+    for ln in text.splitlines(keepends=True):
+        yield at, ln
+        at += len(ln)
