@@ -54,7 +54,8 @@ class DedupConfig:
     """Also drop documents that duplicate anything in earlier versions of the dataset."""
     max_duplicate_fraction: float = 0.9
     """Refuse to commit when dedup removes more than this share of one input source's documents (a
-    source is an input as given: a directory, glob, file or URI); 1 turns the guard off."""
+    source is an input as given: a directory, glob, file or URI; sources of under 20 documents are not
+    judged); 1 turns the guard off."""
 
     def __post_init__(self):
         if not 0.0 < self.threshold < 1.0 or self.num_perm < 2 or self.shingle_words < 1:

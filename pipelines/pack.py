@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 
 from pipelines.clean import CleanConfig, QualityFilter, normalize
 from pipelines.dedup import DedupConfig, MinHasher, exact_key, hash64, shard_of
-from pipelines.sources import ReadConfig, read_file
+from pipelines.sources import ReadConfig, read_file, with_deferral
 from strata.dataset import arrow_schema, token_dtype
 from strata.storage import filesystem, join
 
@@ -106,9 +106,14 @@ def read_clean_sign(batch: dict, *, read: dict, clean: dict, dedup: dict, work_d
     """Pass 1 over one work unit (Ray Data `map_batches`, batch_size=1)."""
     rcfg, ccfg, dcfg = ReadConfig(**read), CleanConfig(**clean), DedupConfig(**dedup)
     unit = json.loads(batch["unit"][0])
+    name = f"docs-{digest(unit)}.parquet"
+    return with_deferral(unit, rcfg, lambda files: _read_clean_sign(files, rcfg, ccfg, dcfg, work_dir, name))
+
+
+def _read_clean_sign(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, dcfg: DedupConfig, work_dir: str,
+                     name: str) -> dict:
     counts: Counter = Counter()
     samples: dict[str, list] = defaultdict(list)
-    name = f"docs-{digest(unit)}.parquet"
     fs, path = filesystem(join(work_dir, "docs", name))
     hasher = MinHasher(dcfg) if dcfg.near_dedup else None
     n_bands = hasher.bands if hasher else 1  # arrow has no zero-width lists: a 0 placeholder
@@ -218,8 +223,14 @@ class DedupTokenizePack:
             yield ids, texts, {**self._duplicates(docs, chunk.column("exact").to_numpy(), bands), "doc": docs}
 
     def __call__(self, batch: dict) -> dict:
+        if "docs_file" in batch:
+            return self._pack(batch, str(batch["docs_file"][0]))
+        unit = json.loads(batch["unit"][0])
+        name = f"docs-{digest(unit)}"
+        return with_deferral(unit, self.read, lambda files: self._pack({"unit": [json.dumps(files)]}, name))
+
+    def _pack(self, batch: dict, name: str) -> dict:
         started = time.perf_counter()
-        name = str(batch["docs_file"][0]) if "docs_file" in batch else f"docs-{digest(json.loads(batch['unit'][0]))}"
         out_name = name.replace("docs-", "packed-").removesuffix(".parquet") + ".parquet"
         fs, out_path = filesystem(join(self.work_dir, "packed", out_name))
         stats, counts, removed_by_path, clusters = Counter(), Counter(), Counter(), Counter()

@@ -21,7 +21,14 @@ from dataclasses import asdict, dataclass, field
 
 from pipelines.clean import WEB, CleanConfig
 from pipelines.dedup import DedupConfig, suggested_shards
-from pipelines.sources import ReadConfig, list_inputs, plan_units
+from pipelines.sources import (
+    InputMissing,
+    InputUnreadable,
+    ReadConfig,
+    list_inputs,
+    plan_units,
+    without_deferred,
+)
 from strata import tiers
 from strata.cli import add_config_arguments, finish, overrides
 from strata.cli import parser as cli_parser
@@ -148,6 +155,7 @@ def _identity(f: dict) -> tuple:
     return f["path"], f["size"], f["mtime_ns"]
 
 
+UNIT_RETRIES = 2  # Ray runs a work unit whose file stayed unreadable again, this many times (with backoff)
 EXIT_BUSY = 75  # EX_TEMPFAIL: another run holds the dataset (with --no-wait)
 
 
@@ -172,6 +180,15 @@ def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "", *, wait: bool
             _log(f"deleting {leftover}: files of a run that ended before its commit")
             delete_dir(leftover)
         return _run_leased(cfg, storage, run_id, lease, files, started)
+    except Exception as e:
+        if (cause := _unreadable_input(e)) is None:
+            raise
+        first = str(cause).split("\n")[0]  # without the traceback and Ray's retry advice
+        if isinstance(cause, InputMissing):
+            raise DatasetError(f"{first}. Nothing was committed") from e
+        raise DatasetError(
+            f"{first}, in each of {1 + UNIT_RETRIES} runs of its work unit. Nothing was committed and the file is "
+            "not recorded as consumed: rerun to retry it, or pass --unreadable defer to publish without it") from e
     finally:
         lease.release()
 
@@ -200,6 +217,9 @@ def _run_leased(cfg: PreprocessConfig, storage: Storage, run_id: str, lease: Lea
     _log(connect())
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.label_selector = tiers.selector(tiers.Tier.CPU)  # every task and actor, shuffles too
+    # A unit whose file stays unreadable runs again; then its error reaches run() as itself, not wrapped.
+    ctx.retried_map_errors, ctx.max_map_retries = [f"{InputUnreadable.__name__}:"], UNIT_RETRIES
+    ctx.raise_original_map_exception = True
     cpus = _tier_cpus()
     if not cpus:
         raise DatasetError(f"no alive node serves the cpu tier (label {tiers.label_key(tiers.Tier.CPU)}=true)")
@@ -216,6 +236,9 @@ def _run_leased(cfg: PreprocessConfig, storage: Storage, run_id: str, lease: Lea
         with UsageMonitor() as usage:
             passes = _run_passes(cfg, ray, units, work, staging, cpus, _prior_state(earlier, cfg), parent)
         delete_dir(work)
+        for path, why in passes.deferred.items():
+            _log(f"WARNING: {path} left out of this version (--unreadable defer), to be read by a later run: {why}")
+        files = [f for f in files if f["path"] not in passes.deferred]  # not consumed: the next run reads it
         _check_dedup_share(passes.dedup_by_source, cfg.dedup.max_duplicate_fraction)
         if not passes.shards:
             delete_dir(staging)
@@ -255,6 +278,8 @@ class PassResults:
     """Per input source: documents dedup looked at, how many it removed, and the share."""
     dedup_audit: dict
     """Written beside the version (`AUDIT_FILE`): see `_dedup_audit`."""
+    deferred: dict[str, str]
+    """Input files left out of the version (`--unreadable defer`), with why: not recorded as consumed."""
 
 
 def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> PassResults:
@@ -265,7 +290,7 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> PassResu
     tables = tuple(t for t, on in (("exact", cfg.dedup.exact_dedup), ("band", cfg.dedup.near_dedup)) if on)
     # Without dedup or tokenizer training nothing global sits between reading and packing: fuse them.
     fused = not tables and not cfg.pack.tokenizer.startswith("train:")
-    counts, samples, p1, docs_files = Counter(), {}, [], []
+    counts, samples, p1, docs_files, deferred = Counter(), {}, [], [], {}
     if not fused:
         # Pass 1: read, clean, filter, sign; one work file of documents and their dedup keys per unit.
         _log("pass 1/3: read, clean, filter, sign")
@@ -273,6 +298,7 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> PassResu
             .map_batches(read_clean_sign, batch_size=1, label_selector=on_cpu,
                          fn_kwargs=dict(read=asdict(cfg.read), clean=asdict(cfg.clean), dedup=asdict(cfg.dedup),
                                         work_dir=work)).take_all()
+        p1, deferred = without_deferred(p1)
         for row in p1:
             counts.update(json.loads(row["counts"]))
             _add_samples(samples, row)
@@ -304,6 +330,8 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> PassResu
                     seed=cfg.pack.seed, split_seed=cfg.pack.split_seed, dedup=asdict(cfg.dedup), work_dir=work,
                     index=index, read=asdict(cfg.read) if fused else None,
                     clean=asdict(cfg.clean) if fused else None)).take_all()
+        if fused:
+            p2, deferred = without_deferred(p2)
         packed = Counter()
         for row in p2:
             packed.update(json.loads(row["stats"]))
@@ -353,7 +381,7 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> PassResu
         definition=definition, dedup_files=dedup_files, index=sizes, nodes=sorted({r["node"] for r in rows_all}),
         peak_rss_mb=round(max((r.get("peak_rss_mb", 0) for r in rows_all), default=0), 1),
         pass2_utilization=round(sum(r["busy_s"] for r in p2) / max(pass2_wall * min(cpus, len(p2) or 1), 1e-9), 3),
-        dedup_by_source=by_source, dedup_audit=audit)
+        dedup_by_source=by_source, dedup_audit=audit, deferred=deferred)
 
 
 AUDIT_FILE = "dedup-audit.json"
@@ -448,10 +476,13 @@ def _train_tokenizer(paths: list[str], vocab: int, sample_bytes: int) -> str:
     return train_bpe(texts(), vocab).definition
 
 
+GUARD_MIN_DOCUMENTS = 20  # smaller sources are not judged: one copied file is not a wiped-out source
+
+
 def _check_dedup_share(by_source: dict[str, dict], limit: float) -> None:
     """Refuse a run whose dedup removes more than `limit` of one source's documents: one colliding band
     or a bad key can wipe out a source, and nothing downstream would notice."""
-    over = {s: v for s, v in by_source.items() if v["share"] > limit}
+    over = {s: v for s, v in by_source.items() if v["share"] > limit and v["documents"] >= GUARD_MIN_DOCUMENTS}
     if over:
         worst = max(over, key=lambda s: over[s]["share"])
         v = over[worst]
@@ -499,6 +530,7 @@ def _table(passes: PassResults | None, started: float, cpus: float, total_bytes:
         "peak_worker_rss_mb": passes.peak_rss_mb if passes else 0,
         "pack_worker_utilization": passes.pass2_utilization if passes else 0.0,
         "dedup_by_source": passes.dedup_by_source if passes else {},
+        "deferred_inputs": passes.deferred if passes else {},
     }
 
 
@@ -563,11 +595,11 @@ def format_table(stats: dict) -> str:
 
 def _unreadable_input(e: BaseException):
     """The `InputUnreadable` a worker raised, from the Ray errors around it (or None)."""
-    from pipelines.sources import InputUnreadable
-
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
+        if isinstance(getattr(e, "cause", None), InputUnreadable):  # a RayTaskError: the worker's own error
+            return e.cause
         if isinstance(e, InputUnreadable):
             return e
         e = getattr(e, "cause", None) or e.__cause__ or e.__context__
@@ -602,10 +634,6 @@ def main(argv: list[str] | None = None) -> dict:
         sys.exit(EXIT_BUSY)
     except (FileNotFoundError, DatasetError, ValueError) as e:
         sys.exit(f"error: {e}")
-    except Exception as e:
-        if (cause := _unreadable_input(e)) is None:
-            raise
-        sys.exit(f"error: {cause}")
     if summary["already_existed"]:
         _log(f"run {args.run_id!r} already exists as {summary['dataset']}@{summary['version']}")
     elif summary["version"] is None:

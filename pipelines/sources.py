@@ -20,6 +20,8 @@ import gzip
 import io
 import json
 import os
+import random
+import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -47,10 +49,21 @@ class ReadConfig:
     """A line, block or file-document larger than this is rejected as record-too-large."""
     incremental: bool = True
     """Skip input files an earlier version consumed (same path, size and modification time)."""
+    read_retries: int = 3
+    """Times a file whose read fails (a reset, a timeout, throttling, after the object-store client's
+    own retries) is read again, with exponential backoff, before its work unit fails; Ray then runs
+    the unit again, twice."""
+    unreadable: str = "fail"
+    """A file still unreadable after every retry: `fail` (the run fails, nothing is committed) or `defer`
+    (the version is published without it, and it is not recorded as consumed: the next run reads it)."""
 
     def __post_init__(self):
         if self.txt_documents not in ("file", "blank-line"):
             raise ValueError("txt_documents must be `file` or `blank-line`")
+        if self.unreadable not in ("fail", "defer"):
+            raise ValueError("unreadable must be `fail` or `defer`")
+        if self.read_retries < 0:
+            raise ValueError("read_retries must be >= 0")
         if self.split_bytes < 1 << 16 or self.max_record_bytes < 1:
             raise ValueError("split_bytes must be >= 64 KiB and max_record_bytes >= 1")
 
@@ -285,9 +298,34 @@ def json_object(doc_id: str, obj, field: str, raw: bytes | str = b"") -> dict:
     return _row(doc_id, text)
 
 
+RETRY_BASE_S = 1.0  # the first retry's backoff; each next one doubles it (with jitter)
+
+
 def read_file(f: dict, cfg: ReadConfig) -> Iterator[dict]:
     """Records of one file (or one byte range of it). Damage ends the file, not the job:
-    what was read before the damage is kept and the damage is counted."""
+    what was read before the damage is kept and the damage is counted.
+
+    A read that fails for a reason that is not the file's content (`InputUnreadable`) is retried
+    `cfg.read_retries` times with backoff, from the start, handing out only records not handed out
+    yet; then it raises. A local file missing on this node (`InputMissing`) raises at once.
+    """
+    handed = 0
+    for attempt in range(cfg.read_retries + 1):
+        try:
+            for i, row in enumerate(_read_once(f, cfg)):
+                if i >= handed:
+                    handed += 1
+                    yield row
+            return
+        except InputMissing:
+            raise
+        except InputUnreadable as e:
+            if attempt == cfg.read_retries:
+                raise InputUnreadable(f"{e} (read {attempt + 1} times)", f["path"]) from e.__cause__
+            time.sleep(RETRY_BASE_S * 2 ** attempt * (0.5 + random.random() / 2))
+
+
+def _read_once(f: dict, cfg: ReadConfig) -> Iterator[dict]:
     path = f["path"]
     kind, _ = describe(path)
     if f["size"] == 0:
@@ -310,23 +348,60 @@ def read_file(f: dict, cfg: ReadConfig) -> Iterator[dict]:
     except (gzip.BadGzipFile, zlib.error) as e:  # corrupt gzip/zstd data: the file's own damage
         yield _row(f"{path}:damage", "", "rejected", "corrupt-file", str(e))
     except FileNotFoundError as e:
-        raise InputUnreadable(
+        raise InputMissing(
             f"input file {path} is not there on node {_node_name()} (it was when the run listed its inputs): "
-            "a local path must be on every cpu-tier node (a shared filesystem), or give a URI") from e
+            "a local path must be on every cpu-tier node (a shared filesystem), or give a URI", path) from e
     except OSError as e:  # a reset, a timeout, throttling: not the file's fault, so never recorded as read
-        raise InputUnreadable(f"reading {path} failed: {e}. Nothing of this run is committed and the file "
-                              "is not recorded as consumed: rerun to retry it") from e
+        raise InputUnreadable(f"reading {path} failed: {e}", path) from e
 
 
 class InputUnreadable(OSError):
-    """An input file could not be read for a reason that is not its content (missing on this node, an
-    I/O error after the filesystem's own retries): the work unit fails, and with it the run."""
+    """An input file could not be read for a reason that is not its content (an I/O error after the
+    filesystem's own retries): its work unit fails, and Ray retries it; then, per `--unreadable`, the
+    run fails or is published without the file. Nothing marks such a file consumed."""
+
+    def __init__(self, message: str, path: str):
+        super().__init__(message)
+        self.path = path
+
+    def __reduce__(self):  # raised in Ray workers: keep the path through pickling
+        return type(self), (str(self), self.path)
+
+
+class InputMissing(InputUnreadable):
+    """A local input path that is not there on the worker's node: the run fails, at once."""
+
+
+def with_deferral(unit: list[dict], cfg: ReadConfig, process) -> dict:
+    """`process(files)` over a work unit's files; with `--unreadable defer`, a file that stays unreadable
+    is left out and the unit processed again without it. The result gains `deferred` (JSON: path to
+    reason) and `unit_files` (JSON: the unit's paths), from which the run drops the other byte ranges of
+    a deferred file."""
+    files, deferred = list(unit), {}
+    while True:
+        try:
+            out = process(files)
+            break
+        except InputMissing:
+            raise
+        except InputUnreadable as e:
+            if cfg.unreadable != "defer" or e.path in deferred:
+                raise
+            deferred[e.path] = str(e)
+            files = [f for f in files if f["path"] != e.path]
+    return {**out, "deferred": [json.dumps(deferred)], "unit_files": [json.dumps(sorted({f["path"] for f in unit}))]}
 
 
 def _node_name() -> str:
     import socket
 
     return socket.gethostname()
+
+
+def without_deferred(rows: list[dict]) -> tuple[list[dict], dict[str, str]]:
+    """The rows of work units that hold no byte range of a deferred file, and the deferred files."""
+    deferred = {p: why for r in rows for p, why in json.loads(r["deferred"]).items()}
+    return [r for r in rows if not set(json.loads(r["unit_files"])) <= set(deferred)], deferred
 
 
 def _whole(stream, f: dict, cfg: ReadConfig) -> Iterator[dict]:

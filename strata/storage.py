@@ -23,6 +23,7 @@ go to bounded parts (`JsonlWriter`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import time
@@ -50,11 +51,31 @@ def storage_root(root: str | None = None) -> str:
     return str(Path(root).expanduser().resolve())
 
 
+S3_ATTEMPTS = int(os.environ.get("STRATA_S3_ATTEMPTS", "10"))
+"""Attempts per S3 request (connection resets, timeouts, throttling, 5xx), with the SDK's backoff
+(10: about 25 s before a request that keeps failing gives up)."""
+
+
 def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
-    """A pyarrow filesystem and the path inside it, for a local path or a URI."""
+    """A pyarrow filesystem and the path inside it, for a local path or a URI.
+
+    s3:// gets a client that retries a failed request S3_ATTEMPTS times (pyarrow's default gives up
+    after 3 attempts, or once its retry quota is spent), one per bucket and process.
+    """
+    if path.startswith("s3://"):
+        bucket = path[5:].partition("/")[0]
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+        return _s3_filesystem(bucket, endpoint), path[5:]
     if is_uri(path):
         return pafs.FileSystem.from_uri(path)
     return pafs.LocalFileSystem(), path
+
+
+@functools.lru_cache(maxsize=64)
+def _s3_filesystem(bucket: str, endpoint: str) -> pafs.S3FileSystem:
+    region = pafs.FileSystem.from_uri(f"s3://{bucket}")[0].region  # the bucket's own (one request)
+    return pafs.S3FileSystem(region=region, endpoint_override=endpoint or None,
+                             retry_strategy=pafs.AwsDefaultS3RetryStrategy(max_attempts=S3_ATTEMPTS))
 
 
 def join(base: str, *parts: str) -> str:
@@ -215,7 +236,10 @@ def _s3_client():
         import boto3
     except ImportError as e:  # a dependency of strata; only a broken install lacks it
         raise RuntimeError("s3:// storage needs boto3 for conditional writes: pip install boto3") from e
-    return boto3.client("s3")  # AWS_ENDPOINT_URL and the other AWS_* variables apply
+    from botocore.config import Config
+
+    # AWS_ENDPOINT_URL and the other AWS_* variables apply; resets and throttling are retried like pyarrow's
+    return boto3.client("s3", config=Config(retries={"max_attempts": S3_ATTEMPTS, "mode": "standard"}))
 
 
 def _bucket_key(path: str) -> tuple[str, str]:
@@ -227,14 +251,25 @@ def _s3_create_exclusive(path: str, data: bytes) -> bool:
     from botocore.exceptions import ClientError
 
     bucket, key = _bucket_key(path)
+    client = _s3_client()
     try:
-        _s3_client().put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+        client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
         return True
     except ClientError as e:
         # 412: the key exists. 409: a concurrent conditional write to the key is in progress (it wins).
         if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412):
-            return False
+            return _ours(lambda: client.get_object(Bucket=bucket, Key=key)["Body"].read(), data)
         raise
+
+
+def _ours(read, data: bytes) -> bool:
+    """After a create was refused: whether what is there is our own write. A PUT whose response was
+    lost (a reset) is retried by the client and then finds its own object; what is written
+    (manifests, leases) holds times and ids, so another writer's bytes never equal ours."""
+    try:
+        return read() == data
+    except Exception:  # gone again (a lease released), or unreadable: not ours to claim
+        return False
 
 
 def _gcs_create_exclusive(path: str, data: bytes) -> bool:
@@ -246,10 +281,11 @@ def _gcs_create_exclusive(path: str, data: bytes) -> bool:
                            "pip install google-cloud-storage") from e
     bucket, key = _bucket_key(path)
     try:
-        gcs.Client().bucket(bucket).blob(key).upload_from_string(data, if_generation_match=0)
+        blob = gcs.Client().bucket(bucket).blob(key)
+        blob.upload_from_string(data, if_generation_match=0)
         return True
     except PreconditionFailed:
-        return False
+        return _ours(blob.download_as_bytes, data)
 
 
 def delete(path: str) -> None:

@@ -106,23 +106,24 @@ def test_truncated_compressed_file_keeps_what_came_before_the_damage(tmp_path, c
     assert [r["reason"] for r in damaged][-1] == "truncated-compressed"
 
 
-def test_an_io_error_half_way_fails_the_file_instead_of_counting_it_read(tmp_path, monkeypatch):
-    """A connection reset 40 KB into a file is not the file's damage: the read raises (the unit fails,
-    nothing is committed, the file is not consumed) instead of ending the file as one corrupt-file.
-    A local input missing on a worker's node says so."""
+def test_an_io_error_half_way_is_retried_and_then_fails_the_file_instead_of_counting_it_read(tmp_path, monkeypatch):
+    """A connection reset 40 KB into a file is not the file's damage: the file is read again (with
+    backoff), handing out each record once; a file that keeps failing raises (its unit fails, the file is
+    not consumed) instead of ending as one corrupt-file. A local input missing on a worker's node says so."""
     import pyarrow.fs as pafs
 
     from pipelines import sources
 
     (tmp_path / "a.jsonl").write_bytes(_jsonl(2000))
     [f] = list_inputs([str(tmp_path / "a.jsonl")])
+    f = {**f, "start": 0, "end": f["size"]}
 
     class Resetting:
-        def __init__(self, inner):
-            self.inner, self.served = inner, 0
+        def __init__(self, inner, fail):
+            self.inner, self.served, self.fail = inner, 0, fail
 
         def read(self, n=-1):
-            if self.served > 40_000:
+            if self.fail and self.served > 40_000:
                 raise ConnectionResetError("connection reset by peer")
             data = self.inner.read(min(n, 8192) if n and n > 0 else 8192)
             self.served += len(data)
@@ -135,19 +136,29 @@ def test_an_io_error_half_way_fails_the_file_instead_of_counting_it_read(tmp_pat
             self.inner.close()
 
     class FlakyFS:
-        def open_input_file(self, path):
-            return Resetting(pafs.LocalFileSystem().open_input_file(path))
+        def __init__(self, failing_opens):
+            self.failing, self.opens = failing_opens, 0
 
-    monkeypatch.setattr(sources, "filesystem", lambda path: (FlakyFS(), path))
+        def open_input_file(self, path):
+            self.opens += 1
+            return Resetting(pafs.LocalFileSystem().open_input_file(path), self.opens <= self.failing)
+
+    monkeypatch.setattr(sources, "RETRY_BASE_S", 0.0)
+    cfg = ReadConfig(inputs=(str(tmp_path),), read_retries=2)
+    fs = FlakyFS(failing_opens=2)
+    monkeypatch.setattr(sources, "filesystem", lambda path: (fs, path))
+    rows = list(read_file(f, cfg))  # two resets, then a whole read: every record once, in order
+    assert fs.opens == 3 and [int(r["text"].split()[1]) for r in rows] == list(range(2000))
+    fs = FlakyFS(failing_opens=10)
     got = []
-    with pytest.raises(sources.InputUnreadable, match="connection reset.*not recorded as consumed"):
-        for row in read_file({**f, "start": 0, "end": f["size"]}, ReadConfig(inputs=(str(tmp_path),))):
+    with pytest.raises(sources.InputUnreadable, match="connection reset.*read 3 times"):
+        for row in read_file(f, cfg):
             got.append(row)
-    assert got and all(r["status"] == "ok" for r in got)  # no corrupt-file reject stands for the rest
+    assert fs.opens == 3 and got and all(r["status"] == "ok" for r in got)  # no corrupt-file reject for the rest
     monkeypatch.undo()
     (tmp_path / "a.jsonl").unlink()
-    with pytest.raises(sources.InputUnreadable, match="is not there on node .*shared filesystem"):
-        list(read_file({**f, "start": 0, "end": f["size"]}, ReadConfig(inputs=(str(tmp_path),))))
+    with pytest.raises(sources.InputMissing, match="is not there on node .*shared filesystem"):
+        list(read_file(f, cfg))
 
 
 def _zstd(data: bytes) -> bytes:
@@ -293,3 +304,29 @@ def test_validation_split_is_stable_and_near_the_fraction():
     assert val == [d for d in ids if validation_split(d, 0, 0.1)]
     assert 300 < len(val) < 500
     assert val != [d for d in ids if validation_split(d, 1, 0.1)]
+
+
+def test_a_deferred_file_leaves_its_unit_and_its_other_ranges_out(tmp_path):
+    """--unreadable defer: a unit runs again without the file that stays unreadable; the run then drops
+    every unit that held only byte ranges of it, and no other. The default fails instead."""
+    from pipelines.sources import InputUnreadable, with_deferral, without_deferred
+
+    unit = [{"path": "a"}, {"path": "bad"}, {"path": "c"}]
+    seen = []
+
+    def process(files):
+        seen.append([f["path"] for f in files])
+        if any(f["path"] == "bad" for f in files):
+            raise InputUnreadable("reading bad failed", "bad")
+        return {"docs": [len(files)]}
+
+    with pytest.raises(InputUnreadable):
+        with_deferral(unit, ReadConfig(inputs=("x",)), process)
+    out = with_deferral(unit, ReadConfig(inputs=("x",), unreadable="defer"), process)
+    assert seen[-2:] == [["a", "bad", "c"], ["a", "c"]] and out["docs"] == [2]
+    assert json.loads(out["deferred"][0]) == {"bad": "reading bad failed"}
+    ranges = [with_deferral([{"path": "bad", "start": s}], ReadConfig(inputs=("x",), unreadable="defer"),
+                            lambda files: {"docs": [len(files)]}) for s in (0, 100)]  # ranges that read fine
+    rows = [{k: v[0] for k, v in r.items()} for r in [out, *ranges]]
+    kept, deferred = without_deferred(rows)
+    assert kept == rows[:1] and deferred == {"bad": "reading bad failed"}

@@ -1,0 +1,88 @@
+"""A TCP proxy on 127.0.0.1 that resets a share of the connections through it, mid-response.
+
+Put in front of the test S3 server (AWS_ENDPOINT_URL pointing at the proxy), it makes the faults an
+object store shows under load: a connection reset by peer after part of a response has arrived.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import struct
+import threading
+
+METHODS = (b"GET ", b"HEAD ", b"PUT ", b"POST ", b"DELETE ")
+
+
+class ResettingProxy:
+    """Forwards every connection to `upstream`; each `every`-th one is reset once `cut` bytes of the
+    response have passed (its request arrives whole), and every request whose request line holds
+    `poison` (say, an object's key) is reset before it arrives: that object cannot be read at all. `resets` counts the
+    faults injected."""
+
+    def __init__(self, upstream: tuple[str, int], every: int = 4, cut: int = 300, poison: bytes = b""):
+        self.upstream, self.every, self.cut, self.poison = upstream, every, cut, poison
+        self.connections = self.resets = self.poisoned = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.lock, self.stopped = threading.Lock(), False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self.stopped:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            with self.lock:
+                self.connections += 1
+                faulty = self.every > 0 and self.connections % self.every == 0
+            server = socket.create_connection(self.upstream)
+            threading.Thread(target=self._relay, args=(client, server, self.cut if faulty else None),
+                             daemon=True).start()
+
+    def _relay(self, client: socket.socket, server: socket.socket, cut: int | None) -> None:
+        """Both directions in one thread (so a reset closes both sockets at once, with nobody blocked on them)."""
+        sent = 0
+        try:
+            while True:
+                ready, _, _ = select.select([client, server], [], [], 30)
+                if not ready:
+                    break
+                if client in ready:
+                    if not (data := client.recv(65536)):
+                        break
+                    line = data.split(b"\r\n", 1)[0]
+                    if self.poison and line.startswith(METHODS) and self.poison in line:
+                        with self.lock:
+                            self.poisoned += 1
+                        self._reset(client)
+                        break
+                    server.sendall(data)
+                if server in ready:
+                    if not (data := server.recv(65536)):
+                        break
+                    if cut is not None and sent + len(data) > cut:
+                        client.sendall(data[: cut - sent])
+                        self._reset(client)
+                        break
+                    client.sendall(data)
+                    sent += len(data)
+        except OSError:
+            pass
+        client.close()
+        server.close()
+
+    def _reset(self, client: socket.socket) -> None:
+        """Closing with linger 0 sends RST: the client sees "connection reset by peer"."""
+        with self.lock:
+            self.resets += 1
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    def close(self) -> None:
+        self.stopped = True
+        self.listener.close()
