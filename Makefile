@@ -29,8 +29,17 @@ lint: install
 test: lint
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m pytest
 
-bench: install
+# The peer that bench.peer runs against: datatrove, pinned, in an environment of its own (not a dependency).
+PEER_VENV := .venv-peer
+PEER_STAMP := $(PEER_VENV)/.installed
+
+$(PEER_STAMP): bench/peer-requirements.txt
+	$(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/python -m pip install --quiet -r bench/peer-requirements.txt
+	touch $(PEER_STAMP)
+
+bench: install $(PEER_STAMP)
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache strata-data
+	rm -rf $(VENV) $(PEER_VENV) .pytest_cache .ruff_cache strata-data

@@ -211,6 +211,12 @@ class DedupIndex:
     def sizes(self) -> dict[str, int]:
         return {t: len(v[0]) for t, v in self.tables.items()}
 
+    def cpu_s(self) -> float:
+        """CPU seconds of this actor's process: building the index and answering lookups."""
+        import time
+
+        return time.process_time()
+
     def winners(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(doc key, from an earlier version) of the winner of each key; a (key, doc) of this run lost
         its key when the winner is another document or an earlier version's."""

@@ -77,17 +77,35 @@ def docs_schema(bands: int) -> pa.Schema:
                       ("bands", pa.list_(pa.uint64(), bands)), ("text", pa.large_string())])
 
 
+class StageClock:
+    """CPU seconds of this process (all its threads) by stage: `lap(stage)` charges the time since the
+    last lap to `stage`. A lap costs well under a microsecond."""
+
+    def __init__(self):
+        self.cpu, self.last = Counter(), time.process_time()
+
+    def lap(self, stage: str) -> None:
+        now = time.process_time()
+        self.cpu[stage] += now - self.last
+        self.last = now
+
+    def dumps(self) -> str:
+        return json.dumps({k: round(v, 3) for k, v in self.cpu.items()})
+
+
 def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, counts: Counter,
-                  samples: dict) -> Iterator[tuple[str, str]]:
+                  samples: dict, clock: StageClock) -> Iterator[tuple[str, str]]:
     """(doc_id, text) of the unit's kept documents; every other record is counted by reason."""
     quality = QualityFilter(ccfg)
     for f in unit:
         for rec in read_file(f, rcfg):
+            clock.lap("read")
             status, reason = rec["status"], rec["reason"]
             if status == "ok":
                 text = normalize(rec["text"], ccfg)
                 reason = quality.reason(text)
                 status = "filtered" if reason else "kept"
+            clock.lap("clean")
             if status == "kept":
                 counts["kept"] += 1
                 yield rec["doc_id"], text
@@ -98,10 +116,36 @@ def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, counts:
                 samples[key].append({"doc_id": rec["doc_id"], "sample": rec["sample"] or rec["text"][:120]})
 
 
+PROFILE_ENV = "STRATA_PROFILE_DIR"  # set: every pass's work unit is profiled (cProfile) into that directory
+
+
+def profiled(fn):
+    """`fn` as is, or, with $STRATA_PROFILE_DIR set, under cProfile, its stats dumped per call."""
+    import functools
+    import os
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        where = os.environ.get(PROFILE_ENV)
+        if not where:
+            return fn(*args, **kwargs)
+        import cProfile
+
+        prof = cProfile.Profile()
+        try:
+            return prof.runcall(fn, *args, **kwargs)
+        finally:
+            os.makedirs(where, exist_ok=True)
+            prof.dump_stats(os.path.join(where, f"{fn.__qualname__}-{os.getpid()}-{time.time_ns()}.prof"))
+
+    return wrapper
+
+
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+@profiled
 def read_clean_sign(batch: dict, *, read: dict, clean: dict, dedup: dict, work_dir: str) -> dict:
     """Pass 1 over one work unit (Ray Data `map_batches`, batch_size=1)."""
     rcfg, ccfg, dcfg = ReadConfig(**read), CleanConfig(**clean), DedupConfig(**dedup)
@@ -130,8 +174,9 @@ def _read_clean_sign(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, dcfg
         writer.write_table(pa.Table.from_arrays(cols, schema=schema))
         return len(pending["doc"])
 
+    clock = StageClock()
     with pq.ParquetWriter(path, schema, filesystem=fs) as writer:
-        for doc_id, text in clean_records(unit, rcfg, ccfg, counts, samples):
+        for doc_id, text in clean_records(unit, rcfg, ccfg, counts, samples, clock):
             pending["doc_id"].append(doc_id)
             pending["doc"].append(hash64(doc_id))
             pending["exact"].append(exact_key(text) if dcfg.exact_dedup else 0)
@@ -139,14 +184,17 @@ def _read_clean_sign(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, dcfg
             pending["text"].append(text)
             kept_by_path[doc_path(doc_id)] += 1
             chars += len(text)
+            clock.lap("sign")
             if len(pending["doc"]) >= 1024 or chars >= 8 << 20:
                 kept += flush(writer)
                 pending, chars = defaultdict(list), 0
+                clock.lap("write")
         if pending["doc"]:
             kept += flush(writer)
+    clock.lap("write")
     return {"counts": [json.dumps(counts)], "samples": [json.dumps(samples)], "docs_file": [name],
             "docs": [kept], "kept_by_path": [json.dumps(kept_by_path)], "node": [_node()],
-            "peak_rss_mb": [_peak_rss_mb()]}
+            "peak_rss_mb": [_peak_rss_mb()], "cpu_s": [clock.dumps()]}
 
 
 def doc_path(doc_id: str) -> str:
@@ -206,10 +254,10 @@ class DedupTokenizePack:
             winner[owner == s], earlier[owner == s] = ray.get(ref)
         return winner, earlier
 
-    def _chunks(self, batch: dict, counts: Counter, samples: dict):
+    def _chunks(self, batch: dict, counts: Counter, samples: dict, clock: StageClock):
         """(doc ids, texts, `_duplicates` of them) per chunk of up to 1024 documents."""
         if "unit" in batch:
-            records = clean_records(json.loads(batch["unit"][0]), self.read, self.clean, counts, samples)
+            records = clean_records(json.loads(batch["unit"][0]), self.read, self.clean, counts, samples, clock)
             while chunk := list(islice(records, 1024)):
                 none = np.zeros(len(chunk), dtype=bool)
                 yield [c[0] for c in chunk], [c[1] for c in chunk], {"exact": none, "near": none}
@@ -220,8 +268,12 @@ class DedupTokenizePack:
             bands = chunk.column("bands")
             bands = bands.flatten().to_numpy().reshape(len(ids), bands.type.list_size)
             docs = chunk.column("doc").to_numpy()
-            yield ids, texts, {**self._duplicates(docs, chunk.column("exact").to_numpy(), bands), "doc": docs}
+            clock.lap("read")
+            dup = self._duplicates(docs, chunk.column("exact").to_numpy(), bands)
+            clock.lap("dedup")
+            yield ids, texts, {**dup, "doc": docs}
 
+    @profiled
     def __call__(self, batch: dict) -> dict:
         if "docs_file" in batch:
             return self._pack(batch, str(batch["docs_file"][0]))
@@ -239,8 +291,8 @@ class DedupTokenizePack:
         carry = {s: np.zeros(0, dtype=np.uint32) for s in SPLIT_IDS}
         row_index = Counter()
         eot = np.array([self.tok.eot_id], dtype=np.uint32)
-        tables = []
-        for ids, texts, dup in self._chunks(batch, counts, samples):
+        tables, clock = [], StageClock()
+        for ids, texts, dup in self._chunks(batch, counts, samples, clock):
             exact, near = dup["exact"], dup["near"]
             removed = np.flatnonzero(exact | near)
             removed_by_path.update(doc_path(ids[i]) for i in removed)
@@ -257,7 +309,10 @@ class DedupTokenizePack:
             keep = np.flatnonzero(~(exact | near))
             stats["kept"] += len(keep)
             streams = {s: [carry[s]] for s in SPLIT_IDS}
-            for i, tokens in zip(keep, self.tok.encode_batch([texts[i] for i in keep]), strict=True):
+            clock.lap("dedup")
+            encoded = self.tok.encode_batch([texts[i] for i in keep])
+            clock.lap("tokenize")
+            for i, tokens in zip(keep, encoded, strict=True):
                 split = "validation" if validation_split(ids[i], self.split_seed, self.fraction) else "train"
                 streams[split] += [tokens, eot]
                 stats[f"tokens:{split}"] += len(tokens) + 1
@@ -270,6 +325,7 @@ class DedupTokenizePack:
                                               flat[: n * self.row_len]))
                     row_index[split] += n
                     stats[f"rows:{split}"] += n
+            clock.lap("pack")
         # What is left of each split is shorter than a row: it is packed with the other units' in `pack_tails`.
         stats["tail_tokens"] = sum(len(c) for c in carry.values())
         write_tails(join(self.work_dir, "tails", out_name), carry)
@@ -277,7 +333,9 @@ class DedupTokenizePack:
         table = pa.concat_tables(tables) if tables else self.schema.empty_table()
         table = table.sort_by([("split", "ascending"), ("key", "ascending")])
         pq.write_table(table, out_path, filesystem=fs, row_group_size=ROW_GROUP_ROWS)
+        clock.lap("write")
         return {"stats": [json.dumps(stats)], "counts": [json.dumps(counts)], "samples": [json.dumps(samples)],
+                "cpu_s": [clock.dumps()],
                 "removed_by_path": [json.dumps(removed_by_path)], "clusters": [json.dumps(clusters)],
                 "pairs": [json.dumps(pairs)], "packed_file": [out_name], "node": [_node()],
                 "peak_rss_mb": [_peak_rss_mb()], "busy_s": [time.perf_counter() - started]}
@@ -330,6 +388,7 @@ def pack_tails(work_dir: str, names: list[str], *, seq_len: int, dtype: str, see
     in the shards. Returns {"rows:SPLIT", "unpacked_tokens:SPLIT",
     "unpacked_documents", "packed_file"}.
     """
+    cpu0 = time.process_time()
     schema, row_len = packed_schema(seq_len, dtype), seq_len + 1
     streams = {s: [np.zeros(0, dtype=np.uint32)] for s in SPLIT_IDS}
     ids = {v: k for k, v in SPLIT_IDS.items()}
@@ -355,6 +414,7 @@ def pack_tails(work_dir: str, names: list[str], *, seq_len: int, dtype: str, see
         table = pa.concat_tables(tables).sort_by([("split", "ascending"), ("key", "ascending")])
         pq.write_table(table, p, filesystem=fs, row_group_size=ROW_GROUP_ROWS)
         out["packed_file"] = TAILS_FILE
+    out["cpu_s"] = time.process_time() - cpu0
     return out
 
 
@@ -366,8 +426,10 @@ def key_range(shard: int, shards: int) -> tuple[int, int]:
     return shard * (1 << 64) // shards, (shard + 1) * (1 << 64) // shards
 
 
+@profiled
 def write_shard(batch: dict, *, staging: str, packed_files: list[str]) -> dict:
     """Pass 3, one shard: its key range of one split from every packed file, sorted by key."""
+    cpu0 = time.process_time()
     split, shard, shards = str(batch["split"][0]), int(batch["shard"][0]), int(batch["shards"][0])
     lo, hi = key_range(shard, shards)
     filters = [("split", "=", SPLIT_IDS[split]), ("key", ">=", pa.scalar(lo, pa.uint64()))]
@@ -383,4 +445,4 @@ def write_shard(batch: dict, *, staging: str, packed_files: list[str]) -> dict:
     pq.write_table(table, path, filesystem=fs)
     row_len = table.schema.field("tokens").type.list_size
     return {"path": [name], "split": [split], "rows": [table.num_rows], "tokens": [table.num_rows * row_len],
-            "node": [_node()]}
+            "node": [_node()], "cpu_s": [json.dumps({"shuffle-write": time.process_time() - cpu0})]}

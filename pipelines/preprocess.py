@@ -33,7 +33,7 @@ from strata import tiers
 from strata.cli import add_config_arguments, finish, overrides
 from strata.cli import parser as cli_parser
 from strata.connect import connect
-from strata.cost import UsageMonitor
+from strata.cost import UsageMonitor, ray_daemon_cpu
 from strata.dataset import (
     DOCUMENT_STATUSES,
     DatasetError,
@@ -234,7 +234,7 @@ def _run_leased(cfg: PreprocessConfig, storage: Storage, run_id: str, lease: Lea
     write_json_atomic(join(staging, "run.json"), record)
     try:
         with UsageMonitor() as usage:
-            passes = _run_passes(cfg, ray, units, work, staging, cpus, _prior_state(earlier, cfg), parent)
+            passes = _run_passes(cfg, ray, units, work, staging, cpus, _prior_state(earlier, cfg), parent, started)
         delete_dir(work)
         for path, why in passes.deferred.items():
             _log(f"WARNING: {path} left out of this version (--unreadable defer), to be read by a later run: {why}")
@@ -280,9 +280,14 @@ class PassResults:
     """Written beside the version (`AUDIT_FILE`): see `_dedup_audit`."""
     deferred: dict[str, str]
     """Input files left out of the version (`--unreadable defer`), with why: not recorded as consumed."""
+    cpu_s: dict[str, float]
+    """CPU seconds by stage: read, clean, sign, dedup, dedup-index, tokenize, pack, write, shuffle-write
+    (the work, summed over workers) and ray-daemons (Ray's own processes on this node)."""
+    wall_s: dict[str, float]
+    """Wall seconds of each step on the critical path, in order."""
 
 
-def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> PassResults:
+def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent, started: float) -> PassResults:
     from pipelines.dedup import DedupIndex
     from pipelines.pack import DedupTokenizePack, read_clean_sign, write_shard
 
@@ -291,6 +296,14 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> PassResu
     # Without dedup or tokenizer training nothing global sits between reading and packing: fuse them.
     fused = not tables and not cfg.pack.tokenizer.startswith("train:")
     counts, samples, p1, docs_files, deferred = Counter(), {}, [], [], {}
+    walls, mark, driver_cpu = {"start-up": round(time.time() - started, 2)}, time.time(), time.process_time()
+
+    def step(name: str) -> None:  # wall time on the critical path, step by step
+        nonlocal mark
+        walls[name] = round(time.time() - mark, 2)
+        mark = time.time()
+
+    cpu, daemons = Counter(), ray_daemon_cpu()
     if not fused:
         # Pass 1: read, clean, filter, sign; one work file of documents and their dedup keys per unit.
         _log("pass 1/3: read, clean, filter, sign")
@@ -299,6 +312,7 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> PassResu
                          fn_kwargs=dict(read=asdict(cfg.read), clean=asdict(cfg.clean), dedup=asdict(cfg.dedup),
                                         work_dir=work)).take_all()
         p1, deferred = without_deferred(p1)
+        step("pass 1: read, clean, sign")
         for row in p1:
             counts.update(json.loads(row["counts"]))
             _add_samples(samples, row)
@@ -311,7 +325,10 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> PassResu
         s, n_index, [join(work, "docs", f) for f in docs_files], prior, tables) for s in range(n_index)]
     try:
         sizes = ray.get([i.sizes.remote() for i in index])
+        step("dedup index")
         definition = _tokenizer_definition(cfg, ray, work, docs_files, on_cpu, parent)
+        if cfg.pack.tokenizer.startswith("train:"):
+            step("tokenizer training")
 
         # Pass 2: drop duplicates, tokenize, pack; one work file of rows per document file.
         _log("pass 2/3: read, clean, tokenize, pack (fused)" if fused else "pass 2/3: deduplicate, tokenize, pack")
@@ -339,14 +356,17 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> PassResu
             _add_samples(samples, row)
         tok = _tokenizer(cfg, definition)
         tails = _pack_tails(cfg, ray, work, [r["packed_file"] for r in p2], tok, on_cpu) if p2 else {}
-        packed.update({k: v for k, v in tails.items() if k != "packed_file"})
+        packed.update({k: v for k, v in tails.items() if k not in ("packed_file", "cpu_s")})
+        cpu["pack"] += tails.get("cpu_s", 0.0)
         pass2_wall = time.time() - pass2_started
+        step("pass 2: " + ("read, clean, " if fused else "dedup, ") + "tokenize, pack")
         dedup_files = {t: [] for t in ("exact", "band")}
         for s, i in enumerate(index):
             for t in tables:
                 name = f"dedup/{t}-{s:04d}.parquet"
                 ray.get(i.save.remote(t, join(staging, name)))
                 dedup_files[t].append(name)
+        cpu["dedup-index"] += sum(ray.get([i.cpu_s.remote() for i in index]))
     finally:
         for i in index:
             ray.kill(i)
@@ -365,7 +385,10 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> PassResu
         shards = ray.data.from_items(specs, override_num_blocks=len(specs)).map_batches(
             write_shard, batch_size=1, label_selector=on_cpu,
             fn_kwargs={"staging": staging, "packed_files": packed_files}).take_all()
+    step("pass 3: shuffle, write shards")
     rows_all = p1 + p2 + shards
+    for row in rows_all:
+        cpu.update(json.loads(row["cpu_s"]))
     source_of = {f["path"]: f.get("source", f["path"]) for unit in units for f in unit}
     looked, removed = Counter(), Counter()
     for rows, column, into in ((p1, "kept_by_path", looked), (p2, "removed_by_path", removed)):
@@ -376,12 +399,16 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent) -> PassResu
                  for s, n in sorted(looked.items())}
     audit = _dedup_audit(cfg, ray, [join(work, "docs", f) for f in docs_files], p2, by_source, on_cpu) \
         if tables and p2 else {}
+    step("dedup audit")
+    cpu["ray-daemons"] = ray_daemon_cpu(since=daemons)
+    cpu["driver"] = time.process_time() - driver_cpu
     return PassResults(
         docs=_accounting(counts, packed), packed=packed, samples=samples, shards=shards, tokenizer=tok,
         definition=definition, dedup_files=dedup_files, index=sizes, nodes=sorted({r["node"] for r in rows_all}),
         peak_rss_mb=round(max((r.get("peak_rss_mb", 0) for r in rows_all), default=0), 1),
         pass2_utilization=round(sum(r["busy_s"] for r in p2) / max(pass2_wall * min(cpus, len(p2) or 1), 1e-9), 3),
-        dedup_by_source=by_source, dedup_audit=audit, deferred=deferred)
+        dedup_by_source=by_source, dedup_audit=audit, deferred=deferred,
+        cpu_s={k: round(v, 1) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])}, wall_s=walls)
 
 
 AUDIT_FILE = "dedup-audit.json"
@@ -531,6 +558,9 @@ def _table(passes: PassResults | None, started: float, cpus: float, total_bytes:
         "pack_worker_utilization": passes.pass2_utilization if passes else 0.0,
         "dedup_by_source": passes.dedup_by_source if passes else {},
         "deferred_inputs": passes.deferred if passes else {},
+        "cpu_s_by_stage": passes.cpu_s if passes else {},
+        "wall_s_by_step": {**passes.wall_s, "commit and the rest": round(seconds - sum(passes.wall_s.values()), 2)}
+        if passes else {},
     }
 
 
@@ -590,6 +620,10 @@ def format_table(stats: dict) -> str:
               f"{'peak worker RSS MB':<28}{stats.get('peak_worker_rss_mb', 0):>14,.0f}",
               f"{'MB/s per CPU':<28}{stats['mb_per_s_per_cpu']:>14,.3f}",
               f"{'tokens/s per CPU':<28}{stats['tokens_per_s_per_cpu']:>14,}"]
+    if stats.get("cpu_s_by_stage"):
+        lines += ["CPU seconds by stage"] + [f"{'  ' + k:<28}{v:>14,.1f}" for k, v in stats["cpu_s_by_stage"].items()]
+        lines += ["wall seconds, critical path"] + [f"{'  ' + k:<36}{v:>6,.1f}"
+                                                     for k, v in stats["wall_s_by_step"].items()]
     return "\n".join(lines)
 
 

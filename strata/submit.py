@@ -108,6 +108,9 @@ def use_token() -> str | None:
     return where
 
 
+AGENT_WAIT_S = 120  # how long a submission waits for the head's job agent (a head just started, or busy)
+
+
 def submit(kind: str, args: list[str], *, address: str, slot: str | None = None, sub_id: str | None = None,
            working_dir: str = ".", env_file: str | None = None, wait: bool = True, at: float | None = None,
            out=sys.stderr) -> dict:
@@ -126,10 +129,19 @@ def submit(kind: str, args: list[str], *, address: str, slot: str | None = None,
           + ("" if where else " (no token found: the cluster will refuse this if it has auth on)"), file=out)
     try:
         client = JobSubmissionClient(address)
-        job = client.submit_job(entrypoint=entrypoint, submission_id=sub_id,
-                                runtime_env=runtime_env(working_dir, env_file), entrypoint_num_cpus=1,
-                                entrypoint_label_selector=tiers.selector(tiers.Tier.CPU),
-                                metadata={"strata.kind": kind, **({"strata.slot": slot} if slot else {})})
+        deadline = time.time() + AGENT_WAIT_S
+        while True:
+            try:
+                job = client.submit_job(entrypoint=entrypoint, submission_id=sub_id,
+                                        runtime_env=runtime_env(working_dir, env_file), entrypoint_num_cpus=1,
+                                        entrypoint_label_selector=tiers.selector(tiers.Tier.CPU),
+                                        metadata={"strata.kind": kind, **({"strata.slot": slot} if slot else {})})
+                break
+            except RuntimeError as e:  # a head just started, or loaded: its job agent is not reachable yet
+                if "No available agent" not in str(e) or time.time() > deadline:
+                    raise
+                print("[submit] the head's job agent is not available yet; trying again in 2 s", file=out)
+                time.sleep(2)
     except RuntimeError as e:
         if sub_id and "already exists" in str(e):
             status = str(JobSubmissionClient(address).get_job_status(sub_id))

@@ -1,0 +1,185 @@
+"""Tier 1 against its peer: strata and datatrove on the same corpora, tokenizer and cores.
+
+    python -m bench.peer [--mb 100] [--repeats 1] [--only A|B] [--corpus generated|real]
+
+Two corpora: the generated one of `bench.preprocess` (short English-like documents) and a real one,
+the .py/.md/.rst/.txt files of the installed Python packages, one document per file, as JSONL (no
+download: every machine has them). One byte-level BPE tokenizer.json (32,768 ids), trained here, for
+every system. Workload A: read JSONL, tokenize, write (strata with dedup off; datatrove `JsonlReader ->
+DocumentTokenizer`). Workload B: exact and MinHash near dedup, then tokenize (strata's defaults;
+datatrove's four MinHash stages with the same 5-word shingles and 14 x 9 bands, then the tokenizer).
+The hand-written multiprocessing pipeline of `bench.preprocess` runs A as the physical reference.
+
+Every run is a whole process timed on the wall clock, the systems alternating, on --cores cores
+(datatrove: 16 tasks on that many workers). datatrove runs in its own environment, `.venv-peer`
+(`make bench` builds it with the pinned version: not a dependency of strata). The last lines are the
+throughput ratios strata/datatrove for A and for B, per corpus (the target is >= 1.2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEER_PYTHON = os.path.join(REPO, ".venv-peer", "bin", "python")
+VOCAB, SEQ_LEN = 32768, 1024
+SUFFIXES = (".py", ".md", ".rst", ".txt")
+
+
+def real_corpus(root: str, mb: int) -> list[str]:
+    """The installed packages' text files, in path order, until `mb` MB: JSONL parts of ~8 MB."""
+    done = os.path.join(root, f".done-{mb}")
+    if not os.path.exists(done):
+        shutil.rmtree(root, ignore_errors=True)
+        os.makedirs(root)
+        site = sysconfig.get_paths()["purelib"]
+        paths = sorted(os.path.join(d, f) for d, _, fs in os.walk(site) for f in fs if f.endswith(SUFFIXES))
+        parts, total, part_size = [[]], 0, 0
+        for i, path in enumerate(paths):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+            except (OSError, UnicodeDecodeError):
+                continue
+            if not text.strip():
+                continue
+            line = json.dumps({"id": f"doc-{i:07d}", "text": text}) + "\n"
+            if part_size > 8 << 20:
+                parts.append([])
+                part_size = 0
+            parts[-1].append(line)
+            part_size += len(line)
+            total += len(line)
+            if total >= mb << 20:
+                break
+        for n, lines in enumerate(parts):
+            with open(os.path.join(root, f"part-{n:04d}.jsonl"), "w") as f:
+                f.writelines(lines)
+        open(done, "w").close()
+    return sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".jsonl"))
+
+
+def _lines(path: str) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
+def tokenizer(path: str, sample_from: list[str]) -> str:
+    """A byte-level BPE of VOCAB ids trained on the first documents of both corpora."""
+    if not os.path.exists(path):
+        from strata.tokenizer import train_bpe
+
+        texts = []
+        for p in sample_from:
+            with open(p) as f:
+                texts += [json.loads(line)["text"][:20000] for _, line in zip(range(1500), f, strict=False)]
+        with open(path, "w") as f:
+            f.write(train_bpe(iter(texts), VOCAB).definition)
+    return path
+
+
+def timed(cmd: list[str], env: dict | None = None) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})}, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed:\n{proc.stderr[-3000:]}")
+    return seconds, proc.stdout
+
+
+def run_strata(corpus: str, tok: str, work: str, workload: str, cores: int) -> dict:
+    storage = os.path.join(work, "strata")
+    shutil.rmtree(storage, ignore_errors=True)
+    cmd = [sys.executable, "-m", "pipelines.preprocess", "--input", corpus, "--dataset", "peer", "--tokenizer", tok,
+           "--seq-len", str(SEQ_LEN), "--min-chars", "1", "--json"]
+    if workload == "A":
+        cmd += ["--no-exact-dedup", "--no-near-dedup"]
+    seconds, out = timed(cmd, {"STRATA_STORAGE": storage, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+    s = json.loads(out.strip().splitlines()[-1])
+    return {"seconds": seconds, "tokens": s["tokens"], "documents": s["documents"],
+            "stages": s["stats"].get("cpu_s_by_stage", {}), "peak_worker_rss_mb": s["stats"]["peak_worker_rss_mb"]}
+
+
+def run_peer(corpus: str, tok: str, work: str, workload: str, cores: int) -> dict:
+    out = os.path.join(work, "datatrove")
+    shutil.rmtree(out, ignore_errors=True)
+    seconds, stdout = timed([PEER_PYTHON, os.path.join(REPO, "bench", "peer_datatrove.py"), "--workload", workload,
+                             "--input", corpus, "--tokenizer", tok, "--out", out, "--workers", str(cores)])
+    r = json.loads(stdout.strip().splitlines()[-1])
+    return {"seconds": seconds, "tokens": r["tokens"], "removed": len(r["removed"])}
+
+
+def run_baseline(corpus: str, tok: str, work: str, cores: int) -> dict:
+    out = os.path.join(work, "baseline")
+    shutil.rmtree(out, ignore_errors=True)
+    code = ("import glob, json, sys; from bench.preprocess import baseline; "
+            f"r = baseline(sorted(glob.glob({corpus!r} + '/*.jsonl')), {tok!r}, {out!r}, {cores}); "
+            "print(json.dumps(r))")
+    seconds, stdout = timed([sys.executable, "-c", code], {"TOKENIZERS_PARALLELISM": "false"})
+    return {"seconds": seconds, "tokens": json.loads(stdout.strip().splitlines()[-1])["tokens"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mb", type=int, default=100, help="size of each corpus (default 100)")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each system; the median is kept (default 1)")
+    p.add_argument("--only", choices=["A", "B"], action="append", help="one workload (default both)")
+    p.add_argument("--corpus", choices=["generated", "real"], action="append", help="one corpus (default both)")
+    p.add_argument("--cores", type=int, default=os.cpu_count())
+    p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "strata-bench-peer"))
+    a = p.parse_args(argv)
+    if not os.path.exists(PEER_PYTHON):
+        sys.exit(f"no {PEER_PYTHON}: `make bench` builds it (datatrove, pinned, in its own environment)")
+    from bench.preprocess import generate
+
+    os.makedirs(a.workdir, exist_ok=True)
+    corpora = {"generated": os.path.dirname(generate(os.path.join(a.workdir, f"generated-{a.mb}mb"), a.mb)[0]),
+               "real": os.path.dirname(real_corpus(os.path.join(a.workdir, f"real-{a.mb}mb"), a.mb)[0])}
+    corpora = {k: v for k, v in corpora.items() if not a.corpus or k in a.corpus}
+    tok = tokenizer(os.path.join(a.workdir, "tokenizer.json"),
+                    [sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".jsonl"))[0]
+                     for d in corpora.values()])
+    ratios, results = {}, {}
+    for name, corpus in corpora.items():
+        mb = sum(os.path.getsize(os.path.join(corpus, f)) for f in os.listdir(corpus)) / 1e6
+        docs = sum(_lines(os.path.join(corpus, f)) for f in os.listdir(corpus) if f.endswith(".jsonl"))
+        print(f"corpus {name}: {mb:.1f} MB, {docs:,} documents; BPE {VOCAB}; seq_len {SEQ_LEN}; {a.cores} cores",
+              flush=True)
+        for workload in a.only or ["A", "B"]:
+            runs = {"strata": [], "datatrove": [], "baseline": []}
+            for _ in range(a.repeats):  # alternating, so drift on a shared machine hits both
+                runs["strata"].append(run_strata(corpus, tok, a.workdir, workload, a.cores))
+                runs["datatrove"].append(run_peer(corpus, tok, a.workdir, workload, a.cores))
+                if workload == "A":
+                    runs["baseline"].append(run_baseline(corpus, tok, a.workdir, a.cores))
+            med = {k: statistics.median(r["seconds"] for r in v) for k, v in runs.items() if v}
+            s, d = runs["strata"][-1], runs["datatrove"][-1]
+            line = (f"  {workload}: strata {med['strata']:.1f} s, datatrove {med['datatrove']:.1f} s"
+                    + (f", multiprocessing {med['baseline']:.1f} s" if "baseline" in med else "")
+                    + f"; tokens {s['tokens']:,} / {d['tokens']:,}; strata peak worker RSS {s['peak_worker_rss_mb']:.0f} MB")
+            if workload == "B":
+                line += f"; removed: strata {s['documents']['duplicate']:,}, datatrove {d['removed']:,}"
+            print(line, flush=True)
+            if s["stages"]:
+                print("     strata CPU s by stage: " + ", ".join(f"{k} {v:.1f}" for k, v in s["stages"].items()))
+            ratios[(workload, name)] = med["datatrove"] / med["strata"]
+            results[f"{workload}:{name}"] = {"median_s": med, "strata": s, "datatrove": d}
+    with open(os.path.join(a.workdir, "result.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    for workload in a.only or ["A", "B"]:
+        parts = ", ".join(f"{c} {ratios[(workload, c)]:.2f}" for c in corpora)
+        print(f"workload {workload} throughput strata/datatrove: {parts}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
