@@ -106,7 +106,8 @@ def run_strata(corpus: str, tok: str, work: str, workload: str, cores: int) -> d
     seconds, out = timed(cmd, {"STRATA_STORAGE": storage, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
     s = json.loads(out.strip().splitlines()[-1])
     return {"seconds": seconds, "tokens": s["tokens"], "documents": s["documents"],
-            "stages": s["stats"].get("cpu_s_by_stage", {}), "peak_worker_rss_mb": s["stats"]["peak_worker_rss_mb"]}
+            "stages": s["stats"].get("cpu_s_by_stage", {}), "steps": s["stats"].get("wall_s_by_step", []),
+            "peak_worker_rss_mb": s["stats"]["peak_worker_rss_mb"]}
 
 
 def run_peer(corpus: str, tok: str, work: str, workload: str, cores: int) -> dict:
@@ -171,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             print(line, flush=True)
             if s["stages"]:
                 print("     strata CPU s by stage: " + ", ".join(f"{k} {v:.1f}" for k, v in s["stages"].items()))
+                print("     strata wall s, critical path: " + ", ".join(f"{k} {v:.1f}" for k, v in s["steps"])
+                      + f"; the rest (imports, Ray's shutdown) {med['strata'] - sum(v for _, v in s['steps']):.1f}")
             ratios[(workload, name)] = med["datatrove"] / med["strata"]
             results[f"{workload}:{name}"] = {"median_s": med, "strata": s, "datatrove": d}
     with open(os.path.join(a.workdir, "result.json"), "w") as f:

@@ -211,8 +211,13 @@ class DedupTokenizePack:
     def __init__(self, *, tokenizer: str, eot_token: str, definition: str | None, seq_len: int,
                  validation_fraction: float, seed: int, split_seed: int, dedup: dict, work_dir: str, index: list,
                  read: dict | None = None, clean: dict | None = None):
+        import os
+
         from strata.tokenizer import HFTokenizer, load_tokenizer
 
+        # One thread: Ray gives each actor one CPU, and the tokenizer's own thread pool beside the other
+        # actors' spins and contends (+25% CPU measured on 2 cores).
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
         self.tok = HFTokenizer(definition, eot_token) if definition else load_tokenizer(tokenizer, eot_token)
         self.row_len, self.fraction, self.seed, self.split_seed = seq_len + 1, validation_fraction, seed, split_seed
         self.dedup, self.work_dir, self.index = DedupConfig(**dedup), work_dir, index

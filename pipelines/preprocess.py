@@ -559,8 +559,9 @@ def _table(passes: PassResults | None, started: float, cpus: float, total_bytes:
         "dedup_by_source": passes.dedup_by_source if passes else {},
         "deferred_inputs": passes.deferred if passes else {},
         "cpu_s_by_stage": passes.cpu_s if passes else {},
-        "wall_s_by_step": {**passes.wall_s, "commit and the rest": round(seconds - sum(passes.wall_s.values()), 2)}
-        if passes else {},
+        # [step, seconds] in order (the manifest's JSON sorts keys)
+        "wall_s_by_step": [*passes.wall_s.items(), ("commit and the rest", round(seconds - sum(passes.wall_s.values()), 2))]
+        if passes else [],
     }
 
 
@@ -623,7 +624,7 @@ def format_table(stats: dict) -> str:
     if stats.get("cpu_s_by_stage"):
         lines += ["CPU seconds by stage"] + [f"{'  ' + k:<28}{v:>14,.1f}" for k, v in stats["cpu_s_by_stage"].items()]
         lines += ["wall seconds, critical path"] + [f"{'  ' + k:<36}{v:>6,.1f}"
-                                                     for k, v in stats["wall_s_by_step"].items()]
+                                                     for k, v in stats["wall_s_by_step"]]
     return "\n".join(lines)
 
 

@@ -73,7 +73,9 @@ class HFTokenizer:
             raise ValueError(f"tokenizer file {path!r} does not exist") from e
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray(e.ids, dtype=np.uint32) for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+        # The fast variant skips character offsets, which nothing here reads: the same ids for ~60% of the CPU.
+        encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
+        return [np.asarray(e.ids, dtype=np.uint32) for e in encode(texts, add_special_tokens=False)]
 
     def encode(self, text: str) -> np.ndarray:
         return self.encode_batch([text])[0]

@@ -42,6 +42,13 @@ def test_version_is_committed_with_a_complete_manifest(dataset, corpus):
     assert m.run["config"]["pack"]["seq_len"] == 128 and m.run["code_version"] and m.run["libraries"]["ray"]
     assert m.stats["tokens"] == m.tokens and m.stats["shards"] == len(m.shards)
     assert m.stats["mb_per_s_per_cpu"] > 0 and m.stats["tokens_per_s_per_cpu"] > 0
+    # Where the time went: CPU seconds of each stage the run went through, wall seconds of each step.
+    stages = m.stats["cpu_s_by_stage"]
+    assert {"read", "clean", "sign", "dedup", "tokenize", "pack", "write", "shuffle-write", "dedup-index",
+            "driver", "ray-daemons"} <= set(stages) and stages["dedup-index"] > 0 and stages["driver"] > 0
+    steps = dict(m.stats["wall_s_by_step"])
+    assert list(steps)[:2] == ["start-up", "pass 1: read, clean, sign"] and all(v >= 0 for v in steps.values())
+    assert sum(steps.values()) == pytest.approx(m.stats["seconds"], abs=0.05)
     assert os.listdir(v.path) == ["manifest.json"] and m.files.startswith("data/")
     assert sorted(os.listdir(v.file(m.files))) == sorted(["run.json", "rejects.json", "dedup", "dedup-audit.json"]
                                                          + [os.path.basename(s.path) for s in m.shards])  # no work files
