@@ -87,13 +87,45 @@ def tokenizer(path: str, sample_from: list[str]) -> str:
     return path
 
 
+LARGEST = {"mb": 0.0}  # the largest resident set of any process of the last timed command
+
+
+def _tree_rss_mb(root: int) -> float:
+    """The largest resident set (MB) of `root` and its descendants now (Linux /proc)."""
+    parents, rss = {}, {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            parents[int(pid)] = int(fields["PPid"])
+            rss[int(pid)] = int(fields.get("VmRSS", "0 kB").split()[0]) / 1024
+        except (OSError, ValueError, KeyError):
+            continue
+    tree, grew = {root}, True
+    while grew:
+        more = {p for p, pp in parents.items() if pp in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return max((rss.get(p, 0.0) for p in tree), default=0.0)
+
+
 def timed(cmd: list[str], env: dict | None = None) -> tuple[float, str]:
+    """Run `cmd` to its end; its wall seconds and stdout, and in LARGEST its largest process (sampled 4/s)."""
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})}, capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=out, stderr=err, text=True)
+        LARGEST["mb"] = 0.0
+        while proc.poll() is None:
+            if os.path.isdir("/proc"):
+                LARGEST["mb"] = max(LARGEST["mb"], _tree_rss_mb(proc.pid))
+            time.sleep(0.25)
+        seconds = time.perf_counter() - t0
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
     if proc.returncode:
-        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed:\n{proc.stderr[-3000:]}")
-    return seconds, proc.stdout
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed:\n{stderr[-3000:]}")
+    return seconds, stdout
 
 
 def run_strata(corpus: str, tok: str, work: str, workload: str, cores: int) -> dict:
@@ -105,9 +137,28 @@ def run_strata(corpus: str, tok: str, work: str, workload: str, cores: int) -> d
         cmd += ["--no-exact-dedup", "--no-near-dedup"]
     seconds, out = timed(cmd, {"STRATA_STORAGE": storage, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
     s = json.loads(out.strip().splitlines()[-1])
-    return {"seconds": seconds, "tokens": s["tokens"], "documents": s["documents"],
+    return {"seconds": seconds, "tokens": s["tokens"], "documents": s["documents"], "removed": _removed_ids(s["path"]),
+            "largest_mb": LARGEST["mb"],
             "stages": s["stats"].get("cpu_s_by_stage", {}), "steps": s["stats"].get("wall_s_by_step", []),
             "peak_worker_rss_mb": s["stats"]["peak_worker_rss_mb"]}
+
+
+def _removed_ids(version_path: str) -> list[str]:
+    """The corpus ids of the documents strata's dedup removed: its list beside the version names records
+    `PATH:OFFSET`, and each record's `id` is read back from there."""
+    import pyarrow.parquet as pq
+
+    with open(os.path.join(version_path, "manifest.json")) as f:
+        removed = json.load(f)["dedup"].get("removed")
+    if not removed:
+        return []
+    ids = []
+    for doc_id in pq.read_table(os.path.join(os.path.dirname(version_path), removed)).column("doc_id").to_pylist():
+        path, offset = doc_id.rsplit(":", 1)
+        with open(path, "rb") as f:
+            f.seek(int(offset))
+            ids.append(json.loads(f.readline()).get("id", doc_id))
+    return ids
 
 
 def run_peer(corpus: str, tok: str, work: str, workload: str, cores: int) -> dict:
@@ -116,7 +167,7 @@ def run_peer(corpus: str, tok: str, work: str, workload: str, cores: int) -> dic
     seconds, stdout = timed([PEER_PYTHON, os.path.join(REPO, "bench", "peer_datatrove.py"), "--workload", workload,
                              "--input", corpus, "--tokenizer", tok, "--out", out, "--workers", str(cores)])
     r = json.loads(stdout.strip().splitlines()[-1])
-    return {"seconds": seconds, "tokens": r["tokens"], "removed": len(r["removed"])}
+    return {"seconds": seconds, "tokens": r["tokens"], "removed": r["removed"], "largest_mb": LARGEST["mb"]}
 
 
 def run_baseline(corpus: str, tok: str, work: str, cores: int) -> dict:
@@ -135,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="runs of each system; the median is kept (default 1)")
     p.add_argument("--only", choices=["A", "B"], action="append", help="one workload (default both)")
     p.add_argument("--corpus", choices=["generated", "real"], action="append", help="one corpus (default both)")
+    p.add_argument("--memory-gb", type=float, default=0,
+                   help="also run workload A on a generated corpus of this many GB and print each one's largest process")
     p.add_argument("--cores", type=int, default=os.cpu_count())
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "strata-bench-peer"))
     a = p.parse_args(argv)
@@ -166,9 +219,12 @@ def main(argv: list[str] | None = None) -> int:
             s, d = runs["strata"][-1], runs["datatrove"][-1]
             line = (f"  {workload}: strata {med['strata']:.1f} s, datatrove {med['datatrove']:.1f} s"
                     + (f", multiprocessing {med['baseline']:.1f} s" if "baseline" in med else "")
-                    + f"; tokens {s['tokens']:,} / {d['tokens']:,}; strata peak worker RSS {s['peak_worker_rss_mb']:.0f} MB")
+                    + f"; tokens {s['tokens']:,} / {d['tokens']:,}; largest process {s['largest_mb']:.0f} / "
+                    f"{d['largest_mb']:.0f} MB (strata's largest worker {s['peak_worker_rss_mb']:.0f} MB)")
             if workload == "B":
-                line += f"; removed: strata {s['documents']['duplicate']:,}, datatrove {d['removed']:,}"
+                a_, b_ = set(s["removed"]), set(d["removed"])
+                line += (f"; removed: strata {len(a_):,}, datatrove {len(b_):,}, both {len(a_ & b_):,} "
+                         f"(agreement {len(a_ & b_) / max(len(a_ | b_), 1):.1%} of either's)")
             print(line, flush=True)
             if s["stages"]:
                 print("     strata CPU s by stage: " + ", ".join(f"{k} {v:.1f}" for k, v in s["stages"].items()))
@@ -176,6 +232,14 @@ def main(argv: list[str] | None = None) -> int:
                       + f"; the rest (imports, Ray's shutdown) {med['strata'] - sum(v for _, v in s['steps']):.1f}")
             ratios[(workload, name)] = med["datatrove"] / med["strata"]
             results[f"{workload}:{name}"] = {"median_s": med, "strata": s, "datatrove": d}
+    if a.memory_gb:
+        big = os.path.dirname(generate(os.path.join(a.workdir, f"generated-{int(a.memory_gb * 1024)}mb"),
+                                       int(a.memory_gb * 1024))[0])
+        s, d = run_strata(big, tok, a.workdir, "A", a.cores), run_peer(big, tok, a.workdir, "A", a.cores)
+        results["memory"] = {"gb": a.memory_gb, "strata": s, "datatrove": d}
+        print(f"memory, workload A on {a.memory_gb:g} GB: largest process strata {s['largest_mb']:.0f} MB (largest "
+              f"worker {s['peak_worker_rss_mb']:.0f} MB), datatrove {d['largest_mb']:.0f} MB; "
+              f"{s['seconds']:.0f} s / {d['seconds']:.0f} s", flush=True)
     with open(os.path.join(a.workdir, "result.json"), "w") as f:
         json.dump(results, f, indent=1)
     for workload in a.only or ["A", "B"]:

@@ -210,7 +210,7 @@ class DedupTokenizePack:
 
     def __init__(self, *, tokenizer: str, eot_token: str, definition: str | None, seq_len: int,
                  validation_fraction: float, seed: int, split_seed: int, dedup: dict, work_dir: str, index: list,
-                 read: dict | None = None, clean: dict | None = None):
+                 removed_dir: str = "", read: dict | None = None, clean: dict | None = None):
         import os
 
         from strata.tokenizer import HFTokenizer, load_tokenizer
@@ -221,6 +221,7 @@ class DedupTokenizePack:
         self.tok = HFTokenizer(definition, eot_token) if definition else load_tokenizer(tokenizer, eot_token)
         self.row_len, self.fraction, self.seed, self.split_seed = seq_len + 1, validation_fraction, seed, split_seed
         self.dedup, self.work_dir, self.index = DedupConfig(**dedup), work_dir, index
+        self.removed_dir = removed_dir
         # Fused mode (no dedup, so no global decision between reading and packing): read units directly.
         self.read = ReadConfig(**read) if read else None
         self.clean = CleanConfig(**clean) if clean else None
@@ -291,6 +292,7 @@ class DedupTokenizePack:
         out_name = name.replace("docs-", "packed-").removesuffix(".parquet") + ".parquet"
         fs, out_path = filesystem(join(self.work_dir, "packed", out_name))
         stats, counts, removed_by_path, clusters = Counter(), Counter(), Counter(), Counter()
+        removed_rows = {"doc_id": [], "kind": [], "kept": [], "earlier": []}
         samples: dict[str, list] = defaultdict(list)
         pairs: list[dict] = []
         carry = {s: np.zeros(0, dtype=np.uint32) for s in SPLIT_IDS}
@@ -302,6 +304,10 @@ class DedupTokenizePack:
             removed = np.flatnonzero(exact | near)
             removed_by_path.update(doc_path(ids[i]) for i in removed)
             if len(removed):
+                removed_rows["doc_id"] += [ids[i] for i in removed]
+                removed_rows["kind"] += ["exact" if exact[i] else "near" for i in removed]
+                removed_rows["kept"] += dup["winner"][removed].tolist()
+                removed_rows["earlier"] += dup["earlier"][removed].tolist()
                 clusters.update(dup["winner"][removed].tolist())
                 stats["removed_by_earlier_version"] += int(dup["earlier"][removed].sum())
                 pairs = audit_sample(pairs + [
@@ -338,6 +344,10 @@ class DedupTokenizePack:
         table = pa.concat_tables(tables) if tables else self.schema.empty_table()
         table = table.sort_by([("split", "ascending"), ("key", "ascending")])
         pq.write_table(table, out_path, filesystem=fs, row_group_size=ROW_GROUP_ROWS)
+        if removed_rows["doc_id"] and self.removed_dir:  # every removed document, for whoever audits dedup
+            rfs, rpath = filesystem(join(self.removed_dir, out_name))
+            pq.write_table(pa.table({**removed_rows, "kept": pa.array(removed_rows["kept"], pa.uint64())}), rpath,
+                           filesystem=rfs)
         clock.lap("write")
         return {"stats": [json.dumps(stats)], "counts": [json.dumps(counts)], "samples": [json.dumps(samples)],
                 "cpu_s": [clock.dumps()],

@@ -229,7 +229,8 @@ def _run_leased(cfg: PreprocessConfig, storage: Storage, run_id: str, lease: Lea
 
     staging = storage.run_files(cfg.dataset, f"g{lease.gen:08d}-{uuid.uuid4().hex[:8]}")
     work = join(staging, "_work")
-    make_dirs(join(work, "docs"), join(work, "packed"), join(work, "tails"), join(staging, "dedup"))
+    make_dirs(join(work, "docs"), join(work, "packed"), join(work, "tails"), join(staging, "dedup"),
+              join(staging, REMOVED_DIR))
     record = run_info("preprocess", {**asdict(cfg), "run_id": run_id})
     write_json_atomic(join(staging, "run.json"), record)
     try:
@@ -345,7 +346,7 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent, started: fl
                     tokenizer=cfg.pack.tokenizer, eot_token=cfg.pack.eot_token, definition=definition,
                     seq_len=cfg.pack.seq_len, validation_fraction=cfg.pack.validation_fraction,
                     seed=cfg.pack.seed, split_seed=cfg.pack.split_seed, dedup=asdict(cfg.dedup), work_dir=work,
-                    index=index, read=asdict(cfg.read) if fused else None,
+                    index=index, removed_dir=join(staging, REMOVED_DIR), read=asdict(cfg.read) if fused else None,
                     clean=asdict(cfg.clean) if fused else None)).take_all()
         if fused:
             p2, deferred = without_deferred(p2)
@@ -412,6 +413,7 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent, started: fl
 
 
 AUDIT_FILE = "dedup-audit.json"
+REMOVED_DIR = "removed"  # parquet parts: every document dedup removed (doc_id, kind, kept doc key, earlier)
 LARGEST_CLUSTERS = 5
 
 
@@ -577,7 +579,7 @@ def _commit(cfg, storage, staging, files, record, passes: PassResults, started, 
     audit = {}
     if passes.dedup_audit:
         write_json_atomic(join(staging, AUDIT_FILE), passes.dedup_audit)
-        audit = {"audit": AUDIT_FILE}
+        audit = {"audit": AUDIT_FILE, "removed": REMOVED_DIR}
     record.update(finished_at=time.time(), work_nodes=passes.nodes)
     return commit(storage, cfg.dataset, staging, dict(
         tokenizer=tok.info(), seq_len=cfg.pack.seq_len, dtype=token_dtype(tok.vocab_size), shards=shards,

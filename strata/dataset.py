@@ -139,8 +139,9 @@ class Manifest:
     stats: dict = field(default_factory=dict)
     """The run's summary table: counts by rule and reason, bytes, tokens, throughput."""
     dedup: dict = field(default_factory=dict)
-    """Dedup parameters, the state files later versions deduplicate against, and `audit`: the run's
-    dedup audit (removal rates per source, duplicate-cluster sizes, sampled pairs with their Jaccard)."""
+    """Dedup parameters, the state files later versions deduplicate against, `audit`: the run's dedup
+    audit (removal rates per source, duplicate-cluster sizes, sampled pairs with their Jaccard), and
+    `removed`: a directory of parquet parts listing every document dedup removed."""
     rejects: str = ""
     """The rejects report (counts and samples by reason), relative to the dataset directory."""
     run_id: str = ""
@@ -257,8 +258,9 @@ def commit(storage: Storage, name: str, files: str, manifest_fields: dict, *, le
         fields["tokenizer"] = TokenizerInfo(**{**asdict(tok), "file": f"{rel}/{tok.file}"})
     if fields.get("rejects"):
         fields["rejects"] = f"{rel}/{fields['rejects']}"
-    if fields.get("dedup", {}).get("audit"):
-        fields["dedup"] = {**fields["dedup"], "audit": f"{rel}/{fields['dedup']['audit']}"}
+    for key in ("audit", "removed"):
+        if fields.get("dedup", {}).get(key):
+            fields["dedup"] = {**fields["dedup"], key: f"{rel}/{fields['dedup'][key]}"}
     if fields.get("dedup", {}).get("files"):
         fields["dedup"] = {**fields["dedup"], "files": {t: [f"{rel}/{p}" for p in ps]
                                                        for t, ps in fields["dedup"]["files"].items()}}

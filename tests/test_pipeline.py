@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 
 import numpy as np
 import pyarrow as pa
@@ -50,7 +51,7 @@ def test_version_is_committed_with_a_complete_manifest(dataset, corpus):
     assert list(steps)[:2] == ["start-up", "pass 1: read, clean, sign"] and all(v >= 0 for v in steps.values())
     assert sum(steps.values()) == pytest.approx(m.stats["seconds"], abs=0.05)
     assert os.listdir(v.path) == ["manifest.json"] and m.files.startswith("data/")
-    assert sorted(os.listdir(v.file(m.files))) == sorted(["run.json", "rejects.json", "dedup", "dedup-audit.json"]
+    assert sorted(os.listdir(v.file(m.files))) == sorted(["run.json", "rejects.json", "dedup", "dedup-audit.json", "removed"]
                                                          + [os.path.basename(s.path) for s in m.shards])  # no work files
     for shard in m.shards:
         table = pq.read_table(v.file(shard.path))
@@ -323,6 +324,12 @@ def test_dedup_is_audited_per_source_and_a_source_wiped_out_is_refused(local_ray
         assert p["true_jaccard"] == pytest.approx(true, abs=1e-3)
         assert abs(p["estimated_jaccard"] - true) < 0.2
     assert pairs[0]["true_jaccard"] == 1.0 and pairs[2]["true_jaccard"] < 1.0
+    # Every removed document is listed beside the version, with its kind and the document it lost to.
+    removed = pq.read_table(v.file(v.manifest.dedup["removed"])).to_pylist()
+    assert len({r["doc_id"] for r in removed}) == len(removed) == dups
+    assert {r["doc_id"] for r in removed} <= set(line) and sum(r["earlier"] for r in removed) == 40
+    assert Counter(r["kind"] for r in removed) == {"exact": second["stats"]["duplicate"]["exact"],
+                                                   "near": second["stats"]["duplicate"]["near"]}
 
 
 def _offsets(text: str):
