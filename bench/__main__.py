@@ -23,8 +23,10 @@ OUT = Path(__file__).resolve().parent / "results"
 BENCHMARKS = {
     "preprocess": ("bench.preprocess", ["--mb", "100", "--memory-gb", "0.5"],
                    "tier-1 throughput, pipeline / hand-written multiprocessing", ">= 0.9"),
-    "peer": ("bench.peer", ["--mb", "100"], "tier-1 throughput strata / datatrove, workload B (dedup + tokenize) "
+    "peer": ("bench.peer", ["--mb", "100", "--memory-gb", "0.5"], "tier-1 throughput strata / datatrove, workload B (dedup + tokenize) "
              "per corpus; the line above it: workload A (tokenize)", ">= 1.2"),
+    "scaling": ("bench.scaling", ["--mb", "50"], "tier-1 throughput per CPU, two 1-CPU nodes / one 2-CPU node "
+                "(simulated cluster, workload B)", "~1"),
     "dedup": ("bench.dedup", [], "near-duplicate recall and precision at the threshold, measured / LSH's S-curve",
               "recall >= 0.99 at one-word edits (test); ~1"),
     "train.e2e": ("bench.train.e2e", [], "wall time per step of the whole command timed at two lengths, plain "
