@@ -562,7 +562,7 @@ def _table(passes: PassResults | None, started: float, cpus: float, total_bytes:
         "deferred_inputs": passes.deferred if passes else {},
         "cpu_s_by_stage": passes.cpu_s if passes else {},
         # [step, seconds] in order (the manifest's JSON sorts keys)
-        "wall_s_by_step": [*passes.wall_s.items(), ("commit and the rest", round(seconds - sum(passes.wall_s.values()), 2))]
+        "wall_s_by_step": [*passes.wall_s.items(), ("commit and the rest", round(max(0.0, seconds - sum(passes.wall_s.values())), 2))]
         if passes else [],
     }
 

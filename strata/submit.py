@@ -108,7 +108,7 @@ def use_token() -> str | None:
     return where
 
 
-AGENT_WAIT_S = 120  # how long a submission waits for the head's job agent (a head just started, or busy)
+AGENT_WAIT_S = 60  # how long a submission waits for the head's job agent (a head just started, or busy)
 
 
 def submit(kind: str, args: list[str], *, address: str, slot: str | None = None, sub_id: str | None = None,

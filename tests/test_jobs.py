@@ -37,10 +37,13 @@ def head(storage_root):
            "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_TMPDIR": temp,
            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
            "PATH": BIN + os.pathsep + os.environ.get("PATH", "")}
-    port, dash = _free_port(), _free_port()
+    # Every port its own: an embedded Ray of an earlier test holds the default job agent port (52365), and a
+    # head whose agent cannot bind it refuses every submission ("No available agent").
+    port, dash, agent = _free_port(), _free_port(), _free_port()
     proc = subprocess.Popen(
         [os.path.join(BIN, "ray"), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=2", "--disable-usage-stats",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={agent}",
+         "--num-cpus=2", "--disable-usage-stats",
          f"--labels={tiers.format_labels(tiers.local_node_labels())}"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     address = f"http://127.0.0.1:{dash}"
@@ -67,8 +70,8 @@ def head(storage_root):
 
 def _job(head, command, *args, env=None):
     """`ray job COMMAND`; a submission the head refuses because its job agent is not (or, on a loaded
-    machine, not at the moment) reachable is made again, as a person would, for up to 2 minutes."""
-    deadline = time.time() + 120
+    machine, not at the moment) reachable is made again, as a person would, for up to a minute."""
+    deadline = time.time() + 60
     while True:
         out = subprocess.run([os.path.join(BIN, "ray"), "job", command, "--address", head["address"], *args],
                              env=env or head["env"], capture_output=True, text=True, cwd=REPO, timeout=600)
