@@ -4,7 +4,7 @@ again under `records/` so that `python -m strata runs` finds every run of any ki
 from __future__ import annotations
 
 from strata.cost import UsageMonitor, load_prices
-from strata.storage import Storage, filesystem, join, read_json, write_json_atomic
+from strata.storage import Storage, join, list_dir, read_json, write_json_atomic
 
 
 def write_record(storage: Storage, info: dict, *, name: str, beside: str, usage: UsageMonitor,
@@ -41,12 +41,8 @@ def write_record(storage: Storage, info: dict, *, name: str, beside: str, usage:
 
 def list_records(storage: Storage) -> list[dict]:
     """Every run's record, oldest first."""
-    fs, path = filesystem(storage.records())
-    from pyarrow import fs as pafs
-
-    infos = [i for i in fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-             if i.type == pafs.FileType.File and i.path.endswith(".json")]
-    records = [read_json(storage.records() + "/" + i.base_name) for i in infos]
+    names = [name for name, is_dir in list_dir(storage.records()) if not is_dir and name.endswith(".json")]
+    records = [read_json(join(storage.records(), name)) for name in names]
     return sorted(records, key=lambda r: r.get("started_at", 0))
 
 

@@ -159,14 +159,22 @@ def is_dir(path: str) -> bool:
 def list_dir(path: str) -> list[tuple[str, bool]]:
     """(name, is_directory) of each entry directly under `path`; empty when it does not exist."""
     fs, p = filesystem(path)
-    infos = fs.get_file_info(pafs.FileSelector(p, allow_not_found=True))
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(p, allow_not_found=True))
+    except FileNotFoundError:
+        # Arrow's local listing fails on a missing directory and then asks whether it exists: a
+        # directory created between the two (another writer's first lease, say) raises here.
+        return []
     return sorted((i.base_name, i.type == pafs.FileType.Directory) for i in infos)
 
 
 def list_files(path: str) -> list[str]:
     """Every file under `path`, recursively, as paths relative to it."""
     fs, p = filesystem(path)
-    infos = fs.get_file_info(pafs.FileSelector(p, allow_not_found=True, recursive=True))
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(p, allow_not_found=True, recursive=True))
+    except FileNotFoundError:
+        return []  # created meanwhile, as in list_dir
     base = p.rstrip("/") + "/"
     return sorted(i.path[len(base):] for i in infos if i.type == pafs.FileType.File)
 
