@@ -209,16 +209,13 @@ class DedupTokenizePack:
     """Pass 2 over one work file of documents (Ray Data `map_batches` actor, batch_size=1)."""
 
     def __init__(self, *, tokenizer: str, eot_token: str, definition: str | None, seq_len: int,
+                 tokenizer_engine: str = "auto",
                  validation_fraction: float, seed: int, split_seed: int, dedup: dict, work_dir: str, index: list,
                  removed_dir: str = "", read: dict | None = None, clean: dict | None = None):
-        import os
-
         from strata.tokenizer import HFTokenizer, load_tokenizer
 
-        # One thread: Ray gives each actor one CPU, and the tokenizer's own thread pool beside the other
-        # actors' spins and contends (+25% CPU measured on 2 cores).
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        self.tok = HFTokenizer(definition, eot_token) if definition else load_tokenizer(tokenizer, eot_token)
+        self.tok = (HFTokenizer(definition, eot_token, tokenizer_engine) if definition
+                    else load_tokenizer(tokenizer, eot_token, tokenizer_engine))
         self.row_len, self.fraction, self.seed, self.split_seed = seq_len + 1, validation_fraction, seed, split_seed
         self.dedup, self.work_dir, self.index = DedupConfig(**dedup), work_dir, index
         self.removed_dir = removed_dir
@@ -321,7 +318,10 @@ class DedupTokenizePack:
             stats["kept"] += len(keep)
             streams = {s: [carry[s]] for s in SPLIT_IDS}
             clock.lap("dedup")
+            checked = getattr(self.tok, "checked", 0)
             encoded = self.tok.encode_batch([texts[i] for i in keep])
+            stats[f"encoded_by:{self.tok.engine}"] += len(keep)
+            stats["tokenizer_checked"] += getattr(self.tok, "checked", 0) - checked
             clock.lap("tokenize")
             for i, tokens in zip(keep, encoded, strict=True):
                 split = "validation" if validation_split(ids[i], self.split_seed, self.fraction) else "train"

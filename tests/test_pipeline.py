@@ -147,7 +147,7 @@ def test_shuffle_is_global_deterministic_and_bounded(local_ray, split_corpus):
 
 
 @pytest.mark.slow
-def test_mixed_compressed_inputs_and_a_trained_tokenizer(local_ray, tmp_path):
+def test_mixed_compressed_inputs_and_a_trained_tokenizer(local_ray, tmp_path, tmp_path_factory):
     texts = [f"document {i}: " + " ".join(f"word{(i * 7 + j) % 50}" for j in range(80)) for i in range(60)]
     lines = b"".join(json.dumps({"text": t}).encode() + b"\n" for t in texts[:20])
     (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(lines))
@@ -166,6 +166,23 @@ def test_mixed_compressed_inputs_and_a_trained_tokenizer(local_ray, tmp_path):
     rows = np.concatenate([_rows(p) for p in v.shard_paths("train")])
     assert rows.max() < tok.vocab_size and (rows == tok.eot_id).any()
     assert out["tokens"] < sum(len(t) for t in texts) / 2  # BPE compresses this text well
+    # That tokenizer.json through each engine: the fast one where it can, and the same rows either way.
+    tok_file = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok_file.write_text(v.tokenizer_definition())
+    rows_by = {}
+    for engine in ("auto", "hf"):
+        o = run(debug(f"mixed-{engine}", read={"inputs": (str(tmp_path),)}, dedup={"near_dedup": False},
+                      pack={"tokenizer": str(tok_file), "seq_len": 32,
+                            "tokenizer_engine": engine}), storage)
+        w = resolve(storage, f"mixed-{engine}@{o['version']}")
+        rows_by[engine] = np.concatenate([_rows(p) for s in ("train", "validation") for p in w.shard_paths(s)])
+        assert sum(o["stats"]["documents_by_tokenizer_engine"].values()) == o["documents"]["kept"] + \
+            o["documents"]["unpacked"]
+        rows_by[engine + "-stats"] = o["stats"]
+    assert set(rows_by["auto-stats"]["documents_by_tokenizer_engine"]) == {"tiktoken"}
+    assert rows_by["auto-stats"]["tokenizer_checked"] >= 1
+    assert set(rows_by["hf-stats"]["documents_by_tokenizer_engine"]) == {"hf"}
+    assert np.array_equal(rows_by["auto"], rows_by["hf"])
 
 
 def test_datasets_cli_lists_and_shows_versions(dataset):
