@@ -59,7 +59,11 @@ from strata.storage import (
     write_bytes_atomic,
     write_json_atomic,
 )
-from strata.tokenizer import TOKENIZER_FILE, check_spec
+from strata.tokenizer import ENGINES, TOKENIZER_FILE, TokenizerMismatch, check_spec
+
+# What tier 1's workers import, loaded by an embedded Ray's idle workers while the driver starts
+# (about 1 s sooner to the first unit on 2 cores).
+WORKER_MODULES = ("ray.data", "pyarrow.parquet", "tokenizers", "tiktoken")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +72,9 @@ class PackConfig:
     """`bytes`, a path to a Hugging Face tokenizer.json, or train:VOCAB (byte-level BPE trained on the corpus)."""
     eot_token: str = ""
     """End-of-text token of a tokenizer.json (default: the first of <|endoftext|>, </s>, ...)."""
+    tokenizer_engine: str = "auto"
+    """How a tokenizer.json encodes: auto (tiktoken's BPE core where the file allows it, checked against
+    Hugging Face's on a sample of documents; the same ids) or hf (Hugging Face tokenizers always)."""
     tokenizer_sample_bytes: int = 32 << 20
     """Text sampled from the corpus to train a train:VOCAB tokenizer."""
     seq_len: int = 128
@@ -83,6 +90,8 @@ class PackConfig:
 
     def __post_init__(self):
         check_spec(self.tokenizer)
+        if self.tokenizer_engine not in ENGINES:
+            raise ValueError(f"tokenizer_engine {self.tokenizer_engine!r}: use one of {', '.join(ENGINES)}")
         if self.seq_len < 1 or self.shard_bytes < 1:
             raise ValueError("seq_len and shard_bytes must be >= 1")
         if not 0.0 <= self.validation_fraction < 1.0:
@@ -159,7 +168,8 @@ UNIT_RETRIES = 2  # Ray runs a work unit whose file stayed unreadable again, thi
 EXIT_BUSY = 75  # EX_TEMPFAIL: another run holds the dataset (with --no-wait)
 
 
-def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "", *, wait: bool = True) -> dict:
+def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "", *, wait: bool = True,
+        dashboard: bool = True) -> dict:
     """Run the three passes over what is new and commit a version; returns the summary.
 
     The run holds the dataset's lease from deciding what is new until its commit,
@@ -179,12 +189,12 @@ def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "", *, wait: bool
         for leftover in abandoned_run_files(storage, cfg.dataset, lease.gen):
             _log(f"deleting {leftover}: files of a run that ended before its commit")
             delete_dir(leftover)
-        return _run_leased(cfg, storage, run_id, lease, files, started)
+        return _run_leased(cfg, storage, run_id, lease, files, started, dashboard)
     except Exception as e:
-        if (cause := _unreadable_input(e)) is None:
+        if (cause := _worker_error(e, (InputUnreadable, TokenizerMismatch))) is None:
             raise
         first = str(cause).split("\n")[0]  # without the traceback and Ray's retry advice
-        if isinstance(cause, InputMissing):
+        if isinstance(cause, (InputMissing, TokenizerMismatch)):
             raise DatasetError(f"{first}. Nothing was committed") from e
         raise DatasetError(
             f"{first}, in each of {1 + UNIT_RETRIES} runs of its work unit. Nothing was committed and the file is "
@@ -194,7 +204,7 @@ def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "", *, wait: bool
 
 
 def _run_leased(cfg: PreprocessConfig, storage: Storage, run_id: str, lease: Lease, files: list[dict],
-                started: float) -> dict:
+                started: float, dashboard: bool = True) -> dict:
     import ray
 
     earlier = _earlier(storage, cfg)
@@ -214,7 +224,7 @@ def _run_leased(cfg: PreprocessConfig, storage: Storage, run_id: str, lease: Lea
     if not files:
         _log("nothing new: no version created")
         return _empty_summary(cfg, started, "nothing new")
-    _log(connect())
+    _log(connect(dashboard=dashboard, preload=WORKER_MODULES))
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.label_selector = tiers.selector(tiers.Tier.CPU)  # every task and actor, shuffles too
     # A unit whose file stays unreadable runs again; then its error reaches run() as itself, not wrapped.
@@ -339,11 +349,13 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent, started: fl
         if inputs:
             p2 = ray.data.from_items(inputs, override_num_blocks=len(inputs)).map_batches(
                 DedupTokenizePack, batch_size=1, label_selector=on_cpu,
-                # One task in flight per actor: a free actor takes the next unit, so none idles at the end.
+                # Two units in flight per actor: the next one waits at the actor, not 0.15-0.2 s in Ray Data's
+                # dispatch after each (measured: 2 s of 14 per actor); at the end one unit may wait behind another.
                 compute=ray.data.ActorPoolStrategy(size=max(1, min(int(cpus), len(inputs))),
-                                                   max_tasks_in_flight_per_actor=1),
+                                                   max_tasks_in_flight_per_actor=2),
                 fn_constructor_kwargs=dict(
                     tokenizer=cfg.pack.tokenizer, eot_token=cfg.pack.eot_token, definition=definition,
+                    tokenizer_engine=cfg.pack.tokenizer_engine,
                     seq_len=cfg.pack.seq_len, validation_fraction=cfg.pack.validation_fraction,
                     seed=cfg.pack.seed, split_seed=cfg.pack.split_seed, dedup=asdict(cfg.dedup), work_dir=work,
                     index=index, removed_dir=join(staging, REMOVED_DIR), read=asdict(cfg.read) if fused else None,
@@ -473,7 +485,7 @@ def _tokenizer_definition(cfg, ray, work, docs_files, on_cpu, parent=None) -> st
     if cfg.pack.tokenizer != "bytes":
         from strata.tokenizer import HFTokenizer
 
-        return HFTokenizer.from_file(cfg.pack.tokenizer, cfg.pack.eot_token).definition
+        return HFTokenizer.from_file(cfg.pack.tokenizer, cfg.pack.eot_token, "hf").definition
     return None
 
 
@@ -482,7 +494,7 @@ def _tokenizer(cfg, definition):
 
     if not definition:
         return ByteTokenizer()
-    return HFTokenizer(definition, "" if cfg.pack.tokenizer.startswith("train:") else cfg.pack.eot_token)
+    return HFTokenizer(definition, "" if cfg.pack.tokenizer.startswith("train:") else cfg.pack.eot_token, "hf")
 
 
 def _train_tokenizer(paths: list[str], vocab: int, sample_bytes: int) -> str:
@@ -553,6 +565,9 @@ def _table(passes: PassResults | None, started: float, cpus: float, total_bytes:
         # Tokens of kept documents in no row: what is left of each split after every tail is packed.
         "tokens_unpacked": {s: packed.get(f"unpacked_tokens:{s}", 0) for s in ("train", "validation")},
         "rows": {s: packed.get(f"rows:{s}", 0) for s in ("train", "validation")}, "shards": len(passes.shards) if passes else 0,
+        # Which engine encoded how many documents, and how many of them both engines encoded (strata.tokenizer).
+        "documents_by_tokenizer_engine": {k.split(":", 1)[1]: v for k, v in packed.items() if k.startswith("encoded_by:")},
+        "tokenizer_checked": packed.get("tokenizer_checked", 0),
         "seconds": round(seconds, 2), "cpus": cpus,
         "mb_per_s_per_cpu": round(total_bytes / 1e6 / seconds / max(cpus, 1), 3),
         "tokens_per_s_per_cpu": round(tokens / seconds / max(cpus, 1)),
@@ -630,14 +645,14 @@ def format_table(stats: dict) -> str:
     return "\n".join(lines)
 
 
-def _unreadable_input(e: BaseException):
-    """The `InputUnreadable` a worker raised, from the Ray errors around it (or None)."""
+def _worker_error(e: BaseException, kinds):
+    """The error of one of `kinds` a worker raised, from the Ray errors around it (or None)."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(getattr(e, "cause", None), InputUnreadable):  # a RayTaskError: the worker's own error
+        if isinstance(getattr(e, "cause", None), kinds):  # a RayTaskError: the worker's own error
             return e.cause
-        if isinstance(e, InputUnreadable):
+        if isinstance(e, kinds):
             return e
         e = getattr(e, "cause", None) or e.__cause__ or e.__context__
     return None
@@ -665,7 +680,9 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         if args.run_id:
             check_name(args.run_id, "run id")
-        summary = run(cfg, Storage.from_env(args.storage), run_id=args.run_id, wait=not args.no_wait)
+        # The command ends with its run: an embedded Ray needs no dashboard (a joined cluster keeps its own).
+        summary = run(cfg, Storage.from_env(args.storage), run_id=args.run_id, wait=not args.no_wait,
+                      dashboard=False)
     except LeaseBusy as e:
         print(f"error: {e}; not waiting (--no-wait): its inputs are left for a later run", file=sys.stderr)
         sys.exit(EXIT_BUSY)

@@ -71,8 +71,10 @@ def finish(summary: dict, as_json: bool) -> dict:
     """Stop Ray (so no late log line follows), then print the JSON summary as the last line."""
     import ray
 
+    from strata.connect import shutdown
+
     if ray.is_initialized():
-        ray.shutdown()
+        shutdown()
     if as_json:
         print(json.dumps(summary), flush=True)
     return summary

@@ -3,6 +3,7 @@ embedded local Ray on loopback whose node satisfies every tier selector."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import socket
@@ -51,12 +52,17 @@ def dashboard_port(preferred: int = 8265) -> int:
 
 
 def connect(*, address: str | None = None, num_cpus: int | None = None,
-            temp_dir: str | None = None, log_to_driver: bool = True) -> str:
+            temp_dir: str | None = None, log_to_driver: bool = True, dashboard: bool = True,
+            preload: tuple[str, ...] = ()) -> str:
     """Connect to Ray once per process and return a one-line description.
 
     `address` (or `RAY_ADDRESS`) joins an existing cluster, which is how a job
     submitted with `ray job submit` finds its cluster. Without one, an embedded
     local Ray starts on loopback with its own temp dir and every tier label.
+    `dashboard=False` starts it without its dashboard (1-2 s sooner on 2 cores):
+    for a command that ends with its one job and needs no Ray Train. `preload`
+    names modules the embedded Ray's idle workers import while the driver is
+    still starting, so that the first tasks and actors do not wait for them.
     """
     import ray
 
@@ -78,19 +84,44 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
                     address="local",  # never attach to somebody else's cluster by accident
                     num_cpus=num_cpus,
                     labels=tiers.local_node_labels(),
-                    include_dashboard=True,  # Ray Train's state queries need it
+                    include_dashboard=dashboard,  # Ray Train's state queries need it
                     dashboard_host="127.0.0.1",
                     dashboard_port=dashboard_port(),
                     log_to_driver=log_to_driver,
                     _temp_dir=temp_dir,
+                    _system_config={"preload_python_modules": list(preload)} if preload else None,
                 )
                 _STARTED.add(ray.get_runtime_context().gcs_address)
+                atexit.register(stop_monitor)  # runs before Ray's own exit handler, registered earlier
                 break
             except Exception as e:  # a port taken between the probe and the bind by something else
                 ray.shutdown()
                 if "port" not in str(e) or attempt == 2:
                     raise
     return f"started embedded local Ray ({ray.cluster_resources().get('CPU', 0):.0f} CPUs, temp {temp_dir})"
+
+
+def shutdown() -> None:
+    """`ray.shutdown()`, an embedded Ray's monitor stopped first (see `stop_monitor`)."""
+    import ray
+
+    stop_monitor()
+    ray.shutdown()
+
+
+def stop_monitor(node=None) -> None:
+    """Stop the autoscaler monitor of a Ray head this process started (the embedded one by default)
+    before Ray's shutdown does; a local Ray has nothing to scale.
+
+    Ray stops GCS first; the monitor's SIGTERM handler then reports to GCS and hangs until Ray kills it a
+    second later (measured: shutdown 1.42 s, 0.19 s with the monitor gone first).
+    """
+    from ray._private import ray_constants, worker
+
+    node = node or getattr(worker, "_global_node", None)
+    for info in (node.all_processes.get(ray_constants.PROCESS_TYPE_MONITOR, []) if node else []):
+        with contextlib.suppress(OSError):
+            info.process.kill()
 
 
 @contextlib.contextmanager

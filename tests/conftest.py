@@ -126,12 +126,12 @@ def ensure_local_ray():
     import ray
 
     from strata import tiers
-    from strata.connect import connect
+    from strata.connect import connect, shutdown
 
     nodes = ray.nodes() if ray.is_initialized() else []
     if len(nodes) == 1 and tiers.tiers_of(nodes[0].get("Labels", {})) == set(tiers.Tier):
         return ray
-    ray.shutdown()
+    shutdown()
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     _ray_dirs.append(temp)
     connect(num_cpus=2, temp_dir=temp)
@@ -161,9 +161,9 @@ def simulated_cluster(nodes: list[tuple[tuple, int]]):
     from ray.cluster_utils import Cluster
 
     from strata import tiers
-    from strata.connect import dashboard_port
+    from strata.connect import dashboard_port, shutdown, stop_monitor
 
-    ray.shutdown()  # replaces the session's local Ray; ensure_local_ray() brings it back
+    shutdown()  # replaces the session's local Ray; ensure_local_ray() brings it back
     temp = tempfile.mkdtemp(prefix="rayc-", dir="/tmp")
     os.makedirs(os.path.join(temp, "ray"))
     old_tmpdir = os.environ.get("RAY_TMPDIR")
@@ -179,6 +179,7 @@ def simulated_cluster(nodes: list[tuple[tuple, int]]):
         yield cluster, added
     finally:
         ray.shutdown()
+        stop_monitor(cluster.head_node)
         cluster.shutdown()
         if old_tmpdir is None:
             os.environ.pop("RAY_TMPDIR", None)
@@ -190,9 +191,9 @@ def simulated_cluster(nodes: list[tuple[tuple, int]]):
 @pytest.fixture(scope="session", autouse=True)
 def _stop_ray_at_end():
     yield
-    import ray
+    from strata.connect import shutdown
 
-    ray.shutdown()
+    shutdown()
     for d in _ray_dirs:
         shutil.rmtree(d, ignore_errors=True)
 
