@@ -19,6 +19,7 @@ throughput ratios strata/datatrove for A and for B, per corpus (the target is >=
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import shutil
@@ -150,10 +151,11 @@ def _removed_ids(version_path: str) -> list[str]:
 
     with open(os.path.join(version_path, "manifest.json")) as f:
         removed = json.load(f)["dedup"].get("removed")
-    if not removed:
+    parts = sorted(glob.glob(os.path.join(os.path.dirname(version_path), removed, "*.parquet"))) if removed else []
+    if not parts:  # nothing removed: the directory has no parts
         return []
     ids = []
-    for doc_id in pq.read_table(os.path.join(os.path.dirname(version_path), removed)).column("doc_id").to_pylist():
+    for doc_id in pq.read_table(parts).column("doc_id").to_pylist():
         path, offset = doc_id.rsplit(":", 1)
         with open(path, "rb") as f:
             f.seek(int(offset))

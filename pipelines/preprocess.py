@@ -25,6 +25,7 @@ from pipelines.sources import (
     InputMissing,
     InputUnreadable,
     ReadConfig,
+    check_outside,
     list_inputs,
     plan_units,
     without_deferred,
@@ -181,6 +182,7 @@ def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "", *, wait: bool
     returns that version.
     """
     started = time.time()
+    check_outside(list(cfg.read.inputs), storage.root)
     files = list_inputs(list(cfg.read.inputs))  # a missing input fails here, before anything is written
     lease = Lease(storage.dataset(cfg.dataset), f"dataset {cfg.dataset}",
                   purpose=f"preprocess{f' run {run_id}' if run_id else ''}")

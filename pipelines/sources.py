@@ -21,6 +21,7 @@ import io
 import json
 import os
 import random
+import stat
 import time
 import zlib
 from collections.abc import Iterator
@@ -113,12 +114,52 @@ def _add(found: dict[str, dict], path: str, source: str) -> None:
         raise FileNotFoundError(f"input {path!r} does not exist")
     infos = [info]
     if info.type == pafs.FileType.Directory:
-        infos = fs.get_file_info(pafs.FileSelector(p, recursive=True))
+        infos = _local_tree(p) if "://" not in path else fs.get_file_info(pafs.FileSelector(p, recursive=True))
     prefix = path[: path.index("://") + 3] if "://" in path else ""
     for i in infos:
         if i.type == pafs.FileType.File and not i.base_name.startswith("."):
             full = prefix + i.path
             found.setdefault(full, {"path": full, "size": i.size, "mtime_ns": i.mtime_ns, "source": source})
+
+
+def _local_tree(root: str) -> list:
+    """Every file under a local directory, symbolic links followed, each directory and file once.
+
+    Arrow's recursive listing follows a link back to a parent forever; here a directory already seen
+    (same device and inode) is not entered again, and a file reached by a second path is listed once.
+    """
+    seen_dirs, seen_files, out = set(), set(), []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        st = os.stat(dirpath)
+        if (st.st_dev, st.st_ino) in seen_dirs:
+            dirnames[:] = []
+            continue
+        seen_dirs.add((st.st_dev, st.st_ino))
+        dirnames.sort()
+        for name in sorted(filenames):
+            full = os.path.join(dirpath, name)
+            try:
+                st = os.stat(full)
+            except OSError:  # a dangling link: nothing to read
+                continue
+            if (st.st_dev, st.st_ino) not in seen_files and stat.S_ISREG(st.st_mode):
+                seen_files.add((st.st_dev, st.st_ino))
+                out.append(pafs.FileInfo(full, pafs.FileType.File, size=st.st_size, mtime_ns=st.st_mtime_ns))
+    return out
+
+
+def check_outside(inputs: list[str], root: str) -> None:
+    """Refuse an input that is, or is inside, or holds the storage root: strata would read back its own
+    shards, records and reports as text."""
+    def norm(p: str) -> str:
+        return p.rstrip("/") if "://" in p else os.path.realpath(os.path.expanduser(p))
+
+    r = norm(root)
+    for spec in inputs:
+        p = norm(spec.split("*", 1)[0].rsplit("/", 1)[0] if glob.has_magic(spec) else spec)
+        if p == r or p.startswith(r + "/") or r.startswith(p.rstrip("/") + "/"):
+            raise ValueError(f"input {spec!r} overlaps the storage root {root!r}: strata would read its own "
+                             "datasets, records and reports as input. Keep raw text outside it")
 
 
 def plan_units(files: list[dict], cfg: ReadConfig, parallelism: int = 1) -> list[list[dict]]:

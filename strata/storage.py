@@ -91,9 +91,9 @@ def basename(path: str) -> str:
 
 def check_name(name: str, what: str = "name") -> str:
     """Names become path parts and Ray ids: keep them to [A-Za-z0-9._-]."""
-    ok = name and all(c.isalnum() or c in "._-" for c in name) and not name.startswith(".")
+    ok = name and all((c.isascii() and c.isalnum()) or c in "._-" for c in name) and not name.startswith(".")
     if not ok:
-        raise ValueError(f"invalid {what} {name!r}: use letters, digits, '.', '_' and '-' only")
+        raise ValueError(f"invalid {what} {name!r}: use ASCII letters, digits, '.', '_' and '-' only")
     return name
 
 

@@ -3,8 +3,10 @@
 What `ray job submit` leaves to you, filled in:
 
 - the runtime env of `platform/runtime-env.yaml`, the working directory
-  (default `.`) and excludes that keep secrets (`.env`, keys, credential
-  files) out of the upload;
+  (default `.`) and its allow-list: only the packages' Python files and the
+  files the commands read are uploaded, whatever runtime env file is given
+  (`--runtime-env` can add files; it cannot add a dotfile, a key or a
+  credential file);
 - the driver's placement: 1 CPU on an on-demand cpu-tier node (never a GPU
   node, never a spot node that could take the driver with it);
 - the token: the client sends it whenever one is found (`RAY_AUTH_TOKEN`,
@@ -39,11 +41,12 @@ from strata.runinfo import code_version
 MODULES = {"preprocess": "pipelines.preprocess", "train": "train", "tune": "tune"}
 SLOTS = {"hourly": 3600, "daily": 86400}
 RUNTIME_ENV = Path(__file__).resolve().parent.parent / "platform" / "runtime-env.yaml"
-# Never uploaded with a working directory, whatever the runtime env says.
+# Never uploaded with a working directory, whatever the runtime env says (after the allow-list of
+# platform/runtime-env.yaml, which already leaves out all but the code: a second line of defence).
 SECRET_EXCLUDES = [
-    ".env", ".env.*", "**/.env", "**/.env.*", "*.pem", "*.key", "*.p12", "*.pfx", "id_rsa*", "id_ecdsa*",
-    "id_ed25519*", ".ssh/", ".aws/", ".gcp/", ".azure/", ".kube/", "*credentials*",
-    "service-account*.json", ".netrc", ".git-credentials", ".pypirc", "*.token", "*-token", "auth_token",
+    ".*", "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "*.keystore", "id_rsa*", "id_ecdsa*", "id_ed25519*",
+    "*credentials*", "service-account*.json", "sa-key*.json", "*kubeconfig*", "terraform.tfstate*", "*.tfvars",
+    "secrets.yaml", "secrets.yml", "*.token", "*-token", "auth_token",
 ]
 TOKEN_FILES = ("~/.strata/ray-token", "~/.ray/auth_token")
 
@@ -85,7 +88,10 @@ def runtime_env(working_dir: str, env_file: str | None) -> dict:
     env = (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
     if working_dir:
         env["working_dir"] = working_dir
-        env["excludes"] = list(dict.fromkeys([*env.get("excludes", []), *SECRET_EXCLUDES]))
+        # The last match wins: the allow-list, what the file adds to or takes from it, and never a secret.
+        allow = yaml.safe_load(RUNTIME_ENV.read_text())["excludes"]
+        own = [e for e in env.get("excludes", []) if e not in allow]
+        env["excludes"] = [*allow, *own, *SECRET_EXCLUDES, "!/."]
     env_vars = env.setdefault("env_vars", {})
     if storage := os.environ.get("STRATA_STORAGE"):  # the submitter's storage wins over the file's default
         env_vars["STRATA_STORAGE"] = storage

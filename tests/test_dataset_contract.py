@@ -246,9 +246,10 @@ def test_token_dtype_is_the_smallest_that_fits():
 
 
 def test_names_and_storage_root(tmp_path, monkeypatch):
-    for bad in ("", "../up", "a/b", ".hidden", "sp ace"):
-        with pytest.raises(ValueError):
+    for bad in ("", "../up", "a/b", ".hidden", "sp ace", "caf\u00e9", "\uff46\uff55\uff4c\uff4c", "\u0661\u0662"):
+        with pytest.raises(ValueError, match="ASCII"):
             check_name(bad)
+    assert check_name("web-2026.12_v1") == "web-2026.12_v1"
     monkeypatch.setenv("STRATA_STORAGE", str(tmp_path / "x"))
     assert storage_root() == str(tmp_path / "x")
     assert storage_root("s3://bucket/root/") == "s3://bucket/root"

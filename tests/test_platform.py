@@ -65,6 +65,10 @@ def test_cluster_yaml_follows_our_rules(cluster):
     starts = cluster["head_start_ray_commands"] + cluster["worker_start_ray_commands"]
     for cmd in (c for c in starts if "ray start" in c):
         assert "RAY_AUTH_MODE=token" in cmd, f"token auth off in: {cmd}"
+    from pipelines.preprocess import WORKER_MODULES
+
+    worker_start = next(c for c in cluster["worker_start_ray_commands"] if "ray start" in c)
+    assert f"RAY_preload_python_modules={','.join(WORKER_MODULES)} " in worker_start, "workers preload tier 1's modules"
     head_start = next(c for c in cluster["head_start_ray_commands"] if "ray start" in c)
     host = re.search(r"--dashboard-host[= ](\S+)", head_start)
     assert host and host.group(1) in ("127.0.0.1", "localhost"), "the dashboard stays on the head's localhost"
@@ -80,6 +84,17 @@ def _images() -> dict:
         text = (ROOT / "platform" / "docker" / f"{kind}.Dockerfile").read_text()
         out[kind] = re.search(r"docker build .* -t (\S+) \.", text).group(1)
     return out
+
+
+def test_ray_up_copies_the_code_and_not_the_working_tree(cluster):
+    """`ray up` syncs file_mounts with rsync: only the packages and the files the commands read, by name."""
+    allowed = {"./strata", "./pipelines", "./train", "./tune", "./pyproject.toml", "./README.md", "./cluster.yaml",
+               "./prices.yaml"}
+    mounts = {dst: src for dst, src in cluster["file_mounts"].items() if not dst.startswith("~/.strata/")}
+    assert set(mounts.values()) == allowed, "a mount of the whole tree would copy .env, .git and keys to every node"
+    assert all(dst == "~/strata/" + src[2:] for dst, src in mounts.items())
+    assert cluster["file_mounts"]["~/.strata/ray-token"] == "~/.strata/ray-token"
+    assert ".*" in cluster["rsync_exclude"], "dotfiles inside the packages stay behind"
 
 
 def test_both_images_carry_the_same_code_and_pinned_deps():

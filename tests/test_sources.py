@@ -4,6 +4,8 @@ import gzip
 import json
 import os
 import random
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -11,7 +13,14 @@ import pytest
 import zstandard
 
 from pipelines.pack import validation_split
-from pipelines.sources import ReadConfig, describe, list_inputs, plan_units, read_file
+from pipelines.sources import (
+    ReadConfig,
+    check_outside,
+    describe,
+    list_inputs,
+    plan_units,
+    read_file,
+)
 
 
 def records(path, **cfg):
@@ -330,3 +339,30 @@ def test_a_deferred_file_leaves_its_unit_and_its_other_ranges_out(tmp_path):
     rows = [{k: v[0] for k, v in r.items()} for r in [out, *ranges]]
     kept, deferred = without_deferred(rows)
     assert kept == rows[:1] and deferred == {"bad": "reading bad failed"}
+
+
+def test_symbolic_link_loops_are_followed_once(tmp_path):
+    (tmp_path / "in" / "a").mkdir(parents=True)
+    (tmp_path / "in" / "a" / "one.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "two.jsonl").write_text('{"text": "y"}\n')
+    os.symlink("..", tmp_path / "in" / "a" / "up")  # a loop back to the input's root
+    os.symlink("../a", tmp_path / "in" / "a" / "self")  # and to itself
+    os.symlink(tmp_path / "elsewhere", tmp_path / "in" / "linked")  # a linked directory is read
+    os.symlink(tmp_path / "in" / "a" / "one.jsonl", tmp_path / "in" / "again.jsonl")  # a second path to one file
+    os.symlink(tmp_path / "nowhere", tmp_path / "in" / "dangling.jsonl")
+    found = [f["path"] for f in list_inputs([str(tmp_path / "in")])]
+    real = sorted(os.path.realpath(p) for p in found)  # each file once, by whichever path came first
+    assert real == [str(tmp_path / "elsewhere" / "two.jsonl"), str(tmp_path / "in" / "a" / "one.jsonl")], found
+
+
+def test_an_input_that_overlaps_the_storage_root_is_refused(tmp_path):
+    root = str(tmp_path / "store")
+    for bad in (root, root + "/datasets/web", str(tmp_path), root + "/*.json", "s3://b"):
+        with pytest.raises(ValueError, match="storage root"):
+            check_outside([bad], root if not bad.startswith("s3") else "s3://b/strata")
+    check_outside([str(tmp_path / "raw"), str(tmp_path / "store2")], root)
+    check_outside(["s3://b/raw/"], "s3://b/strata")
+    out = subprocess.run([sys.executable, "-m", "pipelines.preprocess", "--input", root, "--dataset", "d"],
+                         env={**os.environ, "STRATA_STORAGE": root}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "overlaps the storage root" in out.stderr and not os.path.exists(root)
