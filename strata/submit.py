@@ -17,10 +17,12 @@ What `ray job submit` leaves to you, filled in:
   gets the slot as its `--run-id`, so even a resubmitted slot commits no
   second version.
 
-Cron (incremental preprocessing every hour, idempotent per slot):
+Cron (incremental preprocessing every hour, idempotent per slot), through an SSH tunnel to the head's
+loopback dashboard (plain http:// to another machine is refused: the token would travel in the clear):
 
-    0 * * * * cd /opt/strata && .venv/bin/python -m strata submit preprocess --slot hourly --no-wait \\
-        --address http://HEAD:8265 -- --preset web --input s3://raw/web/ --dataset web --incremental
+    0 * * * * cd /opt/strata && ssh -fN -o ExitOnForwardFailure=yes -L 8265:127.0.0.1:8265 ray@HEAD; \\
+        .venv/bin/python -m strata submit preprocess --slot hourly --no-wait --address http://127.0.0.1:8265 \\
+        -- --preset web --input s3://raw/web/ --dataset web --incremental
 """
 
 from __future__ import annotations
@@ -114,12 +116,41 @@ def use_token() -> str | None:
     return where
 
 
+def check_address(address: str, insecure_http: bool = False) -> None:
+    """Refuse plain HTTP to anything but loopback: the token would cross the network in the clear."""
+    from urllib.parse import urlparse
+
+    url = urlparse(address if "://" in address else f"http://{address}")
+    if url.scheme == "http" and url.hostname not in ("127.0.0.1", "localhost", "::1") and not insecure_http:
+        raise ValueError(f"{address} is plain HTTP to another machine: the cluster token would travel in the clear. "
+                         "Reach the head through a port-forward or an SSH tunnel (http://127.0.0.1:8265), or "
+                         "TLS (https://...); --insecure-http sends it anyway")
+
+
+def check_token_mode(path: str, fix: bool | None = None, out=sys.stderr) -> bool:
+    """Whether the token file is private (0600 or stricter); warns about one others can read and, asked or
+    allowed (`fix`), makes it 0600. fix=None asks on a terminal."""
+    import stat
+
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if not mode & 0o077:
+        return True
+    print(f"[submit] WARNING: the token file {path} can be read by others (mode {mode:04o}); "
+          f"`chmod 600 {path}` fixes it", file=out)
+    if fix is None:
+        fix = sys.stdin.isatty() and input("[submit] make it 0600 now? [y/N] ").strip().lower() == "y"
+    if fix:
+        os.chmod(path, 0o600)
+        print(f"[submit] {path} is now 0600", file=out)
+    return bool(fix)
+
+
 AGENT_WAIT_S = 60  # how long a submission waits for the head's job agent (a head just started, or busy)
 
 
 def submit(kind: str, args: list[str], *, address: str, slot: str | None = None, sub_id: str | None = None,
            working_dir: str = ".", env_file: str | None = None, wait: bool = True, at: float | None = None,
-           out=sys.stderr) -> dict:
+           out=sys.stderr, insecure_http: bool = False, fix_token_mode: bool | None = False) -> dict:
     """Submit; returns {"submission_id", "status", "duplicate"}. Waits and streams logs unless wait=False."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
@@ -130,7 +161,10 @@ def submit(kind: str, args: list[str], *, address: str, slot: str | None = None,
         if kind == "preprocess" and "--run-id" not in args:
             args = [*args, "--run-id", sub_id]  # idempotent at the data level too
     entrypoint = shlex.join(["python", "-m", MODULES[kind], *args])
+    check_address(address, insecure_http)
     where = use_token()
+    if where and os.path.isfile(os.path.expanduser(where)):
+        check_token_mode(os.path.expanduser(where), fix=fix_token_mode, out=out)
     print(f"[submit] {entrypoint} -> {address}" + (f" as {sub_id}" if sub_id else "")
           + ("" if where else " (no token found: the cluster will refuse this if it has auth on)"), file=out)
     try:
@@ -184,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--working-dir", default=".", help="directory to upload (default: .; '' uploads nothing)")
     p.add_argument("--runtime-env", help=f"runtime env YAML (default: {RUNTIME_ENV.relative_to(RUNTIME_ENV.parents[1])})")
     p.add_argument("--no-wait", action="store_true", help="return once submitted instead of streaming logs")
+    p.add_argument("--insecure-http", action="store_true", help="allow plain http:// to a head that is not "
+                   "loopback (the token travels in the clear; use a tunnel or TLS instead)")
+    p.add_argument("--fix-token-mode", action="store_true", help="make a token file others can read 0600 "
+                   "without asking")
     a = p.parse_args(head)
     if not a.address:
         p.error("--address (or RAY_ADDRESS) is required: the cluster's dashboard, e.g. http://127.0.0.1:8265")
@@ -192,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         if at is not None and not a.slot:
             raise ValueError("--slot-time needs --slot")
         r = submit(a.kind, rest, address=a.address, slot=a.slot, sub_id=a.submission_id,
-                   working_dir=a.working_dir, env_file=a.runtime_env, wait=not a.no_wait, at=at)
+                   working_dir=a.working_dir, env_file=a.runtime_env, wait=not a.no_wait, at=at,
+                   insecure_http=a.insecure_http, fix_token_mode=True if a.fix_token_mode else None)
     except ValueError as e:
         p.error(str(e))
     except Exception as e:  # the client's errors (refused token, unreachable head) are the user's to read

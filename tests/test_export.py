@@ -9,6 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from strata.tokenizer import ByteTokenizer
+from train.checkpoint import sign_checkpoint
 from train.export import export, main
 from train.model import GPT, preset
 
@@ -25,6 +26,7 @@ def checkpoint(tmp_path):
                 p.add_(torch.randn_like(p) * 0.1)  # norms away from (1, 0)
     d = tmp_path / "checkpoint-00000007"
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(d), no_dist=True)
+    sign_checkpoint(str(d))
     (d / "meta.json").write_text(json.dumps({"step": 7, "model_config": asdict(cfg),
                                              "tokenizer": asdict(ByteTokenizer().info())}))
     return str(d), model

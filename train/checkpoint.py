@@ -4,8 +4,10 @@ handed to Ray Train, which uploads them and keeps the last N.
 A checkpoint directory `checkpoint-<step>` holds
 
     .metadata, __<rank>_0.distcp   model and optimizer, sharded: every rank writes its own part
-    rng-<rank>.pt                  that rank's RNG states
+    rng-<rank>.pt                  that rank's RNG states (tensors only: loaded with weights_only)
     meta.json                      step, data position, loss, reason, model/train config, tokenizer
+    signature.json                 an HMAC of .metadata, which DCP unpickles (strata.signing): a
+                                   checkpoint without a valid one is refused before DCP reads it
 
 Saving (`AsyncCheckpointer.start`): every rank copies its shards to CPU memory
 (the only time training waits), then a background thread writes them to a
@@ -31,7 +33,11 @@ import time
 
 import torch
 
+from strata.signing import check, sign
+
 META = "meta.json"
+SIGNATURE = "signature.json"
+DCP_METADATA = ".metadata"
 SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of registered checkpoints
 
 
@@ -92,6 +98,8 @@ class AsyncCheckpointer:
         """The written checkpoint's (step, local dir), now the caller's to hand over."""
         self.wait()
         taken = self.pending
+        if os.path.exists(os.path.join(taken[1], DCP_METADATA)):  # the coordinator's directory
+            sign_checkpoint(taken[1])
         self.future, self.pending = None, None
         return taken
 
@@ -109,13 +117,14 @@ def load(directory: str, model, optimizer, rank: int, pg=None) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    check_signed(directory)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=directory, process_group=pg)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rng = os.path.join(directory, f"rng-{rank}.pt")
     if os.path.exists(rng):  # absent when the world grew since the save: seeds then differ from a straight run
-        _set_rng_state(torch.load(rng, weights_only=False))
+        _set_rng_state(torch.load(rng, weights_only=True))
     with open(os.path.join(directory, META)) as f:
         return json.load(f)
 
@@ -124,11 +133,31 @@ def load_model_state(directory: str, model) -> dict:
     """The model's weights alone, in one process (sample, export); returns the meta."""
     import torch.distributed.checkpoint as dcp
 
+    check_signed(directory)
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=directory, no_dist=True)
     model.load_state_dict(state["model"])
     with open(os.path.join(directory, META)) as f:
         return json.load(f)
+
+
+def sign_checkpoint(directory: str) -> None:
+    """Write the signature of a local checkpoint directory's .metadata beside it."""
+    with open(os.path.join(directory, DCP_METADATA), "rb") as f:
+        signature = {DCP_METADATA: sign(f.read())}
+    with open(os.path.join(directory, SIGNATURE), "w") as f:
+        json.dump(signature, f)
+
+
+def check_signed(directory: str) -> None:
+    """Refuse (strata.signing.Untrusted) a checkpoint whose .metadata, which DCP unpickles, is not signed."""
+    try:
+        with open(os.path.join(directory, SIGNATURE)) as f:
+            signature = json.load(f).get(DCP_METADATA)
+    except (OSError, ValueError):
+        signature = None
+    with open(os.path.join(directory, DCP_METADATA), "rb") as f:
+        check(f.read(), signature, f"checkpoint {directory}: {DCP_METADATA}")
 
 
 def read_meta(directory: str) -> dict:

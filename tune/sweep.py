@@ -296,7 +296,7 @@ def run_trial(config: dict, *, sweep: dict, space: dict, make_fit) -> None:
             with open(os.path.join(d, "pack.json")) as f:
                 book = json.load(f)
             if os.path.exists(os.path.join(d, "state.pt")):
-                state = torch.load(os.path.join(d, "state.pt"), weights_only=False)
+                state = torch.load(os.path.join(d, "state.pt"), weights_only=True)  # tensors, numbers, dicts
         book["restores"].append(node)
     todo = [(None, config)] if single else [(i, sample(space, s.seed, i)) for i in s.pack_range(config["pack"])]
     finished = {r["index"] for r in book["done"]}
