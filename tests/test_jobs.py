@@ -144,6 +144,16 @@ def test_strata_submit_runs_a_scheduled_slot_once(head, corpus, storage_root):
     assert resolve(Storage(storage_root), "slotted").manifest.run["code_version"] == code_version()
     jobs = _job(head, "list").stdout
     assert jobs.count(f"submission_id='{sub_id}'") == 1
+    # The token is in the submitter's and the head's environment, and nowhere it could be read back.
+    token = head["env"]["RAY_AUTH_TOKEN"]
+    seen = {"strata submit's output": first.stdout + first.stderr + again.stdout + again.stderr,
+            "ray job list (with the runtime env)": jobs, "the job's logs": _job(head, "logs", sub_id).stdout}
+    for dirpath, _, files in os.walk(storage_root):
+        for name in files:
+            if name.endswith((".json", ".csv", ".txt", ".log", ".md")):
+                with open(os.path.join(dirpath, name), errors="replace") as f:
+                    seen[os.path.join(dirpath, name)] = f.read()
+    assert len(seen) > 5 and not [where for where, text in seen.items() if token in text]
 
 
 def test_slot_ids_are_distinct_per_dataset_and_stable_within_a_slot():

@@ -229,6 +229,15 @@ def test_jobs_and_schedules_run_real_commands_on_the_strata_cluster(manifests):
     assert "--slot" in container["command"], "a scheduled submission is idempotent per slot"
     token = next(e for e in container["env"] if e["name"] == "RAY_AUTH_TOKEN")
     assert token["valueFrom"]["secretKeyRef"]["name"] == secret
+    # The token goes to the pod's loopback, forwarded to the head through the API server, never plain HTTP.
+    from strata.submit import check_address
+
+    check_address(container["command"][container["command"].index("--address") + 1])
+    [sidecar] = pod["initContainers"]
+    assert sidecar["restartPolicy"] == "Always" and sidecar["command"][:2] == ["kubectl", "port-forward"]
+    rbac = {i["kind"]: i for i in manifests["cronjob-rbac.yaml"]["items"]}
+    assert pod["serviceAccountName"] == rbac["ServiceAccount"]["metadata"]["name"]
+    assert {"pods/portforward"} <= {r for rule in rbac["Role"]["rules"] for r in rule["resources"]}
 
 
 def test_gpu_nodes_get_shared_memory_and_their_network_interface(cluster, manifests):
