@@ -24,8 +24,8 @@ from strata.storage import Storage, join
 def demo_corpus(storage: Storage) -> list[str]:
     """Inputs that need no download: the standard library's top-level modules,
     plus damaged and duplicated files that show the rejects and dedup accounting."""
-    remote = "://" in storage.root
-    dirty = Path(tempfile.mkdtemp(prefix="strata-demo-") if remote else join(storage.root, "demo-inputs"))
+    # Outside the storage root: preprocessing refuses inputs that overlap it.
+    dirty = Path(tempfile.gettempdir(), "strata-demo-inputs")
     dirty.mkdir(parents=True, exist_ok=True)
     (dirty / "latin1.txt").write_bytes("caf\xe9 cr\xe8me br\xfbl\xe9e, written in Latin-1".encode("latin-1"))
     (dirty / "image.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)))

@@ -35,10 +35,10 @@ def test_strata_command_lists_demo():
 
 def test_missing_input_is_a_clear_error(tmp_path):
     out = cli("pipelines.preprocess", "--input", str(tmp_path / "nope"), "--dataset", "x", "--json",
-              env={"STRATA_STORAGE": str(tmp_path)})
+              env={"STRATA_STORAGE": str(tmp_path / "store")})
     assert out.returncode != 0
     assert "does not exist" in out.stderr and "Traceback" not in out.stderr
-    assert not os.path.exists(tmp_path / "datasets" / "x")
+    assert not os.path.exists(tmp_path / "store" / "datasets" / "x")
 
 
 def test_bad_config_values_are_usage_errors(tmp_path):
