@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test test-bench lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ lint: install
 
 test: lint
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m pytest
+
+# The benchmark smoke runs `make test` leaves out (about 2 minutes on 2 cores); `make bench` runs the benchmarks.
+test-bench: install
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m pytest -m bench
 
 # The peer that bench.peer runs against: datatrove, pinned, in an environment of its own (not a dependency).
 PEER_VENV := .venv-peer

@@ -79,6 +79,7 @@ def test_the_results_table_has_a_row_per_benchmark_run():
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_end_to_end_benchmark_times_the_real_command(tmp_path):
     lines = _run("bench.train.e2e", "--steps", "12", "--short-steps", "4", "--log-every", "1", "--workdir",
                  str(tmp_path), "--json")  # make bench runs --log-every 10 too
