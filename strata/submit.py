@@ -39,6 +39,7 @@ from pathlib import Path
 
 from strata import tiers
 from strata.runinfo import code_version
+from strata.signing import TOKEN_FILES
 
 MODULES = {"preprocess": "pipelines.preprocess", "train": "train", "tune": "tune"}
 SLOTS = {"hourly": 3600, "daily": 86400}
@@ -50,7 +51,6 @@ SECRET_EXCLUDES = [
     "*credentials*", "service-account*.json", "sa-key*.json", "*kubeconfig*", "terraform.tfstate*", "*.tfvars",
     "secrets.yaml", "secrets.yml", "*.token", "*-token", "auth_token",
 ]
-TOKEN_FILES = ("~/.strata/ray-token", "~/.ray/auth_token")
 
 
 def slot_start(slot: str, now: float | None = None) -> dt.datetime:
