@@ -2,10 +2,14 @@
 
 import json
 import os
+import pickle
+import re
 
 import pytest
+from test_security import Payload
 
 from strata.lease import Lease, LeaseBusy
+from strata.signing import Untrusted
 from strata.storage import Storage
 from tune.driver import run
 from tune.sweep import SPACES, SweepConfig
@@ -31,6 +35,22 @@ def test_sweep_runs_trials_and_writes_the_best_config(local_ray, dataset):
     assert [float(r["best_val_loss"]) for r in rows] == sorted(t["best"] for t in trials)
     assert {r["trial"] for r in rows} == {t["trial"] for t in trials} and len(rows) == 3
     assert set(rows[0]) == {"trial", "status", "iterations", "best_val_loss", "lr", "batch_size"}
+
+    # Tune's experiment state, which a resume unpickles, is signed: the finished sweep resumes as is...
+    files = set(os.listdir(out["path"]))
+    assert {"tuner.pkl", "strata-signatures-tuner.json"} <= files and any(
+        f.startswith("experiment_state-") for f in files) and any(f.startswith("strata-signatures-2") for f in files)
+    again = run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name="sw", storage=Storage.from_env())
+    assert again["resumed"] and again["best"] == out["best"]
+    # ...and a pickle planted where Tune looks for its state is refused before Tune reads it, and never runs.
+    marker = os.path.join(out["path"], "ran")
+    for planted in ("basic-variant-state-2099-01-01_00-00-00.json", "tuner.pkl"):  # the newest searcher state
+        with open(os.path.join(out["path"], planted), "wb") as f:
+            pickle.dump(Payload(marker), f)
+        with pytest.raises(Untrusted, match=re.escape(planted)):
+            run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name="sw", storage=Storage.from_env())
+        os.remove(os.path.join(out["path"], planted))
+    assert not os.path.exists(marker), "the planted pickle ran"
 
     # A sweep whose driver is alive (it holds the sweep's lease) cannot be resumed beside it.
     driver = Lease(out["path"], "sweep sw", purpose="tune").acquire(wait=False)

@@ -17,6 +17,7 @@ from strata.cli import add_config_arguments, finish, overrides
 from strata.cli import parser as cli_parser
 from strata.dataset import DatasetError
 from strata.lease import LeaseBusy
+from strata.signing import Untrusted
 from strata.storage import Storage, check_name
 from tune.driver import run
 from tune.sweep import SweepConfig
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
                       storage=Storage.from_env(args.storage))
     except LeaseBusy as e:
         sys.exit(f"error: {e}: its driver is still running; resume it once that one has ended")
-    except (DatasetError, ValueError) as e:
+    except (DatasetError, ValueError, Untrusted) as e:
         sys.exit(f"error: {e}")
     b = summary["best"]
     print(f"[tune] sweep {name}: {summary['completed']}/{summary['trials']} trials completed, "

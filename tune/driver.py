@@ -31,6 +31,7 @@ from train.loop import TRAIN_PRESETS
 from train.model import fit_to_dataset, preset
 from tune.plots import write_plots
 from tune.sweep import GRACE, REDUCTION, SweepConfig, load_rows, load_space, sample, to_tune, trial
+from tune.trust import SignTuneState, check_tune_state, sign_tuner
 
 METRIC, MODE = "val_loss", "min"
 
@@ -138,6 +139,7 @@ def make_tuner(trainable, cfg: SweepConfig, space: dict, sweep_dir: str, *, prog
     trainable = tune.with_resources(trainable, tune.PlacementGroupFactory(
         [{"CPU": cfg.cpus_per_trial}], bundle_label_selector=[tiers.selector(tiers.Tier.SPOT)]))
     if resume:
+        check_tune_state(sweep_dir)  # Tune unpickles what it restores from: only what strata signed
         return tune.Tuner.restore(sweep_dir, trainable, resume_unfinished=True, resume_errored=True)
     packed = cfg.pack_size > 1
     max_t = cfg.reports
@@ -145,7 +147,7 @@ def make_tuner(trainable, cfg: SweepConfig, space: dict, sweep_dir: str, *, prog
     scheduler = (ASHAScheduler(max_t=max_t, grace_period=min(GRACE, max_t), reduction_factor=REDUCTION)
                  if cfg.scheduler == "asha" and not packed else FIFOScheduler())
     storage_path, name = sweep_dir.rstrip("/").rsplit("/", 1)
-    return tune.Tuner(
+    tuner = tune.Tuner(
         trainable,
         param_space={"pack": tune.grid_search(list(range(cfg.packs)))} if packed else to_tune(space),
         tune_config=tune.TuneConfig(metric=METRIC, mode=MODE, num_samples=1 if packed else cfg.num_samples,
@@ -153,12 +155,15 @@ def make_tuner(trainable, cfg: SweepConfig, space: dict, sweep_dir: str, *, prog
                                     search_alg=None if packed else _searcher(cfg), reuse_actors=True),
         run_config=tune.RunConfig(
             name=name, storage_path=storage_path, verbose=0,  # SweepProgress and the final table instead
-            callbacks=[CSVLoggerCallback(), *([SweepProgress(cfg, sweep_dir)] if progress else [])],
+            callbacks=[CSVLoggerCallback(), SignTuneState(name),
+                       *([SweepProgress(cfg, sweep_dir)] if progress else [])],
             # A pack's checkpoints are small books and all are kept: with num_to_keep set, Tune snapshots
             # the whole experiment every num_to_keep checkpoints of any trial, which at scale is the cost.
             checkpoint_config=tune.CheckpointConfig(num_to_keep=None if packed else 2),
             failure_config=tune.FailureConfig(max_failures=cfg.max_failures)),
     )
+    sign_tuner(sweep_dir)
+    return tuner
 
 
 def check_driver_node() -> None:

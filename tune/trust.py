@@ -1,0 +1,95 @@
+"""Signatures over the experiment state Ray Tune unpickles when a sweep resumes.
+
+`Tuner.restore` unpickles `tuner.pkl`, the newest `experiment_state-*.json`
+(cloudpickled trials and controller state) and the searcher's and
+callbacks' `*-state-*` files. strata signs each of them with
+`strata.signing`'s key as they are written, and checks every such file in
+the sweep directory before a resume, so a file planted in the storage root
+is refused before Tune reads it.
+
+Where the signatures are made: Tune writes its state into a driver staging
+directory and then uploads that directory. The callbacks' `get_state` runs
+inside that save, after the trial and searcher state are written and before
+the upload, so `SignTuneState` signs the staging directory's files there and
+the signatures travel in the same upload. `tuner.pkl` is written straight
+to the sweep directory when the Tuner is made; the driver signs it then.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import hmac
+import os
+
+from ray.tune import Callback
+
+from strata.signing import check, sign
+from strata.storage import join, list_dir, read_bytes, read_json, write_json_atomic
+
+# What Tune reads back with pickle from an experiment directory's top level.
+UNPICKLED = ("tuner.pkl", "*.pkl", "experiment_state-*", "*-state-*", "search_gen_state-*")
+SIGNATURES = "strata-signatures-"  # strata-signatures-<what>.json: {"files": {name: hmac}}
+
+
+def unpickled(name: str) -> bool:
+    return not name.startswith(SIGNATURES) and any(fnmatch.fnmatch(name, p) for p in UNPICKLED)
+
+
+def sign_files(directory: str, names: list[str], what: str) -> None:
+    """Write strata-signatures-<what>.json in `directory` over the named files there."""
+    files = {n: sign(read_bytes(join(directory, n))) for n in names}
+    write_json_atomic(join(directory, f"{SIGNATURES}{what}.json"), {"files": files})
+
+
+def check_tune_state(sweep_dir: str) -> None:
+    """Raise Untrusted unless every file Tune would unpickle in `sweep_dir` carries strata's signature."""
+    entries = [name for name, is_dir in list_dir(sweep_dir) if not is_dir]
+    signed: dict[str, set[str]] = {}
+    for name in entries:
+        if name.startswith(SIGNATURES) and name.endswith(".json"):
+            try:
+                for f, sig in read_json(join(sweep_dir, name)).get("files", {}).items():
+                    signed.setdefault(f, set()).add(sig)
+            except (ValueError, AttributeError):
+                continue  # an unreadable signature file signs nothing
+    for name in sorted(filter(unpickled, entries)):
+        data, sigs = read_bytes(join(sweep_dir, name)), signed.get(name, set())
+        if not any(hmac.compare_digest(sign(data), s) for s in sigs):
+            check(data, next(iter(sigs), None), f"sweep state {join(sweep_dir, name)}")  # raises, saying why
+
+
+class SignTuneState(Callback):
+    """Signs each snapshot Tune saves of the experiment, in its staging directory, before the upload."""
+
+    def __init__(self, name: str):
+        self.name, self.staging = name, None
+
+    def on_step_begin(self, iteration, trials, **info):
+        if self.staging is None and trials:
+            self.staging = trials[0].storage.experiment_driver_staging_path
+
+    def get_state(self):
+        staging = self.staging or _newest_staging(self.name)
+        if staging:
+            names = sorted(n for n in os.listdir(staging) if unpickled(n) and os.path.isfile(join(staging, n)))
+            states = [n for n in names if n.startswith("experiment_state-")]
+            stamp = max(states)[len("experiment_state-"):-len(".json")] if states else "session"
+            sign_files(staging, names, stamp)
+        return None  # no state of its own: Tune writes no callback file for it
+
+
+def _newest_staging(name: str) -> str | None:
+    """The staging directory of the snapshot being saved, before any trial has said where it is: the one
+    whose experiment state was written last (Tune has just written it)."""
+    from ray.train._internal.storage import _get_ray_train_session_dir
+
+    found = glob.glob(os.path.join(_get_ray_train_session_dir(), "*", name, "driver_artifacts",
+                                   "experiment_state-*.json"))
+    return os.path.dirname(max(found, key=os.path.getmtime)) if found else None
+
+
+def sign_tuner(sweep_dir: str) -> None:
+    """Sign the tuner.pkl a new Tuner has just written to the sweep directory."""
+    sign_files(sweep_dir, ["tuner.pkl"], "tuner")
+
