@@ -39,6 +39,9 @@ class ByteTokenizer:
         data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
         return data.decode("utf-8", errors="replace")
 
+    def token_bytes(self) -> np.ndarray:
+        return np.array([1] * 256 + [0], dtype=np.int64)
+
     def info(self) -> TokenizerInfo:
         definition = f"{self.kind}:utf-8:eot={self.eot_id}:vocab={self.vocab_size}"
         return TokenizerInfo(kind=self.kind, vocab_size=self.vocab_size, eot_id=self.eot_id,
@@ -122,6 +125,19 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_bytes(self) -> np.ndarray:
+        """The UTF-8 bytes of text each id stands for; 0 for added (special) tokens such as end-of-text.
+        A ByteLevel entry's characters each stand for one byte; other entries are decoded alone."""
+        special = set(self.tok.get_added_tokens_decoder())
+        stand_in = _byte_decoder()
+        out = np.zeros(self.vocab_size, dtype=np.int64)
+        for i in range(self.vocab_size):
+            piece = self.tok.id_to_token(i)
+            if i in special or piece is None:
+                continue
+            out[i] = len(piece) if all(c in stand_in for c in piece) else len(self.decode([i]).encode())
+        return out
 
     def info(self) -> TokenizerInfo:
         return TokenizerInfo(kind=self.kind, vocab_size=self.vocab_size, eot_id=self.eot_id,

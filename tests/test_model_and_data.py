@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from strata.dataset import arrow_schema
-from train.data import ShardRef, TokenBatches
+from train.data import MixedBatches, Mixture, ShardRef, TokenBatches
 from train.loop import (
     TrainConfig,
     lr_at,
@@ -253,3 +253,34 @@ def test_micro_batch_is_sized_for_the_devices_memory():
     assert micro_batch_for(cfg, params, "ddp", 1, 24 * gib, True, "cpu") == CPU_MICRO_BATCH
     with pytest.raises(ValueError, match="does not fit"):
         micro_batch_for(big, 1_300_000_000, "ddp", 1, 16 * gib, True, "cuda")
+
+
+@pytest.mark.parametrize("weights", [[0.7, 0.3], [0.5, 0.3, 0.2], [0.97, 0.02, 0.01]])
+def test_a_mixture_draws_in_proportion_and_each_rows_source_is_a_function_of_its_index(weights):
+    mix = Mixture(weights)
+    n = 10_000
+    drawn = [mix.source(r) for r in range(n)]
+    counts = [sum(s == i for s, _ in drawn) for i in range(len(weights))]
+    assert counts == mix.counts(n)
+    for i, w in enumerate(weights):  # a deterministic schedule: within one row per split of the weight
+        assert abs(counts[i] - n * w) <= len(weights)
+    for i in range(len(weights)):  # each source's positions run 0, 1, 2, ... in stream order
+        assert [p for s, p in drawn if s == i] == list(range(counts[i]))
+    for r in (0, 17, 4_321, n - 1):  # the position is the count of earlier rows of that source
+        s, p = mix.source(r)
+        assert mix.counts(r)[s] == p
+
+
+def test_mixed_batches_resume_exactly_and_wrap_around(shards):
+    a, b = shards[:2], shards[2:]  # rows 0-86 and 87-99: the small source wraps around many times
+    streams = [TokenBatches(x, batch_size=1, seed=5, shuffle_buffer=8) for x in (a, b)]
+    mixed = MixedBatches(streams, [0.6, 0.4], batch_size=8)
+    it = mixed.from_step(0)
+    straight = [next(it) for _ in range(30)]
+    rows = np.concatenate(straight)[:, 0]
+    small = rows >= 87
+    assert abs(small.mean() - 0.4) < 0.01 and len(set(rows[small])) == 13
+    assert mixed.repeats(30)[1] == pytest.approx(30 * 8 * 0.4 / 13, rel=0.02) and mixed.repeats(30)[1] > 7
+    resumed = mixed.from_step(17)
+    for k in range(17, 30):
+        assert np.array_equal(next(resumed), straight[k])

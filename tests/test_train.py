@@ -110,6 +110,53 @@ def test_a_dataset_that_does_not_fit_the_model_is_refused(local_ray, dataset):
 
 
 @pytest.mark.slow
+def test_a_mixture_trains_in_proportion_reports_each_source_and_refuses_what_does_not_mix(local_ray, dataset,
+                                                                                            tmp_path):
+    from conftest import make_corpus
+
+    from pipelines.preprocess import debug
+    from pipelines.preprocess import run as preprocess
+
+    storage = Storage.from_env()
+    make_corpus(str(tmp_path / "code"), docs=30, seed=1)
+    code = preprocess(debug("code", read={"inputs": (str(tmp_path / "code"),)}, pack={"validation_fraction": 0.3}),
+                      storage)
+    code = f"code@{code['version']}"
+    web = dataset["ref"]
+    model = preset("debug", n_layer=1, n_embd=32, n_head=2)
+    out = run(model, _cfg(8, eval_every=8), dataset=f"{web}:0.7,{code}:0.3", run_name="mix", storage=storage,
+              workers=1, use_gpu=False)
+    assert out["dataset"] == f"{web}:0.7,{code}:0.3"
+    tokens = out["tokens_by_source"]
+    assert sum(tokens.values()) == 8 * 4 * 128  # steps x micro-batch x seq_len
+    assert tokens[code] / sum(tokens.values()) == pytest.approx(0.3, abs=1 / 32)  # within a row of 32
+    rows = [r for r in _metrics(out["path"]) if "val_loss" in r]
+    assert set(rows[-1]["val_loss_by_source"]) == {web, code} and rows[-1]["tokens_by_source"] == tokens
+    by = out["val_loss_by_source"]
+    assert out["val_loss"] == pytest.approx(0.7 * by[web] + 0.3 * by[code])
+    for ref in (web, code):  # bytes tokenizer: a byte a token, end-of-text left out
+        assert out["val_bpb_by_source"][ref] == pytest.approx(by[ref] / math.log(2), rel=0.05)
+    with open(os.path.join(out["path"], "run.json")) as f:
+        assert json.load(f)["config"]["dataset"] == out["dataset"]
+
+    with pytest.raises(DatasetError, match=f"400 steps would repeat {web} [0-9.]+ times, more than --max-repeat 5") as e:
+        run(model, _cfg(400, max_repeat=5), dataset=f"{web}:0.7,{code}:0.3", run_name="mix-long", storage=storage,
+            workers=1, use_gpu=False)
+    assert code not in str(e.value)  # 400 x 4 x 0.3 rows pass over code fewer than 5 times
+    # A copy of `code` whose manifest names another tokenizer does not mix with the others.
+    shutil.copytree(storage.dataset("code"), storage.dataset("other"))
+    manifest = os.path.join(storage.dataset("other"), code.partition("@")[2], "manifest.json")
+    with open(manifest) as f:
+        m = json.load(f)
+    m["dataset"], m["tokenizer"]["hash"] = "other", "f" * 16
+    with open(manifest, "w") as f:
+        json.dump(m, f)
+    with pytest.raises(DatasetError, match=f"different tokenizers: {web} [0-9a-f]{{16}}, other@v0001 f{{16}}"):
+        run(model, _cfg(2), dataset=f"{web}:0.5,other:0.5", run_name="mix-bad", storage=storage, use_gpu=False)
+    assert not os.path.exists(storage.run("mix-bad")) and not os.path.exists(storage.run("mix-long"))
+
+
+@pytest.mark.slow
 def test_fsdp2_matches_ddp_and_continues_from_its_checkpoint(local_ray, dataset):
     storage = Storage.from_env()
     model = preset("debug", n_layer=2, n_embd=32, n_head=2)

@@ -1,6 +1,7 @@
 """Tier 2 entry point: train a GPT on a tier-1 dataset version with Ray Train.
 
     python -m train --dataset NAME[@VERSION] --preset debug [--max-steps N] [--run NAME] [--json]
+    python -m train --dataset web:0.7 --dataset code:0.3 [--max-repeat N]     # a mixture
 
 Workers run on gpu-tier nodes (`TorchTrainer` with the tier's label selector);
 DDP by default, FSDP2 (`--strategy fsdp`) for the large presets; bf16 on GPU.
@@ -20,10 +21,12 @@ from dataclasses import asdict, replace
 
 from strata.cli import add_config_arguments, finish, overrides
 from strata.cli import parser as cli_parser
-from strata.dataset import DatasetError, resolve
+from strata.dataset import DatasetError
 from strata.lease import LeaseBusy
 from strata.storage import Storage, check_name
+from train import mixture
 from train.loop import TRAIN_PRESETS, TrainConfig, with_hyperparameters
+from train.mixture import load_file
 from train.model import PRESETS, GPTConfig, fit_to_dataset, preset
 from train.placement import PlacementError
 from train.trainer import DATA_ORDER, best_of_sweep, run
@@ -31,8 +34,9 @@ from train.trainer import DATA_ORDER, best_of_sweep, run
 
 def main(argv: list[str] | None = None) -> dict:
     parser = cli_parser("python -m train", __doc__)
-    parser.add_argument("--dataset", help="NAME or NAME@VERSION of a tier-1 dataset (default: the sweep's, "
-                        "with --from-sweep)")
+    parser.add_argument("--dataset", action="append", help="NAME or NAME@VERSION of a tier-1 dataset (default: "
+                        "the sweep's, with --from-sweep); repeat it as NAME[@VERSION]:WEIGHT to train on a mixture")
+    parser.add_argument("--mixture", metavar="FILE", help="a mixture file: {datasets: {NAME[@VERSION]: WEIGHT}}")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="model preset (default: the sweep's, else debug)")
     parser.add_argument("--from-sweep", metavar="SWEEP", help="train with the best config of this sweep "
                         "($STRATA_STORAGE/sweeps/SWEEP/best.json); flags still override it")
@@ -55,16 +59,20 @@ def main(argv: list[str] | None = None) -> dict:
     storage = Storage.from_env(args.storage)
     try:
         best = best_of_sweep(storage, args.from_sweep) if args.from_sweep else {}
-        dataset = args.dataset or best.get("dataset")
-        if not dataset:
-            raise ValueError("give --dataset (or --from-sweep SWEEP)")
+        if args.mixture and args.dataset:
+            raise ValueError("give --dataset or --mixture, not both")
+        parts = load_file(args.mixture) if args.mixture else args.dataset or ([best["dataset"]] if best else [])
+        if not parts:
+            raise ValueError("give --dataset (or --mixture FILE, or --from-sweep SWEEP)")
+        dataset = mixture.spec(mixture.parse(parts))
         preset_name = args.preset or best.get("preset") or "debug"
-        run_name = args.run or f"{dataset.partition('@')[0]}-{preset_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        first = dataset.partition("@")[0].partition(":")[0]
+        run_name = args.run or f"{first}{'-mix' if ',' in dataset else ''}-{preset_name}-{time.strftime('%Y%m%d-%H%M%S')}"
         check_name(run_name, "run name")
         model_cfg, train_cfg = with_hyperparameters(best.get("config", {}), preset(preset_name),
                                                     TRAIN_PRESETS[preset_name])
         given = overrides(args, GPTConfig)
-        m = resolve(storage, dataset).manifest
+        m = mixture.resolve_all(storage, dataset)[0][0].manifest
         model_cfg = replace(fit_to_dataset(model_cfg, vocab=m.tokenizer.vocab_size, seq_len=m.seq_len,
                                            keep=frozenset(given)), **given)
         train_cfg = TrainConfig(**{**asdict(train_cfg), **overrides(args, TrainConfig)})

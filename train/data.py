@@ -9,6 +9,7 @@ so a resumed run sees exactly the batches an uninterrupted one would.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -76,3 +77,71 @@ class TokenBatches:
         while True:
             yield from self.epoch(epoch, skip)
             epoch, skip = epoch + 1, 0
+
+
+class Mixture:
+    """Which source each row of a mixed stream comes from, as a function of the row's index alone.
+
+    Sources split off in turn: source 0 takes its share p0 of all rows, source 1 its share of the rest,
+    and so on. At each split the first n rows send floor(n * p + 1/2) rows to that source (a Beatty
+    sequence), so the counts after any number of rows are closed-form and within one row per split of
+    the weights, and row r's source and its position in that source's stream need no history: a resumed
+    run computes the same batches from its step alone.
+    """
+
+    def __init__(self, weights: list[float]):
+        if not weights or any(not w > 0 for w in weights):
+            raise ValueError(f"mixture weights must be positive, not {weights}")
+        total = sum(weights)
+        self.weights = [w / total for w in weights]
+        rest, self.splits = 1.0, []
+        for w in self.weights[:-1]:
+            self.splits.append(min(w / rest, 1.0))
+            rest -= w
+
+    @staticmethod
+    def _taken(n: int, p: float) -> int:
+        return math.floor(n * p + 0.5)
+
+    def counts(self, n: int) -> list[int]:
+        """Rows of each source among the first n rows of the stream."""
+        out = []
+        for p in self.splits:
+            out.append(self._taken(n, p))
+            n -= out[-1]
+        return [*out, n]
+
+    def source(self, r: int) -> tuple[int, int]:
+        """(source, position in that source's stream) of row r."""
+        for i, p in enumerate(self.splits):
+            before = self._taken(r, p)
+            if self._taken(r + 1, p) > before:
+                return i, before
+            r -= before
+        return len(self.splits), r
+
+
+class MixedBatches:
+    """Batches whose rows come from several datasets in proportion to their weights (`Mixture`); each
+    source is its own endless `TokenBatches` stream of rows (which wraps around, an epoch at a time)."""
+
+    def __init__(self, sources: list[TokenBatches], weights: list[float], *, batch_size: int):
+        self.sources, self.mixture, self.batch_size = sources, Mixture(weights), batch_size
+        self.steps_per_epoch = max(1, sum(s.rows_per_rank for s in sources) // batch_size)
+
+    def rows_taken(self, step: int) -> list[int]:
+        """Rows this rank has drawn from each source after `step` batches."""
+        return self.mixture.counts(step * self.batch_size)
+
+    def repeats(self, step: int) -> list[float]:
+        """Passes over each source's rows after `step` batches (1.0: every row seen once)."""
+        return [n / s.rows_per_rank for n, s in zip(self.rows_taken(step), self.sources, strict=True)]
+
+    def from_step(self, step: int) -> Iterator[np.ndarray]:
+        """Endless batches starting at batch `step` (resume)."""
+        streams = [s.from_step(n) for s, n in zip(self.sources, self.rows_taken(step), strict=True)]
+        r = step * self.batch_size
+        while True:
+            rows = [next(streams[self.mixture.source(r + j)[0]]) for j in range(self.batch_size)]
+            r += self.batch_size
+            yield np.concatenate(rows)

@@ -21,13 +21,14 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from strata.storage import JsonlWriter
 from train.cadence import Cadence, Clock
 from train.checkpoint import AsyncCheckpointer
 from train.checkpoint import dir_name as checkpoint_dir_name
 from train.checkpoint import load as load_checkpoint
-from train.data import ShardRef, TokenBatches
+from train.data import MixedBatches, ShardRef, TokenBatches
 from train.hardware import device_name, peak_flops
 from train.model import GPT, GPTConfig
 
@@ -59,7 +60,9 @@ class TrainConfig:
     eval_every: int = 50
     """Validation loss every this many steps (and at the end)."""
     eval_batches: int = 4
-    """Validation batches per evaluation."""
+    """Validation batches per evaluation (per dataset of a mixture)."""
+    max_repeat: float = 0.0
+    """Refuse a run that would pass over any of its datasets more than this many times (0: no limit)."""
     checkpoint_every: int = 0
     """Also checkpoint every this many steps (0: by time only). There is always one at the end."""
     checkpoint_every_s: float = 300.0
@@ -270,12 +273,28 @@ def autocast(device: torch.device, bf16: bool):
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list[np.ndarray], device, bf16: bool = False) -> float:
+def evaluate(model: torch.nn.Module, batches: list[np.ndarray], device, bf16: bool = False,
+             token_bytes: torch.Tensor | None = None) -> tuple[float, float | None]:
+    """(mean loss, bits per byte) over `batches`. Bits per byte divide the loss on targets that stand for
+    text by the UTF-8 bytes of that text (`token_bytes` per id; special tokens count 0 and are left out),
+    so they compare across tokenizers."""
     model.eval()
-    with autocast(device, bf16):
-        losses = [model(*to_xy(b, device))[1].item() for b in batches]
+    losses, nats, nbytes = [], 0.0, 0
+    with torch.no_grad(), autocast(device, bf16):
+        for b in batches:
+            x, y = to_xy(b, device)
+            if token_bytes is None:
+                losses.append(model(x, y)[1].item())
+                continue
+            # Per-target losses, a row at a time (one row's logits, not the batch's, are alive at once).
+            nll = torch.cat([F.cross_entropy(model(x[i:i + 1]).float().flatten(0, 1), y[i], reduction="none")
+                             for i in range(len(x))])
+            size = token_bytes[y.flatten()]
+            losses.append(nll.mean().item())
+            nats += (nll * (size > 0)).sum().item()
+            nbytes += int(size.sum().item())
     model.train()
-    return float(np.mean(losses))
+    return float(np.mean(losses)), (nats / math.log(2) / nbytes if nbytes else None)
 
 
 def validation_batches(shards: list[dict], cfg: TrainConfig) -> list[np.ndarray]:
@@ -330,7 +349,8 @@ class Prefetch:
 
 
 def train_loop_per_worker(config: dict) -> None:
-    """Ray Train entry: `config` holds `model`, `train`, `shards`, `val_shards`, `run_dir`, `tokenizer`."""
+    """Ray Train entry: `config` holds `model`, `train`, `sources` (each dataset's `name`, `weight`, `shards`
+    and `val_shards`), `run_dir`, `tokenizer`, `token_bytes`."""
     import ray.train
 
     w = _start(config)
@@ -356,10 +376,16 @@ def train_loop_per_worker(config: dict) -> None:
             step_losses.clear()
             seconds, shares = clock.window()  # the device is synced: the window ends here
             metrics = w.meter.window(done, losses, seconds, shares, lr=lr_at(step, tcfg),
-                                     epoch=step * tcfg.grad_accum // w.steps_per_epoch)
-            if w.val_batches and (done == tcfg.max_steps or done % tcfg.eval_every == 0):
+                                     epoch=step * tcfg.grad_accum // w.data.steps_per_epoch)
+            if w.val_sets and (done == tcfg.max_steps or done % tcfg.eval_every == 0):
                 with clock.timed("eval"):
-                    metrics["val_loss"] = evaluate(w.raw, w.val_batches, w.device, w.bf16)
+                    metrics.update(_validate(w))
+            if len(w.sources) > 1:
+                metrics["tokens_by_source"] = dict(zip(w.sources, (n * w.raw.cfg.seq_len * w.world for n in
+                                                                   w.data.rows_taken(done * tcfg.grad_accum)),
+                                                       strict=True))
+                metrics["repeats_by_source"] = dict(zip(w.sources, w.data.repeats(done * tcfg.grad_accum),
+                                                        strict=True))
             preempted = False
             if check_due and not saved_for_preemption:  # every rank asks at the same log points: it is a barrier
                 preempted = ray.train.get_preemption_info() is not None
@@ -403,8 +429,10 @@ class _Worker:
     checkpointer: AsyncCheckpointer
     start_step: int
     batches: Prefetch
-    steps_per_epoch: int
-    val_batches: list
+    data: TokenBatches | MixedBatches
+    sources: list[str]  # the datasets trained on, by ref
+    val_sets: list[tuple[str, float, list]]  # (source, weight, validation batches) of each source with some
+    token_bytes: torch.Tensor | None
     meter: _Meter
     log: _Log
 
@@ -433,17 +461,43 @@ def _start(config: dict) -> _Worker:
     batch = tcfg.batch_size or meta.get("micro_batch") or micro_batch_for(
         mcfg, raw.num_params(), strategy, world, memory, bf16, device.type)
     tcfg = replace(tcfg, batch_size=batch)
-    data = TokenBatches([ShardRef(**s) for s in config["shards"]], batch_size=batch, rank=rank, world_size=world,
-                        seed=tcfg.seed)
+    sources = config["sources"]
+    streams = [TokenBatches([ShardRef(**s) for s in src["shards"]], batch_size=1 if len(sources) > 1 else batch,
+                            rank=rank, world_size=world, seed=tcfg.seed) for src in sources]
+    data = streams[0] if len(sources) == 1 else MixedBatches(streams, [s["weight"] for s in sources],
+                                                             batch_size=batch)
+    if tcfg.max_repeat:  # the driver checks a given batch size; one sized for the device is checked here
+        end = tcfg.max_steps * tcfg.grad_accum
+        repeats = data.repeats(end) if len(sources) > 1 else [end / data.steps_per_epoch]
+        if over := [f"{s['name']} {r:.2f} times" for s, r in zip(sources, repeats, strict=True) if r > tcfg.max_repeat]:
+            raise ValueError(f"{tcfg.max_steps} steps would repeat {', '.join(over)}, more than --max-repeat "
+                             f"{tcfg.max_repeat:g}")
     meter = _Meter(raw.flops_per_token(), peak_flops(device, bf16), batch * tcfg.grad_accum * mcfg.seq_len * world,
                    world, start_step)
     log = _Log(config["run_dir"], rank)
     log.event({"event": "start", "start_step": start_step, "resumed_from": resumed_from, "world_size": world,
                "strategy": strategy, "bf16": bf16, "device": device_name(device), "peak_flops": meter.peak,
                "flops_per_token": meter.flops_per_token, "micro_batch": batch})
+    val_sets = [(s["name"], s["weight"], v) for s in sources if (v := validation_batches(s["val_shards"], tcfg))]
+    token_bytes = torch.tensor(config["token_bytes"], device=device) if config.get("token_bytes") else None
     return _Worker(rank, world, device, bf16, tcfg, raw, model, optimizer, checkpointer, start_step,
-                   Prefetch(data.from_step(start_step * tcfg.grad_accum)), data.steps_per_epoch,
-                   validation_batches(config["val_shards"], tcfg), meter, log)
+                   Prefetch(data.from_step(start_step * tcfg.grad_accum)), data,
+                   [s["name"] for s in sources], val_sets, token_bytes, meter, log)
+
+
+def _validate(w: _Worker) -> dict:
+    """val_loss and val_bpb: each source's, and their mean weighted as the mixture is."""
+    by = {name: (weight, *evaluate(w.raw, batches, w.device, w.bf16, w.token_bytes))
+          for name, weight, batches in w.val_sets}
+    total = sum(weight for weight, _, _ in by.values())
+    out = {"val_loss": sum(weight * loss for weight, loss, _ in by.values()) / total}
+    if all(bpb is not None for _, _, bpb in by.values()):
+        out["val_bpb"] = sum(weight * bpb for weight, _, bpb in by.values()) / total
+    if len(w.sources) > 1:
+        out["val_loss_by_source"] = {name: loss for name, (_, loss, _) in by.items()}
+        if "val_bpb" in out:
+            out["val_bpb_by_source"] = {name: bpb for name, (_, _, bpb) in by.items()}
+    return out
 
 
 def _worker(config: dict) -> tuple[int, int, int, torch.device]:

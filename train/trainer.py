@@ -12,7 +12,7 @@ from dataclasses import asdict, replace
 from strata import tiers
 from strata.connect import connect, embedded
 from strata.cost import UsageMonitor
-from strata.dataset import DatasetError, check_compatible, resolve
+from strata.dataset import DatasetError, check_compatible
 from strata.lease import Lease
 from strata.records import write_record
 from strata.runinfo import run_info
@@ -27,11 +27,14 @@ from strata.storage import (
     read_jsonl,
     write_json_atomic,
 )
+from strata.tokenizer import from_info
+from train import mixture
 from train.checkpoint import committed_checkpoints, forget_missing, read_meta
 from train.loop import (
     TrainConfig,
     train_loop_per_worker,
 )
+from train.mixture import resolve_all
 from train.model import GPTConfig, describe
 from train.placement import place
 
@@ -47,7 +50,11 @@ def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name:
     """Train (or continue) run `run_name`, holding the run's lease: one writer per run."""
     run_dir = storage.run(run_name)
     if not read_launches(run_dir):  # a new run on a dataset it cannot train on is refused before it exists
-        check_compatible(resolve(storage, dataset), vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
+        sources = resolve_all(storage, dataset)
+        for v, _ in sources:
+            check_compatible(v, vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
+        if train_cfg.max_repeat and train_cfg.batch_size and workers:
+            _check_repeats(sources, train_cfg, workers)
     with Lease(run_dir, f"training run {run_name}", purpose="train").acquire(wait=False):
         return _run_leased(model_cfg, train_cfg, dataset=dataset, run_name=run_name, run_dir=run_dir,
                            storage=storage, workers=workers, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker,
@@ -64,8 +71,10 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, wo
     launches = read_launches(run_dir)
     if launches:
         dataset = _continued_dataset(launches[-1]["config"], dataset, run_name, allow_change)
-    version = resolve(storage, dataset)
-    check_compatible(version, vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
+    sources = resolve_all(storage, dataset)
+    for v, _ in sources:
+        check_compatible(v, vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
+    version, dataset = sources[0][0], mixture.spec([(v.ref, w) for v, w in sources])  # all share its tokenizer
     placement = place(embedded=embedded(), workers=workers, use_gpu=use_gpu, allow_mixed=allow_mixed_gpus,
                       wait_s=gpu_wait_s)
     workers, use_gpu = placement.workers, placement.use_gpu
@@ -73,6 +82,8 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, wo
     if launches:
         train_cfg = _check_continuation(launches[-1]["config"], run_name, model_cfg, train_cfg, m.tokenizer.hash,
                                         allow_change)
+    if train_cfg.max_repeat and train_cfg.batch_size:
+        _check_repeats(sources, train_cfg, workers)
     size = describe(model_cfg)
     resume_from = _newest_intact(run_dir)
     if resume_from:
@@ -81,19 +92,18 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, wo
         what = f"{'restarting' if launches else 'starting'} run {run_name} (no checkpoint yet)"
     print(f"[train] {what}: {size['params'] / 1e6:.2f}M params, "
           f"{size['flops_per_token'] / 1e6:.1f} MFLOP/token, "
-          f"{_strategy_words(train_cfg.strategy)}, dataset {version.ref}; {placement.why}", file=sys.stderr)
-    record = run_info("train", {"model": asdict(model_cfg), "train": asdict(train_cfg), "dataset": version.ref,
+          f"{_strategy_words(train_cfg.strategy)}, dataset {dataset}; {placement.why}", file=sys.stderr)
+    record = run_info("train", {"model": asdict(model_cfg), "train": asdict(train_cfg), "dataset": dataset,
                                 "tokenizer": asdict(m.tokenizer), "workers": workers, "use_gpu": use_gpu,
                                 "cpus_per_worker": cpus_per_worker, **size})
     _record_launch(run_dir, len(launches), record)
 
-    shard_refs = {split: [{"path": version.file(s.path), "rows": s.rows} for s in m.shards if s.split == split]
-                  for split in ("train", "validation")}
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"model": asdict(model_cfg), "train": asdict(train_cfg), "run_dir": run_dir,
-                           "shards": shard_refs["train"], "val_shards": shard_refs["validation"],
+                           "sources": [_source(v, w) for v, w in sources],
                            "tokenizer": asdict(m.tokenizer), "tokenizer_definition": version.tokenizer_definition(),
+                           "token_bytes": from_info(m.tokenizer, version.tokenizer_definition()).token_bytes().tolist(),
                            "threads": max(1, int(cpus_per_worker))},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, accelerator_type=placement.accelerator,
                                      resources_per_worker={"CPU": cpus_per_worker},
@@ -115,21 +125,40 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, wo
     wall = loop_totals([r for r in rows if r.get("event") == "end" and r["time"] >= started], workers)
     start = next((r for r in rows if r.get("event") == "start" and r["time"] >= started), {})
     summary = {
-        "run": run_name, "path": run_dir, "dataset": version.ref,
+        "run": run_name, "path": run_dir, "dataset": dataset,
         "strategy": start.get("strategy", train_cfg.strategy),
         "micro_batch": start.get("micro_batch", train_cfg.batch_size),
         "workers": workers, "use_gpu": use_gpu, **size,
         "start_step": start_step, "steps": (last["step"] - start_step) if mine else 0,
         "first_loss": mine[0]["loss"] if mine else None, "last_loss": last.get("loss"),
-        "val_loss": next((h["val_loss"] for h in reversed(mine) if "val_loss" in h), None),
+        **{k: next((h[k] for h in reversed(mine) if k in h), None)
+           for k in ("val_loss", "val_bpb", "val_loss_by_source", "val_bpb_by_source", "tokens_by_source",
+                     "repeats_by_source")},
         **wall, "checkpoint": checkpoint, "seconds": round(time.time() - started, 1),
     }
-    figures = {k: summary.get(k) for k in ("steps", "first_loss", "last_loss", "val_loss", "tokens_per_s",
+    figures = {k: summary.get(k) for k in ("steps", "first_loss", "last_loss", "val_loss", "val_bpb",
+                                           "val_loss_by_source", "tokens_by_source", "tokens_per_s",
                                            "tokens_per_s_per_worker", "mfu", "data_wait", "checkpoint_blocked",
                                            "report_blocked", "eval_share", "loop_s")}
     rec = write_record(storage, record, name=run_name, beside=join(run_dir, "record.json"), usage=usage,
                        work_nodes=_worker_nodes(run_dir, workers), figures=figures)
     return {**summary, "cost": rec["cost"], "node_hours": rec["node_hours"], "cpu_busy": rec["utilization"]["cpu_busy"]}
+
+
+def _source(version, weight: float) -> dict:
+    return {"name": version.ref, "weight": weight,
+            **{key: [{"path": version.file(s.path), "rows": s.rows} for s in version.manifest.shards if s.split == split]
+               for key, split in (("shards", "train"), ("val_shards", "validation"))}}
+
+
+def _check_repeats(sources, train_cfg: TrainConfig, workers: int) -> None:
+    """Refuse a run that would pass over a dataset more than --max-repeat times."""
+    rows = train_cfg.max_steps * train_cfg.grad_accum * train_cfg.batch_size * workers
+    over = {ref: r for ref, r in mixture.expected_repeats(sources, rows, workers).items() if r > train_cfg.max_repeat}
+    if over:
+        raise DatasetError(f"{train_cfg.max_steps} steps would repeat " + ", ".join(
+            f"{ref} {r:.2f} times" for ref, r in over.items()) + f", more than --max-repeat {train_cfg.max_repeat:g}: "
+            "train fewer steps, give it more weight elsewhere, or raise --max-repeat")
 
 
 def _worker_nodes(run_dir: str, workers: int) -> list[str]:
@@ -190,11 +219,11 @@ def _record_launch(run_dir: str, n: int, record: dict) -> None:
 
 
 def _continued_dataset(before: dict, dataset: str, run_name: str, allow_change: bool) -> str:
-    """The dataset a continued run reads: the snapshot it started on, unless asked to change it."""
+    """The datasets a continued run reads: the snapshots it started on, unless asked to change them."""
     old = before.get("dataset", "")
     if dataset == old or allow_change:
         return dataset
-    if dataset == old.partition("@")[0]:
+    if mixture.spec(mixture.split(dataset)) == mixture.unpinned(old):
         print(f"[train] run {run_name} continues on {old}, the snapshot it started on "
               f"(--dataset {dataset}@vN --allow-change to move it to a newer one)", file=sys.stderr)
         return old

@@ -257,7 +257,7 @@ class ModelFit:
             batch = self.rows[self.rng.integers(0, len(self.rows), self.tcfg.batch_size)]
             train_step(self.net, self.opt, [batch], lr_at(self.step, self.tcfg), self.tcfg, self.device)
             self.step += 1
-        return evaluate(self.net, self.val_batches, self.device)
+        return evaluate(self.net, self.val_batches, self.device)[0]
 
     def state(self) -> dict:
         return {"model": self.net.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
