@@ -210,3 +210,15 @@ def dataset(storage_root, corpus):
     out = run(debug("corpus", read={"inputs": (corpus["path"],)}, pack={"validation_fraction": 0.3}),
               Storage.from_env())
     return {**out, "ref": f"{out['dataset']}@{out['version']}"}  # later tests add versions: pin this one
+
+
+@pytest.fixture(scope="session")
+def second_dataset(storage_root, dataset, tmp_path_factory):
+    """Another corpus (`code`) with the same tokenizer and seq_len as `dataset`: a mixture's second source."""
+    from pipelines.preprocess import debug, run
+    from strata.storage import Storage
+
+    root = str(tmp_path_factory.mktemp("code"))
+    make_corpus(root, docs=30, seed=1)
+    out = run(debug("code", read={"inputs": (root,)}, pack={"validation_fraction": 0.3}), Storage.from_env())
+    return {**out, "ref": f"{out['dataset']}@{out['version']}"}

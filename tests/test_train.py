@@ -111,17 +111,9 @@ def test_a_dataset_that_does_not_fit_the_model_is_refused(local_ray, dataset):
 
 @pytest.mark.slow
 def test_a_mixture_trains_in_proportion_reports_each_source_and_refuses_what_does_not_mix(local_ray, dataset,
-                                                                                            tmp_path):
-    from conftest import make_corpus
-
-    from pipelines.preprocess import debug
-    from pipelines.preprocess import run as preprocess
-
+                                                                                            second_dataset):
     storage = Storage.from_env()
-    make_corpus(str(tmp_path / "code"), docs=30, seed=1)
-    code = preprocess(debug("code", read={"inputs": (str(tmp_path / "code"),)}, pack={"validation_fraction": 0.3}),
-                      storage)
-    code = f"code@{code['version']}"
+    code = second_dataset["ref"]
     web = dataset["ref"]
     model = preset("debug", n_layer=1, n_embd=32, n_head=2)
     out = run(model, _cfg(8, eval_every=8), dataset=f"{web}:0.7,{code}:0.3", run_name="mix", storage=storage,
@@ -139,10 +131,15 @@ def test_a_mixture_trains_in_proportion_reports_each_source_and_refuses_what_doe
     with open(os.path.join(out["path"], "run.json")) as f:
         assert json.load(f)["config"]["dataset"] == out["dataset"]
 
-    with pytest.raises(DatasetError, match=f"400 steps would repeat {web} [0-9.]+ times, more than --max-repeat 5") as e:
-        run(model, _cfg(400, max_repeat=5), dataset=f"{web}:0.7,{code}:0.3", run_name="mix-long", storage=storage,
+    train_rows = {ref: sum(sh.rows for sh in resolve(storage, ref).manifest.shards if sh.split == "train")
+                  for ref in (web, code)}
+    repeats = {web: 400 * 4 * 0.7 / train_rows[web], code: 400 * 4 * 0.3 / train_rows[code]}
+    over, under = sorted(repeats, key=repeats.get, reverse=True)
+    limit = (repeats[over] + repeats[under]) / 2
+    with pytest.raises(DatasetError, match=f"400 steps would repeat {over} {repeats[over]:.2f} times, more than") as e:
+        run(model, _cfg(400, max_repeat=limit), dataset=f"{web}:0.7,{code}:0.3", run_name="mix-long", storage=storage,
             workers=1, use_gpu=False)
-    assert code not in str(e.value)  # 400 x 4 x 0.3 rows pass over code fewer than 5 times
+    assert under not in str(e.value)
     # A copy of `code` whose manifest names another tokenizer does not mix with the others.
     shutil.copytree(storage.dataset("code"), storage.dataset("other"))
     manifest = os.path.join(storage.dataset("other"), code.partition("@")[2], "manifest.json")

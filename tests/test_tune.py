@@ -11,6 +11,8 @@ from test_security import Payload
 from strata.lease import Lease, LeaseBusy
 from strata.signing import Untrusted
 from strata.storage import Storage
+from train.loop import TrainConfig
+from train.model import preset
 from tune.driver import run
 from tune.sweep import SPACES, SweepConfig
 
@@ -86,8 +88,7 @@ def test_trials_table_ranks_trials_and_counts_statuses():
 
 
 def test_search_spaces_by_name_or_file_are_checked(tmp_path):
-    from train.loop import TrainConfig, with_hyperparameters
-    from train.model import preset
+    from train.loop import with_hyperparameters
     from tune.sweep import SPACES, load_space
 
     assert load_space("small") == SPACES["small"]
@@ -185,3 +186,45 @@ def test_a_packed_sweep_accounts_for_every_config_and_plots_it(local_ray, datase
     for path in out["plots"]:
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_mixture_trials_batches_follow_its_normalised_weights():
+    from dataclasses import asdict
+
+    import numpy as np
+
+    from tune.sweep import ModelFit, mixture_weights
+
+    assert mixture_weights({"mix.a": 3.0, "mix.b": 1.0, "lr": 0.1}, ["a", "b"], [0.5, 0.5]) == [0.75, 0.25]
+    assert mixture_weights({"lr": 0.1}, ["a", "b"], [0.6, 0.4]) == [0.6, 0.4]  # none swept: the sweep's own
+    rows = [np.zeros((10, 129), dtype=np.int64), np.ones((10, 129), dtype=np.int64)]
+    fit = ModelFit({"mix.a": 3.0, "mix.b": 1.0}, None, rows=rows, val_rows=rows[0][:2],
+                   model=asdict(preset("debug", n_layer=1, n_embd=32, n_head=2)),
+                   train=asdict(TrainConfig(batch_size=4)), sweep=asdict(SweepConfig()), names=["a", "b"],
+                   weights=[0.5, 0.5], token_bytes=np.ones(257, dtype=np.int64))
+    share = np.mean([fit._batch()[:, 0].mean() for _ in range(500)])  # rows from b are ones
+    assert abs(share - 0.25) < 4 * (0.25 * 0.75 / 2000) ** 0.5
+
+
+@pytest.mark.slow
+def test_a_sweep_over_mixture_weights_by_bits_per_byte_and_training_on_its_best_mixture(local_ray, dataset,
+                                                                                      second_dataset, tmp_path):
+    from train.__main__ import main as train_main
+
+    space = tmp_path / "mix.yaml"
+    space.write_text("lr: {loguniform: [0.001, 0.01]}\nmix.corpus: {uniform: [0.1, 1]}\nmix.code: {uniform: [0.1, 1]}\n")
+    cfg = SweepConfig(num_samples=3, steps=4, report_every=2, max_rows=64, eval_rows=8, space=str(space),
+                      scheduler="fifo", metric="val_bpb")
+    both = f"{dataset['ref']},{second_dataset['ref']}"
+    out = run(cfg, dataset=both, model_preset="debug", sweep_name="mixes", storage=Storage.from_env())
+    assert out["trials"] == 3 and out["completed"] == 3 and out["best"]["metric_name"] == "val_bpb"
+    with open(os.path.join(out["path"], "trials.json")) as f:
+        trials = json.load(f)["trials"]
+    assert len({t["config"]["mix.code"] for t in trials}) == 3 and all(0 < t["best"] < 9 for t in trials)
+    best = out["best"]["config"]
+    summary = train_main(["--from-sweep", "mixes", "--max-steps", "2", "--run", "from-mixes", "--json"])
+    w = best["mix.corpus"] / (best["mix.corpus"] + best["mix.code"])
+    assert summary["dataset"] == f"{dataset['ref']}:{w:.6g},{second_dataset['ref']}:{1 - w:.6g}"
+    with pytest.raises(ValueError, match="weighs web, which is not among the sweep's datasets"):
+        space.write_text("mix.web: {uniform: [0, 1]}\n")
+        run(cfg, dataset=both, model_preset="debug", sweep_name="mixes-bad", storage=Storage.from_env())

@@ -61,7 +61,12 @@ def main(argv: list[str] | None = None) -> dict:
         best = best_of_sweep(storage, args.from_sweep) if args.from_sweep else {}
         if args.mixture and args.dataset:
             raise ValueError("give --dataset or --mixture, not both")
-        parts = load_file(args.mixture) if args.mixture else args.dataset or ([best["dataset"]] if best else [])
+        # A mixture sweep's best config weighs its datasets (mix.NAME): that is the mixture to train on.
+        hp = {k: v for k, v in best.get("config", {}).items() if not k.startswith("mix.")}
+        mix = {k[len("mix."):]: v for k, v in best.get("config", {}).items() if k.startswith("mix.")}
+        swept = [f"{ref}:{mix.get(ref.partition('@')[0], w)}" for ref, w in
+                 mixture.split(best["dataset"], weighted=False)] if best else []
+        parts = load_file(args.mixture) if args.mixture else args.dataset or swept
         if not parts:
             raise ValueError("give --dataset (or --mixture FILE, or --from-sweep SWEEP)")
         dataset = mixture.spec(mixture.parse(parts))
@@ -69,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
         first = dataset.partition("@")[0].partition(":")[0]
         run_name = args.run or f"{first}{'-mix' if ',' in dataset else ''}-{preset_name}-{time.strftime('%Y%m%d-%H%M%S')}"
         check_name(run_name, "run name")
-        model_cfg, train_cfg = with_hyperparameters(best.get("config", {}), preset(preset_name),
+        model_cfg, train_cfg = with_hyperparameters(hp, preset(preset_name),
                                                     TRAIN_PRESETS[preset_name])
         given = overrides(args, GPTConfig)
         m = mixture.resolve_all(storage, dataset)[0][0].manifest

@@ -28,10 +28,11 @@ def _part(text: str) -> tuple[str, float | None]:
     return ref, w
 
 
-def parse(parts: list[str]) -> list[tuple[str, float]]:
-    """[(ref, weight)] from `--dataset` values, weights normalised to sum to 1."""
+def parse(parts: list[str], weighted: bool = True) -> list[tuple[str, float]]:
+    """[(ref, weight)] from `--dataset` values, weights normalised to sum to 1. Unless `weighted` (a sweep,
+    whose space may weigh them), a mixture's datasets without a weight weigh 1 each."""
     got = [_part(p) for p in parts]
-    if len(got) > 1 and any(w is None for _, w in got):
+    if weighted and len(got) > 1 and any(w is None for _, w in got):
         raise ValueError("a mixture gives every dataset a weight: --dataset NAME:WEIGHT for each")
     refs = [r for r, _ in got]
     if len({r.partition("@")[0] for r in refs}) < len(refs):
@@ -46,13 +47,13 @@ def spec(parts: list[tuple[str, float]]) -> str:
     return ",".join(f"{r}:{w:.6g}" for r, w in parts)
 
 
-def split(text: str) -> list[tuple[str, float]]:
-    return parse(text.split(","))
+def split(text: str, weighted: bool = True) -> list[tuple[str, float]]:
+    return parse(text.split(","), weighted)
 
 
 def unpinned(text: str) -> str:
     """The spec without its versions: what `--dataset` names when it asks for the newest snapshots."""
-    return spec([(r.partition("@")[0], w) for r, w in split(text)])
+    return spec([(r.partition("@")[0], w) for r, w in split(text, weighted=False)])
 
 
 def load_file(path: str) -> list[str]:
@@ -69,9 +70,9 @@ def load_file(path: str) -> list[str]:
     return [f"{ref}:{w}" for ref, w in datasets.items()]
 
 
-def resolve_all(storage: Storage, text: str) -> list[tuple[DatasetVersion, float]]:
+def resolve_all(storage: Storage, text: str, weighted: bool = True) -> list[tuple[DatasetVersion, float]]:
     """Each dataset of the spec resolved to a committed version, checked to share a tokenizer and seq_len."""
-    out = [(resolve(storage, r), w) for r, w in split(text)]
+    out = [(resolve(storage, r), w) for r, w in split(text, weighted)]
     first = out[0][0]
     for v, _ in out[1:]:
         a, b = first.manifest, v.manifest

@@ -1,6 +1,7 @@
 """Sweep entry point: Ray Tune over train's loop, trials on spot-tier nodes.
 
     python -m tune --dataset NAME[@VERSION] --preset debug [--space lr-batch|small|FILE.yaml]
+                   [--dataset NAME ...] [--metric val_loss|val_bpb]
                    [--search random|optuna] [--num-samples N] [--max-concurrent N] [--json]
 
 ASHA stops weak trials early by default. The best config is written to
@@ -19,22 +20,24 @@ from strata.dataset import DatasetError
 from strata.lease import LeaseBusy
 from strata.signing import Untrusted
 from strata.storage import Storage, check_name
+from train import mixture
 from tune.driver import run
 from tune.sweep import SweepConfig
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = cli_parser("python -m tune", __doc__)
-    parser.add_argument("--dataset", required=True, help="NAME or NAME@VERSION of a tier-1 dataset")
+    parser.add_argument("--dataset", required=True, action="append", help="NAME or NAME@VERSION of a tier-1 "
+                        "dataset; repeat it for a mixture (NAME[:WEIGHT], or weights swept as mix.NAME in the space)")
     parser.add_argument("--preset", default="debug", help="model preset whose search space to sweep")
     parser.add_argument("--sweep", help="sweep name (default: DATASET-sweep-TIME)")
     add_config_arguments(parser, SweepConfig)
     args = parser.parse_args(argv)
-    name = args.sweep or f"{args.dataset.partition('@')[0]}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = args.sweep or f"{args.dataset[0].partition('@')[0].partition(':')[0]}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         check_name(name, "sweep name")
         cfg = SweepConfig(**overrides(args, SweepConfig))
-        summary = run(cfg, dataset=args.dataset, model_preset=args.preset, sweep_name=name,
+        summary = run(cfg, dataset=mixture.spec(mixture.parse(args.dataset, weighted=False)), model_preset=args.preset, sweep_name=name,
                       storage=Storage.from_env(args.storage))
     except LeaseBusy as e:
         sys.exit(f"error: {e}: its driver is still running; resume it once that one has ended")

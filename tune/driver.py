@@ -10,12 +10,13 @@ import sys
 import time
 from dataclasses import asdict
 
+import numpy as np
 from ray.tune import Callback
 
 from strata import tiers
 from strata.connect import connect
 from strata.cost import UsageMonitor
-from strata.dataset import DatasetError, check_compatible, resolve
+from strata.dataset import DatasetError, check_compatible
 from strata.lease import Lease
 from strata.records import write_record
 from strata.runinfo import run_info
@@ -27,13 +28,25 @@ from strata.storage import (
     write_bytes_atomic,
     write_json_atomic,
 )
+from strata.tokenizer import from_info
+from train import mixture
 from train.loop import TRAIN_PRESETS
 from train.model import fit_to_dataset, preset
 from tune.plots import write_plots
-from tune.sweep import GRACE, REDUCTION, SweepConfig, load_rows, load_space, sample, to_tune, trial
+from tune.sweep import (
+    GRACE,
+    MIX,
+    REDUCTION,
+    SweepConfig,
+    load_rows,
+    load_space,
+    sample,
+    to_tune,
+    trial,
+)
 from tune.trust import SignTuneState, check_tune_state, sign_tuner
 
-METRIC, MODE = "val_loss", "min"
+MODE = "min"  # both metrics (val_loss, val_bpb) fall as the model gets better
 
 
 def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, storage: Storage,
@@ -50,30 +63,40 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
     check_driver_node()
     model_cfg = preset(model_preset)
     sweep_dir = storage.sweep(sweep_name)
-    if "@" not in dataset and exists(join(sweep_dir, "sweep.json")):  # a resume reads the snapshot it began on
+    if exists(join(sweep_dir, "sweep.json")):  # a resume reads the snapshots it began on
         began = read_json(join(sweep_dir, "sweep.json"))["config"]["dataset"]
-        dataset = began if began.partition("@")[0] == dataset else dataset
-    version = resolve(storage, dataset)
+        dataset = began if mixture.unpinned(began) == mixture.unpinned(dataset) else dataset
+    sources = mixture.resolve_all(storage, dataset, weighted=False)
+    names = [v.manifest.dataset for v, _ in sources]
+    if unknown := sorted({k[len(MIX):] for k in space if k.startswith(MIX)} - set(names)):
+        raise ValueError(f"the space weighs {', '.join(unknown)}, which {'is' if len(unknown) == 1 else 'are'} "
+                         f"not among the sweep's datasets ({', '.join(names)})")
+    version = sources[0][0]  # every dataset of a mixture shares its tokenizer and seq_len
     # The preset shaped for the dataset, as `python -m train --preset` shapes it (so --from-sweep matches).
     model_cfg = fit_to_dataset(model_cfg, vocab=version.manifest.tokenizer.vocab_size, seq_len=version.manifest.seq_len)
-    check_compatible(version, vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
-    rows = load_rows(version, "train", cfg.max_rows)
-    val_rows = load_rows(version, "validation", cfg.eval_rows)
-    if len(val_rows) == 0:  # no validation split: hold out the last training rows
-        rows, val_rows = rows[: -cfg.eval_rows], rows[-cfg.eval_rows:]
-    if len(rows) == 0:
-        raise DatasetError(f"dataset {version.ref} has too few rows to sweep on")
+    rows, val_rows = [], []
+    for v, _ in sources:
+        check_compatible(v, vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
+        train_rows, held = load_rows(v, "train", cfg.max_rows), load_rows(v, "validation", cfg.eval_rows)
+        if len(held) == 0:  # no validation split: hold out the last training rows
+            train_rows, held = train_rows[: -cfg.eval_rows], train_rows[-cfg.eval_rows:]
+        if len(train_rows) == 0:
+            raise DatasetError(f"dataset {v.ref} has too few rows to sweep on")
+        rows.append(train_rows)
+        val_rows.append(held)
+    data = {"rows": rows, "val_rows": np.concatenate(val_rows), "names": names, "weights": [w for _, w in sources],
+            "token_bytes": from_info(version.manifest.tokenizer, version.tokenizer_definition()).token_bytes()}
+    spec = mixture.spec([(v.ref, w) for v, w in sources])
     # One driver per sweep: a resume while the first driver is alive would run every trial twice.
     with Lease(sweep_dir, f"sweep {sweep_name}", purpose="tune").acquire(wait=False):
-        return _run_leased(cfg, space, model_cfg, version, rows, val_rows, sweep_name, sweep_dir, model_preset,
-                           storage, progress)
+        return _run_leased(cfg, space, model_cfg, spec, data, sweep_name, sweep_dir, model_preset, storage, progress)
 
 
-def _run_leased(cfg, space, model_cfg, version, rows, val_rows, sweep_name, sweep_dir, model_preset, storage,
+def _run_leased(cfg, space, model_cfg, dataset, data, sweep_name, sweep_dir, model_preset, storage,
                 progress) -> dict:
     from ray import tune
 
-    what = {"sweep": asdict(cfg), "dataset": version.ref, "preset": model_preset}
+    what = {"sweep": asdict(cfg), "dataset": dataset, "preset": model_preset}
     resuming = tune.Tuner.can_restore(sweep_dir)
     if resuming:
         info = read_json(join(sweep_dir, "sweep.json"))
@@ -85,11 +108,12 @@ def _run_leased(cfg, space, model_cfg, version, rows, val_rows, sweep_name, swee
         write_json_atomic(join(sweep_dir, "sweep.json"), info)
     packed = cfg.pack_size > 1
     print(f"[tune] {'resuming' if resuming else 'starting'} sweep {sweep_name}: {cfg.num_samples} trials"
-          f"{f' in {cfg.packs} packs of {cfg.pack_size}' if packed else ''} on {len(rows)} rows of {version.ref}",
+          f"{f' in {cfg.packs} packs of {cfg.pack_size}' if packed else ''} on "
+          f"{sum(len(r) for r in data['rows'])} rows of {dataset}",
           file=sys.stderr)
 
     # Data goes into the object store once; every trial reads the same copy.
-    trainable = tune.with_parameters(trial, rows=rows, val_rows=val_rows, model=asdict(model_cfg),
+    trainable = tune.with_parameters(trial, **data, model=asdict(model_cfg),
                                      train=asdict(TRAIN_PRESETS[model_preset]), sweep=asdict(cfg), space=space)
     tuner = make_tuner(trainable, cfg, space, sweep_dir, progress=progress, resume=resuming)
     started = time.time()
@@ -101,29 +125,30 @@ def _run_leased(cfg, space, model_cfg, version, rows, val_rows, sweep_name, swee
         raise RuntimeError(f"sweep {sweep_name}: no trial reported a metric; first error: "
                            f"{next((t['error'] for t in trials if t['error']), None)}")
     best = min(done, key=lambda t: t["best"])
-    write_json_atomic(join(sweep_dir, "best.json"), {"config": best["config"], METRIC: best["best"],
+    write_json_atomic(join(sweep_dir, "best.json"), {"config": best["config"], cfg.metric: best["best"],
+                                                     "metric": cfg.metric,
                                                      "trial": best["trial"], "preset": model_preset,
-                                                     "dataset": version.ref, "space": cfg.space,
+                                                     "dataset": dataset, "space": cfg.space,
                                                      "search": cfg.search})
     write_json_atomic(join(sweep_dir, "trials.json"), {"trials": trials})
-    write_bytes_atomic(join(sweep_dir, "trials.csv"), trials_csv(trials).encode())
+    write_bytes_atomic(join(sweep_dir, "trials.csv"), trials_csv(trials, cfg.metric).encode())
     plots = write_plots(trials, space, cfg, sweep_dir)
-    print(trials_table(trials), file=sys.stderr)
+    print(trials_table(trials, cfg.metric), file=sys.stderr)
     counts = status_counts(trials)
     hours = (usage.ended - usage.started) / 3600
     figures = {"trials": len(trials), **{k.replace(" ", "_"): v for k, v in counts.items()},
-               "iterations": sum(t["iterations"] for t in trials), "best": best["best"], "metric": METRIC,
+               "iterations": sum(t["iterations"] for t in trials), "best": best["best"], "metric": cfg.metric,
                "trials_per_hour": len(trials) / hours if hours else None, "pack": cfg.pack_size,
                "curves": [t["curve"] for t in sorted(done, key=lambda t: t["best"])[:5]]}
     rec = write_record(storage, info, name=sweep_name, beside=join(sweep_dir, "record.json"), usage=usage,
                        work_nodes=[t["node_id"] for t in trials if t["node_id"]], figures=figures)
     return {
         "cost": rec["cost"], "node_hours": rec["node_hours"], "cpu_busy": rec["utilization"]["cpu_busy"],
-        "sweep": sweep_name, "path": sweep_dir, "dataset": version.ref, "resumed": resuming,
+        "sweep": sweep_name, "path": sweep_dir, "dataset": dataset, "resumed": resuming,
         "trials": len(trials), "completed": counts["completed"] + counts["stopped early"],
         "stopped_early": counts["stopped early"], "errors": counts["error"], "tune_trials": len(grid),
         "pack": cfg.pack_size, "restores": sum(t["restores"] for t in trials),
-        "best": {"config": best["config"], "metric": best["best"], "metric_name": METRIC},
+        "best": {"config": best["config"], "metric": best["best"], "metric_name": cfg.metric},
         "iterations": sum(t["iterations"] for t in trials), "seconds": round(time.time() - started, 1),
         "plots": plots,
     }
@@ -150,7 +175,7 @@ def make_tuner(trainable, cfg: SweepConfig, space: dict, sweep_dir: str, *, prog
     tuner = tune.Tuner(
         trainable,
         param_space={"pack": tune.grid_search(list(range(cfg.packs)))} if packed else to_tune(space),
-        tune_config=tune.TuneConfig(metric=METRIC, mode=MODE, num_samples=1 if packed else cfg.num_samples,
+        tune_config=tune.TuneConfig(metric=cfg.metric, mode=MODE, num_samples=1 if packed else cfg.num_samples,
                                     max_concurrent_trials=cfg.max_concurrent or None, scheduler=scheduler,
                                     search_alg=None if packed else _searcher(cfg), reuse_actors=True),
         run_config=tune.RunConfig(
@@ -243,7 +268,7 @@ class SweepProgress(Callback):
             else:
                 n, errors = int(t.status == "TERMINATED"), errors + int(t.status == "ERROR")
             done += n
-            m = t.metric_analysis.get(METRIC, {}).get("min")
+            m = t.metric_analysis.get(self.cfg.metric, {}).get("min")
             if m is not None and (best is None or m < best):
                 best = m
         return {"trials": self.cfg.num_samples, "done": done, "errors": errors, "best": best,
@@ -275,7 +300,7 @@ class SweepProgress(Callback):
         self.bar.refresh()
 
 
-def trials_csv(trials: list[dict]) -> str:
+def trials_csv(trials: list[dict], metric: str = "val_loss") -> str:
     """One row per trial: id, status, iterations, best metric, then each hyperparameter."""
     import csv
     import io
@@ -283,19 +308,19 @@ def trials_csv(trials: list[dict]) -> str:
     keys = sorted({k for t in trials for k in t["config"]})
     out = io.StringIO()
     w = csv.writer(out)
-    w.writerow(["trial", "status", "iterations", f"best_{METRIC}", *keys])
+    w.writerow(["trial", "status", "iterations", f"best_{metric}", *keys])
     for t in sorted(trials, key=_rank):
         w.writerow([t["trial"], t["status"], t["iterations"], t["best"], *(t["config"].get(k) for k in keys)])
     return out.getvalue()
 
 
-def trials_table(trials: list[dict], top: int = 10) -> str:
+def trials_table(trials: list[dict], metric: str = "val_loss", top: int = 10) -> str:
     """The best trials as an aligned table, with a count by status."""
     keys = sorted({k for t in trials for k in t["config"]})
     rows = [[f"{t['best']:.4f}" if t["best"] is not None else "-", str(t["iterations"] or 0), t["status"],
              *(f"{v:.4g}" if isinstance(v := t["config"].get(k), float) else str(v) for k in keys)]
             for t in sorted(trials, key=_rank)[:top]]
-    head = [METRIC, "iters", "status", *keys]
+    head = [metric, "iters", "status", *keys]
     widths = [max(len(c) for c in col) for col in zip(head, *rows, strict=True)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [head, *rows]]
     counts = status_counts(trials)

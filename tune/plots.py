@@ -7,7 +7,6 @@ import io
 
 from strata.storage import join, write_bytes_atomic
 
-METRIC = "val_loss"
 COLORS = {"completed": "tab:blue", "stopped early": "tab:orange", "error": "tab:red"}
 
 
@@ -18,8 +17,8 @@ def write_plots(trials: list[dict], space: dict, cfg, sweep_dir: str, top: int =
     matplotlib.use("Agg")  # files only, no display needed
     scored = [t for t in trials if t["best"] is not None]
     paths = []
-    for name, fig in (("params.png", metric_vs_params(scored, space)),
-                      ("curves.png", top_curves(scored, cfg.report_every, top))):
+    for name, fig in (("params.png", metric_vs_params(scored, space, cfg.metric)),
+                      ("curves.png", top_curves(scored, cfg.report_every, top, cfg.metric))):
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
         matplotlib.pyplot.close(fig)
@@ -28,7 +27,7 @@ def write_plots(trials: list[dict], space: dict, cfg, sweep_dir: str, top: int =
     return paths
 
 
-def metric_vs_params(trials: list[dict], space: dict):
+def metric_vs_params(trials: list[dict], space: dict, metric: str = "val_loss"):
     """One panel per hyperparameter: each trial's best metric against its value."""
     import matplotlib.pyplot as plt
 
@@ -47,17 +46,17 @@ def metric_vs_params(trials: list[dict], space: dict):
         ax.set_xlabel(key)
         ax.grid(alpha=0.3)
     for ax in axes[:, 0]:
-        ax.set_ylabel(f"best {METRIC}")
+        ax.set_ylabel(f"best {metric}")
     for ax in list(axes.flat)[len(keys):]:
         ax.set_visible(False)
     axes.flat[0].legend(fontsize=7)
-    fig.suptitle(f"best {METRIC} by hyperparameter ({len(trials)} trials)")
+    fig.suptitle(f"best {metric} by hyperparameter ({len(trials)} trials)")
     fig.tight_layout()
     return fig
 
 
-def top_curves(trials: list[dict], report_every: int, top: int):
-    """Validation loss against steps for the `top` best trials."""
+def top_curves(trials: list[dict], report_every: int, top: int, metric: str = "val_loss"):
+    """The metric against steps for the `top` best trials."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
@@ -66,7 +65,7 @@ def top_curves(trials: list[dict], report_every: int, top: int):
         label = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(t["config"].items()))
         ax.plot(steps, t["curve"], marker="o", markersize=3, label=label[:60])
     ax.set_xlabel("step")
-    ax.set_ylabel(METRIC)
+    ax.set_ylabel(metric)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6)
     ax.set_title(f"learning curves of the {min(top, len(trials))} best trials")

@@ -73,10 +73,14 @@ class SweepConfig:
     """Times a trial is restarted from its checkpoint after its node is lost."""
     cpus_per_trial: float = 1.0
     """CPUs each trial reserves on its spot node."""
+    metric: str = "val_loss"
+    """What ranks trials: val_loss, or val_bpb (bits per byte: comparable across tokenizers)."""
 
     def __post_init__(self):
         if self.scheduler not in ("asha", "fifo"):
             raise ValueError(f"scheduler must be asha or fifo, not {self.scheduler!r}")
+        if self.metric not in METRICS:
+            raise ValueError(f"metric must be one of {', '.join(METRICS)}, not {self.metric!r}")
         if self.search not in ("random", "optuna"):
             raise ValueError(f"search must be random or optuna, not {self.search!r}")
         if self.num_samples < 1 or self.steps < 1 or self.report_every < 1:
@@ -110,6 +114,8 @@ class SweepConfig:
         return range(pack * self.pack_size, min((pack + 1) * self.pack_size, self.num_samples))
 
 
+METRICS = ("val_loss", "val_bpb")
+MIX = "mix."  # a space parameter mix.NAME is dataset NAME's weight in a mixture sweep (normalised per trial)
 TUNE_TRIALS = 1000  # Tune trials a packed sweep aims at: few enough for the driver, enough to spread
 GRACE, REDUCTION = 2, 2  # ASHA: first rung after 2 reports, keep the best half at each rung
 
@@ -152,6 +158,12 @@ def check_space(raw, where: str) -> dict:
     if not isinstance(raw, dict) or not raw:
         raise ValueError(f"{where}: a search space is a non-empty mapping of parameter -> {{distribution: args}}")
     for key, dist in raw.items():
+        if key.startswith(MIX):
+            if not (isinstance(dist, dict) and next(iter(dist), None) in ("uniform", "loguniform")
+                    and len(dist[next(iter(dist))]) == 2 and min(dist[next(iter(dist))]) >= 0):
+                raise ValueError(f"{where}: {key} (a mixture weight) needs uniform or loguniform [low, high], "
+                                 "low >= 0")
+            continue
         if key not in TRAIN_KEYS + MODEL_KEYS:
             raise ValueError(f"{where}: cannot tune {key!r}; tunable: {', '.join(TRAIN_KEYS + MODEL_KEYS)}")
         if not (isinstance(dist, dict) and len(dist) == 1 and next(iter(dist)) in DISTRIBUTIONS):
@@ -226,18 +238,31 @@ def load_rows(version: DatasetVersion, split: str, limit: int) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros((0, width), dtype=np.uint16)
 
 
-class ModelFit:
-    """One config's training on the shared rows; `advance` trains to the next report and scores it."""
+def mixture_weights(hp: dict, names: list[str], fixed: list[float]) -> list[float]:
+    """A trial's mixture: its mix.NAME parameters normalised, else the sweep's fixed weights."""
+    if not any(k.startswith(MIX) for k in hp):
+        return fixed
+    raw = [max(float(hp.get(f"{MIX}{n}", 0.0)), 0.0) for n in names]
+    total = sum(raw)
+    return [w / total for w in raw] if total > 0 else [1 / len(names)] * len(names)
 
-    def __init__(self, hp: dict, state: dict | None, *, rows: np.ndarray, val_rows: np.ndarray, model: dict,
-                 train: dict, sweep: dict):
+
+class ModelFit:
+    """One config's training on the shared rows; `advance` trains to the next report and scores it.
+    A mixture sweep's rows are one array per dataset, drawn from in proportion to the trial's weights."""
+
+    def __init__(self, hp: dict, state: dict | None, *, rows: list[np.ndarray], val_rows: np.ndarray, model: dict,
+                 train: dict, sweep: dict, names: list[str], weights: list[float], token_bytes: np.ndarray):
         s = SweepConfig(**sweep)
         base = TrainConfig(**train)
         base = replace(base, max_steps=s.steps, warmup_steps=min(base.warmup_steps, s.steps // 4),
                        batch_size=base.batch_size or CPU_MICRO_BATCH)  # trials train on CPU
-        mcfg, self.tcfg = with_hyperparameters(hp, GPTConfig(**model), base)
-        self.rows, self.every, self.steps = rows, s.report_every, s.steps
+        mcfg, self.tcfg = with_hyperparameters({k: v for k, v in hp.items() if not k.startswith(MIX)},
+                                               GPTConfig(**model), base)
+        self.rows, self.every, self.steps, self.metric = rows, s.report_every, s.steps, s.metric
+        self.weights = mixture_weights(hp, names, weights)
         self.val_batches = [val_rows[i: i + 32] for i in range(0, len(val_rows), 32)]
+        self.token_bytes = torch.from_numpy(token_bytes) if s.metric == "val_bpb" else None
         self.device = torch.device("cpu")
         torch.manual_seed(s.seed)
         self.net = GPT(mcfg)
@@ -251,25 +276,33 @@ class ModelFit:
             torch.set_rng_state(state["torch_rng"])
             self.step = state["step"]
 
+    def _batch(self) -> np.ndarray:
+        n = self.tcfg.batch_size
+        if len(self.rows) == 1:
+            return self.rows[0][self.rng.integers(0, len(self.rows[0]), n)]
+        src = self.rng.choice(len(self.rows), size=n, p=self.weights)
+        return np.stack([self.rows[i][self.rng.integers(0, len(self.rows[i]))] for i in src])
+
     def advance(self) -> float:
         end = min(self.steps, self.step + self.every)
         while self.step < end:
-            batch = self.rows[self.rng.integers(0, len(self.rows), self.tcfg.batch_size)]
-            train_step(self.net, self.opt, [batch], lr_at(self.step, self.tcfg), self.tcfg, self.device)
+            train_step(self.net, self.opt, [self._batch()], lr_at(self.step, self.tcfg), self.tcfg, self.device)
             self.step += 1
-        return evaluate(self.net, self.val_batches, self.device)[0]
+        loss, bpb = evaluate(self.net, self.val_batches, self.device, token_bytes=self.token_bytes)
+        return bpb if self.metric == "val_bpb" else loss
 
     def state(self) -> dict:
         return {"model": self.net.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
                 "rng": self.rng.bit_generator.state, "torch_rng": torch.get_rng_state()}
 
 
-def trial(config: dict, *, rows: np.ndarray, val_rows: np.ndarray, model: dict, train: dict, sweep: dict,
-          space: dict) -> None:
+def trial(config: dict, *, rows: list[np.ndarray], val_rows: np.ndarray, model: dict, train: dict, sweep: dict,
+          space: dict, names: list[str], weights: list[float], token_bytes: np.ndarray) -> None:
     """The sweep's Tune trainable: one config, or a pack of them, of train's loop on the shared rows."""
 
     def make_fit(hp, state):
-        return ModelFit(hp, state, rows=rows, val_rows=val_rows, model=model, train=train, sweep=sweep)
+        return ModelFit(hp, state, rows=rows, val_rows=val_rows, model=model, train=train, sweep=sweep,
+                        names=names, weights=weights, token_bytes=token_bytes)
 
     run_trial(config, sweep=sweep, space=space, make_fit=make_fit)
 
@@ -318,7 +351,7 @@ def run_trial(config: dict, *, sweep: dict, space: dict, make_fit) -> None:
             cur["node"] = node  # where the config last trained
             t = len(cur["curve"])
             if single:  # Tune's scheduler decides; every report is a checkpoint to resume from
-                _report({"val_loss": metric, "node_id": node}, book, fit.state(), clock)
+                _report({s.metric: metric, "node_id": node}, book, fit.state(), clock)
             elif t in milestones:
                 recorded = book["rungs"].setdefault(str(t), [])
                 keep = asha_keeps(recorded, metric)
@@ -332,7 +365,7 @@ def run_trial(config: dict, *, sweep: dict, space: dict, make_fit) -> None:
         book["current"] = None
         if index == todo[-1][0] or time.monotonic() - last_checkpoint >= s.checkpoint_every_s:
             best = min(min(r["curve"]) for r in book["done"])
-            _report({"val_loss": best, "configs_done": len(book["done"]), "node_id": node}, book, None, clock)
+            _report({s.metric: best, "configs_done": len(book["done"]), "node_id": node}, book, None, clock)
             last_checkpoint = time.monotonic()
 
 
