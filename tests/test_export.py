@@ -4,14 +4,18 @@ import json
 import os
 from dataclasses import asdict
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from strata.dataset import DatasetError
+from strata.storage import Storage
 from strata.tokenizer import ByteTokenizer
 from train.checkpoint import sign_checkpoint
 from train.export import export, main
 from train.model import GPT, preset
+from train.sample import load as load_for_sampling
 
 
 @pytest.fixture
@@ -61,3 +65,68 @@ def test_transformers_loads_the_export_as_gpt2_with_the_same_logits(tmp_path, ch
         ours = model.eval()(idx)
         theirs = hf.eval()(idx).logits
     torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
+
+
+def _hf_gpt2(path, vocab=257, n_positions=128):
+    """A tiny randomly initialised GPT2LMHeadModel, biases included, saved as safetensors."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(1)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=vocab, n_positions=n_positions, n_embd=32,
+                                                              n_layer=2, n_head=2))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.05)  # GPT-2 initialises them at zero: make them count
+    hf.save_pretrained(str(path), safe_serialization=True)
+    return hf.eval()
+
+
+def test_a_hugging_face_gpt2_imports_with_the_same_logits(tmp_path):
+    from train.pretrained import apply, read_gpt2
+
+    hf = _hf_gpt2(tmp_path / "hf")
+    p = read_gpt2(str(tmp_path / "hf"))
+    assert p.cfg.bias and (p.cfg.n_layer, p.cfg.n_embd, p.cfg.vocab_size, p.cfg.seq_len) == (2, 32, 257, 128)
+    cfg, weights = p.for_dataset(64, "any", 257)  # a shorter context keeps the first position rows
+    model = GPT(cfg, init=False)
+    apply(model, weights)
+    idx = torch.randint(0, 257, (2, 64))
+    with torch.no_grad():
+        assert torch.allclose(model.eval()(idx), hf(idx).logits, atol=1e-5)
+    with pytest.raises(DatasetError, match="longer than"):
+        p.for_dataset(256, "any", 257)
+    with pytest.raises(DatasetError, match="embeds 257"):
+        p.for_dataset(64, "any", 300)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="model_type is 'llama'"):
+        read_gpt2(str(tmp_path / "hf"))
+
+
+@pytest.mark.slow
+def test_fine_tuning_from_a_gpt2_and_exporting_again_round_trips_exactly(local_ray, dataset, tmp_path):
+    from train.__main__ import main as train_main
+    from train.pretrained import load, read_gpt2
+
+    _hf_gpt2(tmp_path / "hf")
+    out = train_main(["--dataset", dataset["ref"], "--init-from", str(tmp_path / "hf"), "--max-steps", "2",
+                      "--batch-size", "4", "--run", "tuned", "--no-use-gpu", "--json"])
+    with open(os.path.join(out["path"], "run.json")) as f:
+        config = json.load(f)["config"]
+    assert config["init_from"] == str(tmp_path / "hf") and config["model"]["bias"]
+    assert config["model"]["n_embd"] == 32 and config["model"]["vocab_size"] == 257  # the shape of the weights
+    main(["--run", "tuned", "--out", str(tmp_path / "again")])
+    tuned, _, step = load_for_sampling(out["checkpoint"])
+    again = read_gpt2(str(tmp_path / "again"))
+    assert step == 2 and again.cfg == tuned.cfg
+    # Two small steps from the imported weights stay near them (a fresh init would be ~0.05 away: N(0, 0.05) biases).
+    hf = read_gpt2(str(tmp_path / "hf")).weights
+    assert np.abs(again.weights["blocks.0.attn.qkv.bias"] - hf["blocks.0.attn.qkv.bias"]).max() < 0.015
+    assert np.abs(again.weights["blocks.0.attn.qkv.bias"] - hf["blocks.0.attn.qkv.bias"]).max() > 0  # and trained
+    for k, v in tuned.state_dict().items():
+        if k != "head.weight":
+            assert torch.equal(torch.from_numpy(again.weights[k]), v), k  # exact, not close
+    from_run = load("tuned@2", Storage.from_env())
+    assert all(np.array_equal(from_run.weights[k], again.weights[k]) for k in again.weights)
+    # The export names its tokenizer: a dataset tokenized otherwise is refused.
+    with pytest.raises(DatasetError, match="trained with tokenizer"):
+        again.for_dataset(128, "f" * 16, 257)

@@ -2,6 +2,7 @@
 
     python -m train --dataset NAME[@VERSION] --preset debug [--max-steps N] [--run NAME] [--json]
     python -m train --dataset web:0.7 --dataset code:0.3 [--max-repeat N]     # a mixture
+    python -m train --dataset NAME --init-from DIR|RUN[@STEP]                  # fine-tune
 
 Workers run on gpu-tier nodes (`TorchTrainer` with the tier's label selector);
 DDP by default, FSDP2 (`--strategy fsdp`) for the large presets; bf16 on GPU.
@@ -24,12 +25,14 @@ from strata.cli import parser as cli_parser
 from strata.dataset import DatasetError
 from strata.lease import LeaseBusy
 from strata.storage import Storage, check_name
-from train import mixture
+from train import mixture, pretrained
 from train.loop import TRAIN_PRESETS, TrainConfig, with_hyperparameters
 from train.mixture import load_file
 from train.model import PRESETS, GPTConfig, fit_to_dataset, preset
 from train.placement import PlacementError
 from train.trainer import DATA_ORDER, best_of_sweep, run
+
+SHAPE = {"vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "bias"}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -40,6 +43,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--preset", choices=sorted(PRESETS), help="model preset (default: the sweep's, else debug)")
     parser.add_argument("--from-sweep", metavar="SWEEP", help="train with the best config of this sweep "
                         "($STRATA_STORAGE/sweeps/SWEEP/best.json); flags still override it")
+    parser.add_argument("--init-from", metavar="DIR|RUN[@STEP]", help="fine-tune: start from these weights, a "
+                        "GPT-2-layout directory (train.export's, or a Hugging Face GPT-2 with model.safetensors) "
+                        "or a run's checkpoint; the model's shape comes from them")
     parser.add_argument("--run", help="run name; an existing run continues (default: DATASET-PRESET-TIME)")
     parser.add_argument("--workers", type=int, help="training workers (default: the GPUs of one model on the "
                         "gpu tier; 1 on CPU)")
@@ -78,15 +84,25 @@ def main(argv: list[str] | None = None) -> dict:
                                                     TRAIN_PRESETS[preset_name])
         given = overrides(args, GPTConfig)
         m = mixture.resolve_all(storage, dataset)[0][0].manifest
-        model_cfg = replace(fit_to_dataset(model_cfg, vocab=m.tokenizer.vocab_size, seq_len=m.seq_len,
-                                           keep=frozenset(given)), **given)
+        init = None
+        if args.init_from:
+            if shaped := sorted(set(given) & SHAPE):
+                raise ValueError(f"--init-from takes the model's shape from the weights: drop --{shaped[0]}")
+            source = pretrained.load(args.init_from, storage)
+            print(f"[train] initialising from {pretrained.describe_source(source)}", file=sys.stderr)
+            model_cfg, weights = source.for_dataset(m.seq_len, m.tokenizer.hash, m.tokenizer.vocab_size)
+            model_cfg = replace(model_cfg, **given)
+            init = (source.source, weights)
+        else:
+            model_cfg = replace(fit_to_dataset(model_cfg, vocab=m.tokenizer.vocab_size, seq_len=m.seq_len,
+                                               keep=frozenset(given)), **given)
         train_cfg = TrainConfig(**{**asdict(train_cfg), **overrides(args, TrainConfig)})
         if best:
             print(f"[train] best config of sweep {args.from_sweep}: {json.dumps(best['config'])}", file=sys.stderr)
         summary = run(model_cfg, train_cfg, dataset=dataset, run_name=run_name, storage=storage,
                       workers=args.workers, use_gpu=args.use_gpu, cpus_per_worker=args.cpus_per_worker,
                       max_failures=args.max_failures, allow_change=args.allow_change,
-                      allow_mixed_gpus=args.allow_mixed_gpus, gpu_wait_s=args.gpu_wait_s)
+                      allow_mixed_gpus=args.allow_mixed_gpus, gpu_wait_s=args.gpu_wait_s, init=init)
     except LeaseBusy as e:
         sys.exit(f"error: {e}: wait for it to end, or use another --run")
     except (DatasetError, ValueError, FileNotFoundError, PlacementError) as e:

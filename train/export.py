@@ -3,8 +3,10 @@
     python -m train.export --run NAME --out DIR [--json]
     python -m train.export --checkpoint CKPT_DIR --out DIR
 
-The model is GPT-2's architecture without linear biases, so it maps onto
-`GPT2LMHeadModel` with zero biases (GPT-2's Conv1D keeps weights transposed).
+The model is GPT-2's architecture (without linear biases unless it was
+imported with them), so it maps onto `GPT2LMHeadModel`, with zero biases
+where it has none (GPT-2's Conv1D keeps weights transposed).
+`python -m train --init-from DIR` reads the export back (train/pretrained.py).
 `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads the result;
 with a tokenizer.json dataset, `AutoTokenizer.from_pretrained(DIR)` does too.
 The export is written to a temporary folder and renamed into place, so a
@@ -18,6 +20,7 @@ import os
 import shutil
 import sys
 import tempfile
+from dataclasses import asdict
 
 import torch
 
@@ -50,7 +53,7 @@ def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
         linears = {"attn.c_attn": b.attn.qkv, "attn.c_proj": b.attn.proj, "mlp.c_fc": b.mlp[0], "mlp.c_proj": b.mlp[2]}
         for name, lin in linears.items():
             sd[p + name + ".weight"] = lin.weight.t()  # Conv1D: (in, out)
-            sd[p + name + ".bias"] = torch.zeros(lin.out_features)
+            sd[p + name + ".bias"] = lin.bias if lin.bias is not None else torch.zeros(lin.out_features)
         for name, ln in (("ln_1", b.ln1), ("ln_2", b.ln2)):
             sd[p + name + ".weight"], sd[p + name + ".bias"] = ln.weight, ln.bias
     return {k: v.detach().float().contiguous().clone() for k, v in sd.items()}
@@ -81,6 +84,7 @@ def export(checkpoint: str, out: str) -> dict:
             files += ["tokenizer.json", "tokenizer_config.json"]
         with open(os.path.join(tmp, "strata.json"), "w") as f:
             json.dump({"checkpoint": checkpoint, "step": step, "tokenizer_vocab_size": tok.vocab_size,
+                       "tokenizer": asdict(tok.info()),
                        "eot_id": tok.eot_id, "note": f"ids >= {tok.vocab_size} are padding rows"}, f, indent=2)
         files.append("strata.json")
         if os.path.exists(out):

@@ -440,6 +440,7 @@ class _Worker:
 def _start(config: dict) -> _Worker:
     """The worker's model built and wrapped, its latest checkpoint restored, its micro-batch sized (or the
     run's kept), its data opened at the restored step, and the run's start logged."""
+    import ray
     import ray.train
 
     rank, world, local_world, device = _worker(config)
@@ -457,6 +458,10 @@ def _start(config: dict) -> _Worker:
         with checkpoint.as_directory() as d:
             meta = load_checkpoint(d, model, optimizer, rank, ckpt_pg)
         start_step, resumed_from = meta["step"], checkpoint.path
+    elif config.get("init_weights") is not None:  # fine-tuning: the weights the driver put in the object store
+        from train.pretrained import apply
+
+        apply(model, ray.get(config["init_weights"]))
     # The micro-batch is part of the data order: a run keeps the one it started with.
     batch = tcfg.batch_size or meta.get("micro_batch") or micro_batch_for(
         mcfg, raw.num_params(), strategy, world, memory, bf16, device.type)

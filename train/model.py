@@ -1,8 +1,9 @@
 """A GPT-style decoder: pre-norm blocks, scaled-dot-product attention, tied embeddings.
 
-GPT-2's architecture without the linear biases (they add nothing at this
-scale and cost bandwidth): a model exports to Hugging Face's GPT-2 with zero
-biases (train/export.py). Attention is `F.scaled_dot_product_attention`, which
+GPT-2's architecture, by default without the linear biases (they add nothing
+at this scale and cost bandwidth): a model exports to Hugging Face's GPT-2
+with zero biases (train/export.py). `bias=True` keeps them, for models
+imported from GPT-2 checkpoints that have them (train/pretrained.py). Attention is `F.scaled_dot_product_attention`, which
 takes the flash kernels on GPU.
 
     python -m train.model      # the presets with parameters and FLOPs per token
@@ -32,6 +33,8 @@ class GPTConfig:
     """Width of the residual stream."""
     dropout: float = 0.0
     """Dropout on attention and MLP outputs."""
+    bias: bool = False
+    """Biases on the linear layers, as GPT-2 has them (set by --init-from a model that has them)."""
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -67,8 +70,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head, self.dropout = cfg.n_head, cfg.dropout
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -84,8 +87,8 @@ class Block(nn.Module):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(cfg.n_embd), nn.LayerNorm(cfg.n_embd)
         self.attn = Attention(cfg)
-        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False), nn.GELU(approximate="tanh"),
-                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False))
+        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias), nn.GELU(approximate="tanh"),
+                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias))
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,6 +120,8 @@ class GPT(nn.Module):
     def _init(m: nn.Module) -> None:
         if isinstance(m, nn.Linear | nn.Embedding):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
         elif isinstance(m, nn.LayerNorm):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)

@@ -46,8 +46,9 @@ def read_metrics(run_dir: str) -> list[dict]:
 def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name: str, storage: Storage,
         workers: int | None = None, use_gpu: bool | None = None, cpus_per_worker: float = 1,
         max_failures: int = 2, allow_change: bool = False, allow_mixed_gpus: bool = False,
-        gpu_wait_s: float = 900.0) -> dict:
-    """Train (or continue) run `run_name`, holding the run's lease: one writer per run."""
+        gpu_wait_s: float = 900.0, init: tuple[str, dict] | None = None) -> dict:
+    """Train (or continue) run `run_name`, holding the run's lease: one writer per run. `init` is
+    (source, weights) to start from (train.pretrained) when the run has no checkpoint yet."""
     run_dir = storage.run(run_name)
     if not read_launches(run_dir):  # a new run on a dataset it cannot train on is refused before it exists
         sources = resolve_all(storage, dataset)
@@ -59,11 +60,12 @@ def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name:
         return _run_leased(model_cfg, train_cfg, dataset=dataset, run_name=run_name, run_dir=run_dir,
                            storage=storage, workers=workers, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker,
                            max_failures=max_failures, allow_change=allow_change,
-                           allow_mixed_gpus=allow_mixed_gpus, gpu_wait_s=gpu_wait_s)
+                           allow_mixed_gpus=allow_mixed_gpus, gpu_wait_s=gpu_wait_s, init=init)
 
 
 def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, workers, use_gpu, cpus_per_worker,
-                max_failures, allow_change, allow_mixed_gpus, gpu_wait_s) -> dict:
+                max_failures, allow_change, allow_mixed_gpus, gpu_wait_s, init) -> dict:
+    import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -93,7 +95,10 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, wo
     print(f"[train] {what}: {size['params'] / 1e6:.2f}M params, "
           f"{size['flops_per_token'] / 1e6:.1f} MFLOP/token, "
           f"{_strategy_words(train_cfg.strategy)}, dataset {dataset}; {placement.why}", file=sys.stderr)
+    if init and not resume_from:
+        print(f"[train] run {run_name} starts from the weights of {init[0]}", file=sys.stderr)
     record = run_info("train", {"model": asdict(model_cfg), "train": asdict(train_cfg), "dataset": dataset,
+                                "init_from": init[0] if init else None,
                                 "tokenizer": asdict(m.tokenizer), "workers": workers, "use_gpu": use_gpu,
                                 "cpus_per_worker": cpus_per_worker, **size})
     _record_launch(run_dir, len(launches), record)
@@ -104,7 +109,9 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, wo
                            "sources": [_source(v, w) for v, w in sources],
                            "tokenizer": asdict(m.tokenizer), "tokenizer_definition": version.tokenizer_definition(),
                            "token_bytes": from_info(m.tokenizer, version.tokenizer_definition()).token_bytes().tolist(),
-                           "threads": max(1, int(cpus_per_worker))},
+                           "threads": max(1, int(cpus_per_worker)),
+                           # Read once by the driver; every worker takes them from the object store.
+                           "init_weights": ray.put(init[1]) if init and not resume_from else None},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, accelerator_type=placement.accelerator,
                                      resources_per_worker={"CPU": cpus_per_worker},
                                      label_selector=tiers.selector(tiers.Tier.GPU)),
