@@ -228,3 +228,29 @@ def test_a_sweep_over_mixture_weights_by_bits_per_byte_and_training_on_its_best_
     with pytest.raises(ValueError, match="weighs web, which is not among the sweep's datasets"):
         space.write_text("mix.web: {uniform: [0, 1]}\n")
         run(cfg, dataset=both, model_preset="debug", sweep_name="mixes-bad", storage=Storage.from_env())
+
+
+@pytest.mark.slow
+def test_a_fine_tuning_sweep_starts_every_trial_from_the_same_weights(local_ray, dataset, tmp_path):
+    import ray
+    from test_export import _hf_gpt2
+
+    from train.__main__ import main as train_main
+    from train.pretrained import read_gpt2
+    from tune.sweep import initial_weights
+
+    _hf_gpt2(tmp_path / "hf")
+    cfg = SweepConfig(num_samples=4, pack=2, steps=2, report_every=2, max_rows=64, eval_rows=8, scheduler="fifo",
+                      init_from=str(tmp_path / "hf"))
+    out = run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name="tuned", storage=Storage.from_env())
+    assert out["trials"] == 4 and out["completed"] == 4 and out["tune_trials"] == 2  # two configs per trial actor
+    summary = train_main(["--from-sweep", "tuned", "--max-steps", "1", "--run", "from-tuned", "--json"])
+    with open(os.path.join(summary["path"], "run.json")) as f:
+        config = json.load(f)["config"]
+    assert config["init_from"] == str(tmp_path / "hf") and config["model"]["n_embd"] == 32
+    # A trial actor fetches the weights once and every later config reuses its copy.
+    ref = ray.put(read_gpt2(str(tmp_path / "hf")).weights)
+    assert initial_weights(ref) is initial_weights(ref)
+    with pytest.raises(ValueError, match="the space cannot tune n_embd"):
+        run(SweepConfig(space="small", init_from=str(tmp_path / "hf")), dataset=dataset["ref"], model_preset="debug",
+            sweep_name="tuned-shape", storage=Storage.from_env())

@@ -85,10 +85,11 @@ def main(argv: list[str] | None = None) -> dict:
         given = overrides(args, GPTConfig)
         m = mixture.resolve_all(storage, dataset)[0][0].manifest
         init = None
-        if args.init_from:
+        init_from = args.init_from or best.get("init_from")  # a fine-tuning sweep's best config: the same start
+        if init_from:
             if shaped := sorted(set(given) & SHAPE):
                 raise ValueError(f"--init-from takes the model's shape from the weights: drop --{shaped[0]}")
-            source = pretrained.load(args.init_from, storage)
+            source = pretrained.load(init_from, storage)
             print(f"[train] initialising from {pretrained.describe_source(source)}", file=sys.stderr)
             model_cfg, weights = source.for_dataset(m.seq_len, m.tokenizer.hash, m.tokenizer.vocab_size)
             model_cfg = replace(model_cfg, **given)

@@ -29,7 +29,7 @@ from strata.storage import (
     write_json_atomic,
 )
 from strata.tokenizer import from_info
-from train import mixture
+from train import mixture, pretrained
 from train.loop import TRAIN_PRESETS
 from train.model import fit_to_dataset, preset
 from tune.plots import write_plots
@@ -58,6 +58,8 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
     # 2 checkpoints of a trial: expected, at most 1,000 trials; packs keep all (small) and force none.
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
 
+    import ray
+
     space = load_space(cfg.space)  # read and checked once, on the driver, before anything starts
     print(f"[tune] {connect()}", file=sys.stderr)
     check_driver_node()
@@ -72,8 +74,18 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
         raise ValueError(f"the space weighs {', '.join(unknown)}, which {'is' if len(unknown) == 1 else 'are'} "
                          f"not among the sweep's datasets ({', '.join(names)})")
     version = sources[0][0]  # every dataset of a mixture shares its tokenizer and seq_len
-    # The preset shaped for the dataset, as `python -m train --preset` shapes it (so --from-sweep matches).
-    model_cfg = fit_to_dataset(model_cfg, vocab=version.manifest.tokenizer.vocab_size, seq_len=version.manifest.seq_len)
+    m = version.manifest
+    init = None
+    if cfg.init_from:
+        if shaped := sorted(set(space) & {"n_layer", "n_head", "n_embd"}):
+            raise ValueError(f"--init-from takes the model's shape from the weights: the space cannot tune {shaped[0]}")
+        source = pretrained.load(cfg.init_from, storage)
+        print(f"[tune] every trial starts from {pretrained.describe_source(source)}", file=sys.stderr)
+        model_cfg, weights = source.for_dataset(m.seq_len, m.tokenizer.hash, m.tokenizer.vocab_size)
+        init = {"weights": ray.put(weights)}  # read once here; each trial actor fetches it once
+    else:
+        # The preset shaped for the dataset, as `python -m train --preset` shapes it (so --from-sweep matches).
+        model_cfg = fit_to_dataset(model_cfg, vocab=m.tokenizer.vocab_size, seq_len=m.seq_len)
     rows, val_rows = [], []
     for v, _ in sources:
         check_compatible(v, vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
@@ -85,7 +97,7 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
         rows.append(train_rows)
         val_rows.append(held)
     data = {"rows": rows, "val_rows": np.concatenate(val_rows), "names": names, "weights": [w for _, w in sources],
-            "token_bytes": from_info(version.manifest.tokenizer, version.tokenizer_definition()).token_bytes()}
+            "token_bytes": from_info(m.tokenizer, version.tokenizer_definition()).token_bytes(), "init": init}
     spec = mixture.spec([(v.ref, w) for v, w in sources])
     # One driver per sweep: a resume while the first driver is alive would run every trial twice.
     with Lease(sweep_dir, f"sweep {sweep_name}", purpose="tune").acquire(wait=False):
@@ -126,7 +138,7 @@ def _run_leased(cfg, space, model_cfg, dataset, data, sweep_name, sweep_dir, mod
                            f"{next((t['error'] for t in trials if t['error']), None)}")
     best = min(done, key=lambda t: t["best"])
     write_json_atomic(join(sweep_dir, "best.json"), {"config": best["config"], cfg.metric: best["best"],
-                                                     "metric": cfg.metric,
+                                                     "metric": cfg.metric, "init_from": cfg.init_from,
                                                      "trial": best["trial"], "preset": model_preset,
                                                      "dataset": dataset, "space": cfg.space,
                                                      "search": cfg.search})

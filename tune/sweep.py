@@ -73,6 +73,9 @@ class SweepConfig:
     """Times a trial is restarted from its checkpoint after its node is lost."""
     cpus_per_trial: float = 1.0
     """CPUs each trial reserves on its spot node."""
+    init_from: str = ""
+    """Fine-tune: every trial starts from these weights (a GPT-2-layout directory or RUN[@STEP]); the model's
+    shape is theirs."""
     metric: str = "val_loss"
     """What ranks trials: val_loss, or val_bpb (bits per byte: comparable across tokenizers)."""
 
@@ -238,6 +241,21 @@ def load_rows(version: DatasetVersion, split: str, limit: int) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros((0, width), dtype=np.uint16)
 
 
+_INITIAL: dict[str, dict] = {}  # this process's copy of a sweep's starting weights, by object id
+
+
+def initial_weights(ref) -> dict[str, torch.Tensor]:
+    """The sweep's starting weights (train.pretrained), fetched from the object store once per trial actor
+    process: every config it trains after the first reuses them."""
+    import ray
+
+    if ref.hex() not in _INITIAL:
+        weights = {k: torch.from_numpy(np.array(v)) for k, v in ray.get(ref).items()}
+        _INITIAL.clear()  # one sweep's weights at a time
+        _INITIAL[ref.hex()] = {**weights, "head.weight": weights["wte.weight"]}  # tied
+    return _INITIAL[ref.hex()]
+
+
 def mixture_weights(hp: dict, names: list[str], fixed: list[float]) -> list[float]:
     """A trial's mixture: its mix.NAME parameters normalised, else the sweep's fixed weights."""
     if not any(k.startswith(MIX) for k in hp):
@@ -252,7 +270,8 @@ class ModelFit:
     A mixture sweep's rows are one array per dataset, drawn from in proportion to the trial's weights."""
 
     def __init__(self, hp: dict, state: dict | None, *, rows: list[np.ndarray], val_rows: np.ndarray, model: dict,
-                 train: dict, sweep: dict, names: list[str], weights: list[float], token_bytes: np.ndarray):
+                 train: dict, sweep: dict, names: list[str], weights: list[float], token_bytes: np.ndarray,
+                 init: dict | None = None):
         s = SweepConfig(**sweep)
         base = TrainConfig(**train)
         base = replace(base, max_steps=s.steps, warmup_steps=min(base.warmup_steps, s.steps // 4),
@@ -266,6 +285,8 @@ class ModelFit:
         self.device = torch.device("cpu")
         torch.manual_seed(s.seed)
         self.net = GPT(mcfg)
+        if init and state is None:
+            self.net.load_state_dict(initial_weights(init["weights"]))
         self.opt = make_optimizer(self.net, self.tcfg)
         self.rng = np.random.default_rng(s.seed)
         self.step = 0
@@ -297,12 +318,12 @@ class ModelFit:
 
 
 def trial(config: dict, *, rows: list[np.ndarray], val_rows: np.ndarray, model: dict, train: dict, sweep: dict,
-          space: dict, names: list[str], weights: list[float], token_bytes: np.ndarray) -> None:
+          space: dict, names: list[str], weights: list[float], token_bytes: np.ndarray, init: dict | None = None) -> None:
     """The sweep's Tune trainable: one config, or a pack of them, of train's loop on the shared rows."""
 
     def make_fit(hp, state):
         return ModelFit(hp, state, rows=rows, val_rows=val_rows, model=model, train=train, sweep=sweep,
-                        names=names, weights=weights, token_bytes=token_bytes)
+                        names=names, weights=weights, token_bytes=token_bytes, init=init)
 
     run_trial(config, sweep=sweep, space=space, make_fit=make_fit)
 
