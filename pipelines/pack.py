@@ -94,9 +94,9 @@ class StageClock:
 
 
 def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, counts: Counter,
-                  samples: dict, clock: StageClock) -> Iterator[tuple[str, str]]:
+                  samples: dict, clock: StageClock, contamination: dict | None = None) -> Iterator[tuple[str, str]]:
     """(doc_id, text) of the unit's kept documents; every other record is counted by reason."""
-    quality = QualityFilter(ccfg)
+    quality = QualityFilter(ccfg, evaluation_index(contamination))
     for f in unit:
         for rec in read_file(f, rcfg):
             clock.lap("read")
@@ -114,7 +114,32 @@ def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, counts:
             counts[key] += 1
             if len(samples[key]) < SAMPLES_PER_REASON:
                 samples[key].append({"doc_id": rec["doc_id"], "sample": rec["sample"] or rec["text"][:120]})
+    for lang, n in quality.languages().items():  # beside the statuses, not one of them: see TALLIES
+        counts[f"{LANGUAGE}{lang}"] += n
+    for name, n in quality.contaminated_by().items():
+        counts[f"{CONTAMINATED_BY}{name}"] += n
 
+
+# Tallies kept in a unit's counts beside the statuses (not statuses: the accounting leaves them out).
+LANGUAGE = "language:"  # counts["language:en"]: documents the language rule scored as English
+CONTAMINATED_BY = "contaminated_by:"  # counts["contaminated_by:FILE"]: documents FILE's n-grams caught
+TALLIES = (LANGUAGE, CONTAMINATED_BY)
+
+_INDEX: dict[str, dict] = {}
+
+
+def evaluation_index(contamination: dict | None) -> dict | None:
+    """The decontamination index the driver put in the object store ({"ref": ref}), fetched once per worker
+    process; its arrays are read-only views of the node's shared copy."""
+    if not contamination:
+        return None
+    import ray
+
+    key = contamination["ref"].hex()
+    if key not in _INDEX:
+        _INDEX.clear()
+        _INDEX[key] = ray.get(contamination["ref"])
+    return _INDEX[key]
 
 PROFILE_ENV = "STRATA_PROFILE_DIR"  # set: every pass's work unit is profiled (cProfile) into that directory
 
@@ -146,16 +171,18 @@ def _peak_rss_mb() -> float:
 
 
 @profiled
-def read_clean_sign(batch: dict, *, read: dict, clean: dict, dedup: dict, work_dir: str) -> dict:
+def read_clean_sign(batch: dict, *, read: dict, clean: dict, dedup: dict, work_dir: str,
+                    contamination: dict | None = None) -> dict:
     """Pass 1 over one work unit (Ray Data `map_batches`, batch_size=1)."""
     rcfg, ccfg, dcfg = ReadConfig(**read), CleanConfig(**clean), DedupConfig(**dedup)
     unit = json.loads(batch["unit"][0])
     name = f"docs-{digest(unit)}.parquet"
-    return with_deferral(unit, rcfg, lambda files: _read_clean_sign(files, rcfg, ccfg, dcfg, work_dir, name))
+    return with_deferral(unit, rcfg, lambda files: _read_clean_sign(files, rcfg, ccfg, dcfg, work_dir, name,
+                                                                    contamination))
 
 
 def _read_clean_sign(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, dcfg: DedupConfig, work_dir: str,
-                     name: str) -> dict:
+                     name: str, contamination: dict | None) -> dict:
     counts: Counter = Counter()
     samples: dict[str, list] = defaultdict(list)
     fs, path = filesystem(join(work_dir, "docs", name))
@@ -176,7 +203,7 @@ def _read_clean_sign(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, dcfg
 
     clock = StageClock()
     with pq.ParquetWriter(path, schema, filesystem=fs) as writer:
-        for doc_id, text in clean_records(unit, rcfg, ccfg, counts, samples, clock):
+        for doc_id, text in clean_records(unit, rcfg, ccfg, counts, samples, clock, contamination):
             pending["doc_id"].append(doc_id)
             pending["doc"].append(hash64(doc_id))
             pending["exact"].append(exact_key(text) if dcfg.exact_dedup else 0)
@@ -211,7 +238,8 @@ class DedupTokenizePack:
     def __init__(self, *, tokenizer: str, eot_token: str, definition: str | None, seq_len: int,
                  tokenizer_engine: str = "auto",
                  validation_fraction: float, seed: int, split_seed: int, dedup: dict, work_dir: str, index: list,
-                 removed_dir: str = "", read: dict | None = None, clean: dict | None = None):
+                 removed_dir: str = "", read: dict | None = None, clean: dict | None = None,
+                 contamination: dict | None = None):
         from strata.tokenizer import HFTokenizer, load_tokenizer
 
         self.tok = (HFTokenizer(definition, eot_token, tokenizer_engine) if definition
@@ -222,6 +250,7 @@ class DedupTokenizePack:
         # Fused mode (no dedup, so no global decision between reading and packing): read units directly.
         self.read = ReadConfig(**read) if read else None
         self.clean = CleanConfig(**clean) if clean else None
+        self.contamination = contamination
         self.schema = packed_schema(seq_len, token_dtype(self.tok.vocab_size))
 
     def _duplicates(self, docs: np.ndarray, exact_keys: np.ndarray, bands: np.ndarray) -> dict[str, np.ndarray]:
@@ -260,7 +289,8 @@ class DedupTokenizePack:
     def _chunks(self, batch: dict, counts: Counter, samples: dict, clock: StageClock):
         """(doc ids, texts, `_duplicates` of them) per chunk of up to 1024 documents."""
         if "unit" in batch:
-            records = clean_records(json.loads(batch["unit"][0]), self.read, self.clean, counts, samples, clock)
+            records = clean_records(json.loads(batch["unit"][0]), self.read, self.clean, counts, samples, clock,
+                                    self.contamination)
             while chunk := list(islice(records, 1024)):
                 none = np.zeros(len(chunk), dtype=bool)
                 yield [c[0] for c in chunk], [c[1] for c in chunk], {"exact": none, "near": none}

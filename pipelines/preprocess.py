@@ -19,8 +19,10 @@ import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from pipelines import decontam
 from pipelines.clean import WEB, CleanConfig
 from pipelines.dedup import DedupConfig, suggested_shards
+from pipelines.pack import CONTAMINATED_BY, LANGUAGE, TALLIES
 from pipelines.sources import (
     InputMissing,
     InputUnreadable,
@@ -288,6 +290,10 @@ class PassResults:
     peak_rss_mb: float
     pass2_utilization: float
     dedup_by_source: dict[str, dict]
+    languages: dict[str, int]
+    """With --languages: documents the language rule scored, by detected language, most first."""
+    contaminated_by: dict[str, int]
+    """With --decontaminate: documents filtered as contaminated, by the evaluation file that caught them."""
     """Per input source: documents dedup looked at, how many it removed, and the share."""
     dedup_audit: dict
     """Written beside the version (`AUDIT_FILE`): see `_dedup_audit`."""
@@ -317,13 +323,20 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent, started: fl
         mark = time.time()
 
     cpu, daemons = Counter(), ray_daemon_cpu()
+    contamination = None
+    if cfg.clean.decontaminate:  # built once here; every worker reads the node's shared copy
+        built = decontam.build(list(cfg.clean.decontaminate), cfg.clean.decontaminate_n)
+        _log(f"decontamination: {len(built['ngrams']):,} {built['n']}-grams of {len(built['names'])} evaluation "
+             "file(s)")
+        contamination = {"ref": ray.put(built)}
+        step("decontamination index")
     if not fused:
         # Pass 1: read, clean, filter, sign; one work file of documents and their dedup keys per unit.
         _log("pass 1/3: read, clean, filter, sign")
         p1 = ray.data.from_items([{"unit": json.dumps(u)} for u in units], override_num_blocks=len(units)) \
             .map_batches(read_clean_sign, batch_size=1, label_selector=on_cpu,
                          fn_kwargs=dict(read=asdict(cfg.read), clean=asdict(cfg.clean), dedup=asdict(cfg.dedup),
-                                        work_dir=work)).take_all()
+                                        work_dir=work, contamination=contamination)).take_all()
         p1, deferred = without_deferred(p1)
         step("pass 1: read, clean, sign")
         for row in p1:
@@ -361,7 +374,7 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent, started: fl
                     seq_len=cfg.pack.seq_len, validation_fraction=cfg.pack.validation_fraction,
                     seed=cfg.pack.seed, split_seed=cfg.pack.split_seed, dedup=asdict(cfg.dedup), work_dir=work,
                     index=index, removed_dir=join(staging, REMOVED_DIR), read=asdict(cfg.read) if fused else None,
-                    clean=asdict(cfg.clean) if fused else None)).take_all()
+                    clean=asdict(cfg.clean) if fused else None, contamination=contamination)).take_all()
         if fused:
             p2, deferred = without_deferred(p2)
         packed = Counter()
@@ -423,6 +436,7 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent, started: fl
         peak_rss_mb=round(max((r.get("peak_rss_mb", 0) for r in rows_all), default=0), 1),
         pass2_utilization=round(sum(r["busy_s"] for r in p2) / max(pass2_wall * min(cpus, len(p2) or 1), 1e-9), 3),
         dedup_by_source=by_source, dedup_audit=audit, deferred=deferred,
+        languages=_tally(counts, LANGUAGE), contaminated_by=_tally(counts, CONTAMINATED_BY),
         cpu_s={k: round(v, 1) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])}, wall_s=walls)
 
 
@@ -536,9 +550,14 @@ def _check_dedup_share(by_source: dict[str, dict], limit: float) -> None:
             "--max-duplicate-fraction (1 turns the guard off)")
 
 
+def _tally(counts: Counter, prefix: str) -> dict[str, int]:
+    return dict(sorted(((k[len(prefix):], v) for k, v in counts.items() if k.startswith(prefix)), key=lambda kv: -kv[1]))
+
+
 def _accounting(counts: Counter, packed: Counter) -> DocumentCounts:
     """Every document read, by status and reason, from pass 1's counts and pass 2's figures."""
     unpacked = packed.get("unpacked_documents", 0)
+    counts = Counter({k: v for k, v in counts.items() if not k.startswith(TALLIES)})  # tallies beside the statuses
     docs = DocumentCounts(
         read=sum(counts.values()), kept=packed.get("kept", 0) - unpacked, unpacked=unpacked,
         filtered=sum(v for k, v in counts.items() if k.startswith("filtered:")),
@@ -568,6 +587,9 @@ def _table(passes: PassResults | None, started: float, cpus: float, total_bytes:
         "tokens_unpacked": {s: packed.get(f"unpacked_tokens:{s}", 0) for s in ("train", "validation")},
         "rows": {s: packed.get(f"rows:{s}", 0) for s in ("train", "validation")}, "shards": len(passes.shards) if passes else 0,
         # Which engine encoded how many documents, and how many of them both engines encoded (strata.tokenizer).
+        # With --languages: the documents the language rule scored, by detected language (kept or not).
+        "documents_by_language": passes.languages if passes else {},
+        "contaminated_by_file": passes.contaminated_by if passes else {},
         "documents_by_tokenizer_engine": {k.split(":", 1)[1]: v for k, v in packed.items() if k.startswith("encoded_by:")},
         "tokenizer_checked": packed.get("tokenizer_checked", 0),
         "seconds": round(seconds, 2), "cpus": cpus,

@@ -355,3 +355,79 @@ def _offsets(text: str):
     for ln in text.splitlines(keepends=True):
         yield at, ln
         at += len(ln)
+
+
+LANGUAGE_DOCS = {
+    "en": ["The committee met on Tuesday to discuss the budget for next year. Most members agreed that the library "
+           "should stay open longer in the evenings during the winter.",
+           "After the storm passed, the fishermen returned to the harbour and began repairing the nets that the "
+           "waves had torn apart during the night.",
+           "She had never seen the mountains before, so the long train journey through the valleys felt like "
+           "a small adventure of its own.",
+           "Please remember to water the plants while we are away, and leave the spare key with the neighbours "
+           "downstairs if you go out of town."],
+    "de": ["Der Ausschuss traf sich am Dienstag, um den Haushalt für das nächste Jahr zu besprechen. Die meisten "
+           "Mitglieder waren sich einig, dass die Bibliothek im Winter abends länger geöffnet bleiben sollte.",
+           "Nachdem der Sturm vorübergezogen war, kehrten die Fischer in den Hafen zurück und begannen, die Netze "
+           "zu flicken, die die Wellen in der Nacht zerrissen hatten.",
+           "Sie hatte die Berge noch nie gesehen, deshalb kam ihr die lange Zugfahrt durch die Täler wie ein "
+           "kleines Abenteuer vor."],
+    "fr": ["Le comité s'est réuni mardi pour discuter du budget de l'année prochaine. La plupart des membres ont "
+           "convenu que la bibliothèque devrait rester ouverte plus tard le soir pendant l'hiver.",
+           "Après le passage de la tempête, les pêcheurs sont retournés au port et ont commencé à réparer les "
+           "filets que les vagues avaient déchirés pendant la nuit.",
+           "Elle n'avait jamais vu les montagnes, alors le long voyage en train à travers les vallées lui a "
+           "semblé une petite aventure."],
+}
+
+
+EVAL_PASSAGE = ("Question: a farmer has seventeen sheep and all but nine run away through a hole in the fence; "
+                "how many sheep does the farmer have left at the end of the day? Answer: nine.")
+
+
+def test_languages_and_decontamination_filter_and_count_by_language_and_by_evaluation_file(local_ray, tmp_path):
+    src, evals = tmp_path / "lang", tmp_path / "evals"
+    src.mkdir()
+    evals.mkdir()
+    docs = [(lang, f"{text} ({lang}{i})") for lang, texts in LANGUAGE_DOCS.items() for i, text in enumerate(texts)]
+    # Two English documents quote 13 words of the evaluation passage (one in other case and punctuation),
+    # one shares only 12 consecutive words with it.
+    quote = " ".join(EVAL_PASSAGE.split()[4:17])
+    leaked = [f"Here is a riddle from school: {quote} I never solved it.",
+              f"Forum post. {quote.upper().replace(' ', ', ')}!! Any ideas?"]
+    near = f"Not quite the riddle: {' '.join(EVAL_PASSAGE.split()[4:16])} and then something else entirely happened."
+    docs += [("contaminated", t) for t in leaked] + [("en", near)]
+    (src / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for _, t in docs))
+    (evals / "riddles.jsonl").write_text(json.dumps({"text": EVAL_PASSAGE}) + "\n")
+    pq.write_table(pa.table({"text": ["An unrelated evaluation item about the boiling point of water at sea level "
+                                      "measured in degrees on the Celsius scale."]}), evals / "science.parquet")
+    out = run(debug("lang", read={"inputs": (str(src),)},
+                    clean={"languages": "en,de", "decontaminate": (str(evals),)}), Storage.from_env())
+    n = Counter(lang for lang, _ in docs)
+    docs_out = out["documents"]
+    assert docs_out["kept"] + docs_out["unpacked"] == n["en"] + n["de"]  # unpacked: in the last, partial row
+    assert out["stats"]["filtered_by_rule"] == {"language": n["fr"], "contaminated": 2}
+    assert out["stats"]["contaminated_by_file"] == {str(evals / "riddles.jsonl"): 2}
+    # The language rule comes after the others: it scored every document they kept.
+    assert out["stats"]["documents_by_language"] == {"en": n["en"], "de": n["de"], "fr": n["fr"]}
+    v = resolve(Storage.from_env(), f"lang@{out['version']}")
+    assert v.manifest.stats["documents_by_language"] == out["stats"]["documents_by_language"]
+    with pytest.raises(ValueError, match="ISO 639 codes"):
+        debug("lang", clean={"languages": "en;de"})
+
+
+def test_decontamination_index_scales_to_a_million_ngrams(tmp_path):
+    import random
+
+    from pipelines.decontam import ContaminationRule, build
+
+    rng = random.Random(0)
+    vocab = [f"w{i}" for i in range(50_000)]
+    text = " ".join(rng.choice(vocab) for _ in range(1_000_012))
+    (tmp_path / "big.txt").write_text(text)
+    index = build([str(tmp_path / "big.txt")], 13)
+    assert len(index["ngrams"]) == 1_000_000 and index["ngrams"].nbytes + index["file"].nbytes == 10_000_000
+    rule = ContaminationRule(index)
+    ws = text.split()
+    assert rule.match("intro " + " ".join(ws[500_000:500_013]) + " outro") == str(tmp_path / "big.txt")
+    assert rule.match(" ".join(ws[500_000:500_012])) is None  # 12 words are not an n-gram of 13
