@@ -54,6 +54,7 @@ from strata.records import write_record
 from strata.runinfo import run_info
 from strata.storage import (
     Storage,
+    basename,
     check_name,
     delete_dir,
     filesystem,
@@ -656,6 +657,11 @@ def format_table(stats: dict) -> str:
     lines += [f"{'  rejected':<28}{d['rejected']:>14,}"]
     lines += [f"{'    ' + k:<28}{v:>14,}" for k, v in sorted(stats["rejected_by_reason"].items())]
     lines += [f"{'  unpacked (last partial row)':<28}{d.get('unpacked', 0):>14,}"]
+    if stats.get("documents_by_language"):
+        lines += ["documents by language"] + [f"{'  ' + k:<28}{v:>14,}" for k, v in stats["documents_by_language"].items()]
+    if stats.get("contaminated_by_file"):
+        lines += ["contaminated, by evaluation file"] + [f"{'  ' + basename(k):<28}{v:>14,}"
+                                                         for k, v in stats["contaminated_by_file"].items()]
     lines += [f"{'input MB':<28}{stats['bytes'] / 1e6:>14,.1f}", f"{'tokens':<28}{stats['tokens']:>14,}",
               f"{'rows (train / validation)':<28}{stats['rows']['train']:>7,} / {stats['rows']['validation']:,}",
               f"{'shards':<28}{stats['shards']:>14,}", f"{'seconds':<28}{stats['seconds']:>14,.1f}",
