@@ -27,6 +27,8 @@ BENCHMARKS = {
              "per corpus; the line above it: workload A (tokenize)", ">= 1.2"),
     "scaling": ("bench.scaling", ["--mb", "50"], "tier-1 throughput per CPU, two 1-CPU nodes / one 2-CPU node "
                 "(simulated cluster, workload B)", "~1"),
+    "lid": ("bench.lid", ["--mb", "50"], "tier-1 wall time with --languages '*' (every document scored) / without, "
+            "real corpus; the detector's docs/s per core above it", "<= 1.2"),
     "dedup": ("bench.dedup", [], "near-duplicate recall and precision at the threshold, measured / LSH's S-curve",
               "recall >= 0.99 at one-word edits (test); ~1"),
     "train.e2e": ("bench.train.e2e", [], "wall time per step of the whole command timed at two lengths, plain "

@@ -258,3 +258,37 @@ def test_gpu_nodes_get_shared_memory_and_their_network_interface(cluster, manife
         container = pod["containers"][0]
         assert any(m["mountPath"] == "/dev/shm" and m["name"] in shm for m in container["volumeMounts"]), g
         assert {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"} <= {e["name"] for e in container["env"]}, g
+
+
+def test_the_slurm_script_starts_the_same_cluster_as_cluster_yaml(cluster):
+    script = ROOT / "platform" / "slurm" / "strata.sbatch"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    # The labels it builds are strata.tiers' labels, for tiers that exist.
+    assert f"{tiers.LABEL_PREFIX}/${{tier}}={tiers.LABEL_VALUE}" in text
+    default = re.search(r"STRATA_TIERS=\$\{STRATA_TIERS:-([a-z,]+)\}", text).group(1)
+    assert {tiers.Tier(t) for t in default.split(",")} == {tiers.Tier.CPU, tiers.Tier.GPU}
+    # Token auth and the preloaded modules are those of cluster.yaml's ray start lines.
+    from pipelines.preprocess import WORKER_MODULES
+
+    assert "export RAY_AUTH_MODE=token" in text
+    assert "RAY_AUTH_TOKEN_PATH:-$HOME/.strata/ray-token" in text
+    assert f"export RAY_preload_python_modules={','.join(WORKER_MODULES)}" in text
+    head_line = next(c for c in cluster["head_start_ray_commands"] if "ray start" in c)
+    worker_line = next(c for c in cluster["worker_start_ray_commands"] if "ray start" in c)
+    assert "RAY_AUTH_TOKEN_PATH=~/.strata/ray-token" in head_line and "RAY_AUTH_MODE=token" in worker_line
+    port = re.search(r"--port=(\d+)", head_line).group(1)
+    assert f"PORT=${{STRATA_RAY_PORT:-{port}}}" in text
+    starts = [ln.strip() for ln in text.splitlines() if "ray start" in ln and not ln.lstrip().startswith("#")]
+    head, workers = [s for s in starts if "--head" in s], [s for s in starts if "--head" not in s]
+    assert len(head) == 1 and len(workers) == 1
+    for flag in ("--head", '--port="$PORT"', "--dashboard-host=127.0.0.1"):
+        assert flag in head[0]
+    assert "--dashboard-host=127.0.0.1" in head_line
+    assert '--address="$RAY_ADDRESS"' in workers[0] and '--labels="$labels"' in workers[0]
+    assert "--address=$RAY_HEAD_IP:6379" in worker_line
+    # The head runs no work on a multi-node allocation, as cluster.yaml's head (CPU 0).
+    assert "--num-cpus=0 --num-gpus=0" in text and cluster["available_node_types"][cluster["head_node_type"]][
+        "resources"]["CPU"] == 0
+    # Ray stops at the end whatever the driver did; the driver is the given command.
+    assert "trap stop_ray EXIT" in text and text.rstrip().endswith('"$@"')
