@@ -120,7 +120,18 @@ def main(argv: list[str] | None = None) -> dict:
               f"{summary['checkpoint_blocked']:.1%}, reports {summary['report_blocked']:.1%}; "
               f"checkpoint {summary['checkpoint']}",
               file=sys.stderr)
+        if summary.get("val_loss") is not None:
+            print(f"[train] validation: {_scores(summary['val_loss'], summary.get('val_bpb'))}", file=sys.stderr)
+        for ref, tokens in (summary.get("tokens_by_source") or {}).items():
+            loss = (summary.get("val_loss_by_source") or {}).get(ref)
+            bpb = (summary.get("val_bpb_by_source") or {}).get(ref)
+            print(f"[train]   {ref}: {tokens:,} tokens ({summary['repeats_by_source'][ref]:.3f} passes)"
+                  f"{f', validation {_scores(loss, bpb)}' if loss is not None else ''}", file=sys.stderr)
     return finish(summary, args.json)
+
+
+def _scores(loss: float, bpb: float | None) -> str:
+    return f"loss {loss:.3f}" + (f", {bpb:.3f} bits per byte" if bpb is not None else "")
 
 
 if __name__ == "__main__":
