@@ -235,7 +235,6 @@ def test_a_fine_tuning_sweep_starts_every_trial_from_the_same_weights(local_ray,
     import ray
     from test_export import _hf_gpt2
 
-    from train.__main__ import main as train_main
     from train.pretrained import read_gpt2
     from tune.sweep import initial_weights
 
@@ -244,10 +243,8 @@ def test_a_fine_tuning_sweep_starts_every_trial_from_the_same_weights(local_ray,
                       init_from=str(tmp_path / "hf"))
     out = run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name="tuned", storage=Storage.from_env())
     assert out["trials"] == 4 and out["completed"] == 4 and out["tune_trials"] == 2  # two configs per trial actor
-    summary = train_main(["--from-sweep", "tuned", "--max-steps", "1", "--run", "from-tuned", "--json"])
-    with open(os.path.join(summary["path"], "run.json")) as f:
-        config = json.load(f)["config"]
-    assert config["init_from"] == str(tmp_path / "hf") and config["model"]["n_embd"] == 32
+    with open(os.path.join(out["path"], "best.json")) as f:  # what train --from-sweep starts from
+        assert json.load(f)["init_from"] == str(tmp_path / "hf")
     # A trial actor fetches the weights once and every later config reuses its copy.
     ref = ray.put(read_gpt2(str(tmp_path / "hf")).weights)
     assert initial_weights(ref) is initial_weights(ref)
