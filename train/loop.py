@@ -280,15 +280,16 @@ def evaluate(model: torch.nn.Module, batches: list[np.ndarray], device, bf16: bo
     so they compare across tokenizers."""
     model.eval()
     losses, nats, nbytes = [], 0.0, 0
-    with torch.no_grad(), autocast(device, bf16):
+    with autocast(device, bf16):
         for b in batches:
             x, y = to_xy(b, device)
             if token_bytes is None:
                 losses.append(model(x, y)[1].item())
                 continue
-            # Per-target losses, a row at a time (one row's logits, not the batch's, are alive at once).
-            nll = torch.cat([F.cross_entropy(model(x[i:i + 1]).float().flatten(0, 1), y[i], reduction="none")
-                             for i in range(len(x))])
+            # Per-target losses, a few rows at a time: at most ~2^26 logits (256 MB in fp32) alive at once.
+            rows = max(1, (1 << 26) // (x.shape[1] * model.cfg.vocab_size))
+            nll = torch.cat([F.cross_entropy(model(x[i:i + rows]).float().flatten(0, 1), y[i:i + rows].flatten(),
+                                             reduction="none") for i in range(0, len(x), rows)])
             size = token_bytes[y.flatten()]
             losses.append(nll.mean().item())
             nats += (nll * (size > 0)).sum().item()
