@@ -55,6 +55,7 @@ def test_ingest_benchmark_prints_its_ratio_last(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.bench  # about 35 s: make test-bench runs it, keeping make test within CI's time
 def test_tune_benchmark_extrapolates_to_50000_trials_last():
     lines = _run("bench.tune", "--trials", "200", "--baseline-trials", "10", "--asha-trials", "0", "--rounds", "1",
                  "--max-concurrent", "4", "--json")
