@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
                 raise ValueError(f"--init-from takes the model's shape from the weights: drop --{shaped[0]}")
             source = pretrained.load(init_from, storage)
             print(f"[train] initialising from {pretrained.describe_source(source)}", file=sys.stderr)
-            model_cfg, weights = source.for_dataset(m.seq_len, m.tokenizer.hash, m.tokenizer.vocab_size)
-            model_cfg = replace(model_cfg, **given)
+            shaped_cfg, weights = source.for_dataset(m.seq_len, m.tokenizer.hash, m.tokenizer.vocab_size)
+            model_cfg = replace(shaped_cfg, dropout=model_cfg.dropout, **given)  # a swept dropout stays
             init = (source.source, weights)
         else:
             model_cfg = replace(fit_to_dataset(model_cfg, vocab=m.tokenizer.vocab_size, seq_len=m.seq_len,

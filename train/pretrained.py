@@ -56,8 +56,14 @@ def load(spec: str, storage: Storage) -> Pretrained:
     if exists(join(spec, "config.json")):
         return read_gpt2(spec)
     run, _, step = spec.partition("@")
-    if exists(storage.run(run)):
-        return read_run(storage.run(run), int(step) if step else None, spec)
+    try:
+        run_dir = storage.run(run)
+    except ValueError:  # not a run name either
+        run_dir = None
+    if run_dir and exists(run_dir):
+        if step and not step.isdigit():
+            raise ValueError(f"--init-from {spec}: the step after '@' must be a number")
+        return read_run(run_dir, int(step) if step else None, spec)
     raise ValueError(f"--init-from {spec}: neither a directory with config.json and model.safetensors nor a run "
                      f"under {storage.runs()}")
 
