@@ -229,13 +229,13 @@ def _lid_model():
 
 class LanguageRule:
     """Fails a document whose detected language is not listed, or detected with too little confidence;
-    counts every document it scores by language (`seen`)."""
+    counts every document it scores by language (`tally`)."""
 
     def __init__(self, cfg: CleanConfig):
         self.keep = None if cfg.languages == "*" else {c.strip().lower() for c in cfg.languages.split(",")}
         self.min_score, self.chars = cfg.language_min_score, cfg.language_chars
         self.model = _lid_model()
-        self.seen: Counter = Counter()
+        self.tally: Counter = Counter()
 
     def detect(self, text: str) -> tuple[str, float]:
         labels, scores = self.model.predict(" ".join(text[: self.chars].split()))  # one line, as fastText reads
@@ -243,7 +243,7 @@ class LanguageRule:
 
     def __call__(self, d: _Doc) -> bool:
         lang, score = self.detect(d.text)
-        self.seen[lang] += 1
+        self.tally[lang] += 1
         return self.keep is not None and (lang not in self.keep or score < self.min_score)
 
 
@@ -261,13 +261,10 @@ class QualityFilter:
                 return rule.name
         return ""
 
-    def languages(self) -> dict[str, int]:
-        """Documents scored by the language rule, by detected language (none without --languages)."""
-        return dict(next((r.fails.seen for r in self.rules if isinstance(r.fails, LanguageRule)), {}))
-
-    def contaminated_by(self) -> dict[str, int]:
-        """Documents filtered as contaminated, by the evaluation file they share an n-gram with."""
-        return dict(next((r.fails.by_file for r in self.rules if type(r.fails).__name__ == "ContaminationRule"), {}))
+    def tallies(self) -> dict[str, dict[str, int]]:
+        """What the rules that keep a tally counted, by rule name: `language` by detected language (every
+        document it scored), `contaminated` by the evaluation file that caught the document."""
+        return {r.name: dict(r.fails.tally) for r in self.rules if hasattr(r.fails, "tally")}
 
     def counts(self) -> dict[str, int]:
         """Documents filtered per rule name."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections import Counter
 
 import numpy as np
 
@@ -76,11 +77,11 @@ def build(paths: list[str], n: int) -> dict:
 
 
 class ContaminationRule:
-    """Fails a document that shares an n-gram with the index; counts the documents each file caught (`by_file`)."""
+    """Fails a document that shares an n-gram with the index; counts the documents each file caught (`tally`)."""
 
     def __init__(self, index: dict):
         self.ngrams, self.file, self.names, self.n = index["ngrams"], index["file"], index["names"], index["n"]
-        self.by_file: dict[str, int] = {}
+        self.tally: Counter = Counter()
 
     def match(self, text: str) -> str | None:
         """The evaluation file `text` shares an n-gram with, or None."""
@@ -94,5 +95,5 @@ class ContaminationRule:
     def __call__(self, d) -> bool:
         name = self.match(d.text)
         if name is not None:
-            self.by_file[name] = self.by_file.get(name, 0) + 1
+            self.tally[name] += 1
         return name is not None

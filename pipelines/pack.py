@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 from pipelines.clean import CleanConfig, QualityFilter, normalize
 from pipelines.dedup import DedupConfig, MinHasher, exact_key, hash64, shard_of
 from pipelines.sources import ReadConfig, read_file, with_deferral
+from strata.connect import fetch_once
 from strata.dataset import arrow_schema, token_dtype
 from strata.storage import filesystem, join
 
@@ -114,32 +115,21 @@ def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, counts:
             counts[key] += 1
             if len(samples[key]) < SAMPLES_PER_REASON:
                 samples[key].append({"doc_id": rec["doc_id"], "sample": rec["sample"] or rec["text"][:120]})
-    for lang, n in quality.languages().items():  # beside the statuses, not one of them: see TALLIES
-        counts[f"{LANGUAGE}{lang}"] += n
-    for name, n in quality.contaminated_by().items():
-        counts[f"{CONTAMINATED_BY}{name}"] += n
+    for rule, tally in quality.tallies().items():  # beside the statuses, not among them: see TALLIES
+        for key, n in tally.items():
+            counts[f"{TALLIES[rule]}{key}"] += n
 
 
 # Tallies kept in a unit's counts beside the statuses (not statuses: the accounting leaves them out).
 LANGUAGE = "language:"  # counts["language:en"]: documents the language rule scored as English
 CONTAMINATED_BY = "contaminated_by:"  # counts["contaminated_by:FILE"]: documents FILE's n-grams caught
-TALLIES = (LANGUAGE, CONTAMINATED_BY)
-
-_INDEX: dict[str, dict] = {}
-
+TALLIES = {"language": LANGUAGE, "contaminated": CONTAMINATED_BY}  # by the rule that keeps each
 
 def evaluation_index(contamination: dict | None) -> dict | None:
     """The decontamination index the driver put in the object store ({"ref": ref}), fetched once per worker
     process; its arrays are read-only views of the node's shared copy."""
-    if not contamination:
-        return None
-    import ray
+    return fetch_once(contamination["ref"]) if contamination else None
 
-    key = contamination["ref"].hex()
-    if key not in _INDEX:
-        _INDEX.clear()
-        _INDEX[key] = ray.get(contamination["ref"])
-    return _INDEX[key]
 
 PROFILE_ENV = "STRATA_PROFILE_DIR"  # set: every pass's work unit is profiled (cProfile) into that directory
 

@@ -558,7 +558,7 @@ def _tally(counts: Counter, prefix: str) -> dict[str, int]:
 def _accounting(counts: Counter, packed: Counter) -> DocumentCounts:
     """Every document read, by status and reason, from pass 1's counts and pass 2's figures."""
     unpacked = packed.get("unpacked_documents", 0)
-    counts = Counter({k: v for k, v in counts.items() if not k.startswith(TALLIES)})  # tallies beside the statuses
+    counts = Counter({k: v for k, v in counts.items() if not k.startswith(tuple(TALLIES.values()))})  # tallies beside the statuses
     docs = DocumentCounts(
         read=sum(counts.values()), kept=packed.get("kept", 0) - unpacked, unpacked=unpacked,
         filtered=sum(v for k, v in counts.items() if k.startswith("filtered:")),

@@ -135,3 +135,20 @@ def _start_lock():
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+_FETCHED: dict[str, object] = {}  # object-store values this process fetched, by object id (a few at a time)
+
+
+def fetch_once(ref, convert=None):
+    """`ray.get(ref)` (then `convert` of it) once per process: later calls with the same ref reuse it.
+    Numpy arrays in it stay read-only views of the node's shared copy unless `convert` copies them."""
+    key = ref.hex()
+    if key not in _FETCHED:
+        import ray
+
+        if len(_FETCHED) >= 4:
+            _FETCHED.pop(next(iter(_FETCHED)))
+        value = ray.get(ref)
+        _FETCHED[key] = convert(value) if convert else value
+    return _FETCHED[key]

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from strata.connect import fetch_once
 from strata.dataset import DatasetVersion, read_rows
 from train.loop import (
     CPU_MICRO_BATCH,
@@ -241,19 +242,15 @@ def load_rows(version: DatasetVersion, split: str, limit: int) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros((0, width), dtype=np.uint16)
 
 
-_INITIAL: dict[str, dict] = {}  # this process's copy of a sweep's starting weights, by object id
-
-
 def initial_weights(ref) -> dict[str, torch.Tensor]:
     """The sweep's starting weights (train.pretrained), fetched from the object store once per trial actor
     process: every config it trains after the first reuses them."""
-    import ray
 
-    if ref.hex() not in _INITIAL:
-        weights = {k: torch.from_numpy(np.array(v)) for k, v in ray.get(ref).items()}
-        _INITIAL.clear()  # one sweep's weights at a time
-        _INITIAL[ref.hex()] = {**weights, "head.weight": weights["wte.weight"]}  # tied
-    return _INITIAL[ref.hex()]
+    def to_torch(weights):
+        out = {k: torch.from_numpy(np.array(v)) for k, v in weights.items()}
+        return {**out, "head.weight": out["wte.weight"]}  # tied
+
+    return fetch_once(ref, to_torch)
 
 
 def mixture_weights(hp: dict, names: list[str], fixed: list[float]) -> list[float]:

@@ -55,7 +55,8 @@ def check_tune_state(sweep_dir: str) -> None:
                 continue  # an unreadable signature file signs nothing
     for name in sorted(filter(unpickled, entries)):
         data, sigs = read_bytes(join(sweep_dir, name)), signed.get(name, set())
-        if not any(hmac.compare_digest(sign(data), s) for s in sigs):
+        mine = sign(data)
+        if not any(hmac.compare_digest(mine, s) for s in sigs):
             check(data, next(iter(sigs), None), f"sweep state {join(sweep_dir, name)}")  # raises, saying why
 
 
