@@ -278,7 +278,8 @@ class ModelFit:
         self.rows, self.every, self.steps, self.metric = rows, s.report_every, s.steps, s.metric
         self.weights = mixture_weights(hp, names, weights)
         self.val_batches = [val_rows[i: i + 32] for i in range(0, len(val_rows), 32)]
-        self.token_bytes = torch.from_numpy(token_bytes) if s.metric == "val_bpb" else None
+        # A copy: the array from the object store is read-only.
+        self.token_bytes = torch.tensor(token_bytes) if s.metric == "val_bpb" else None
         self.device = torch.device("cpu")
         torch.manual_seed(s.seed)
         self.net = GPT(mcfg)
