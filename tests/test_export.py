@@ -130,3 +130,80 @@ def test_fine_tuning_from_a_gpt2_and_exporting_again_round_trips_exactly(local_r
     # The export names its tokenizer: a dataset tokenized otherwise is refused.
     with pytest.raises(DatasetError, match="trained with tokenizer"):
         again.for_dataset(128, "f" * 16, 257)
+
+
+def test_a_model_built_as_training_builds_it_is_tied_and_counted_once():
+    """The trainer makes its model on the meta device and materialises it (`to_empty`), which gives every
+    parameter new storage: the output layer must be the embedding again before init."""
+    from train.model import build, describe
+
+    cfg = preset("debug", n_layer=1, n_embd=32, n_head=2, seq_len=16)
+    built = build(cfg, "cpu")
+    assert built.tied and built.head.weight.data_ptr() == built.wte.weight.data_ptr()
+    assert built.num_params() == GPT(cfg).num_params() == describe(cfg)["params"]
+    assert built.num_params() == sum(p.numel() for n, p in built.state_dict().items() if n != "head.weight")
+    # GPT-2 124M as published: 124,439,808 parameters (its linear biases and 50,257-token vocabulary), the
+    # embedding counted once.
+    gpt2 = preset("gpt2-124m", vocab_size=50257, bias=True)
+    assert build(gpt2, "meta").num_params() == describe(gpt2)["params"] == 124_439_808
+
+
+@pytest.fixture
+def untied_checkpoint(tmp_path):
+    """A checkpoint as strata wrote them before the fix: the output layer trained apart from the embedding."""
+    cfg = preset("debug", n_layer=1, n_embd=32, n_head=2, seq_len=16)
+    model = GPT(cfg)
+    model.head.weight = torch.nn.Parameter(torch.randn_like(model.wte.weight) * 0.02)
+    d = tmp_path / "checkpoint-00000005"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(d), no_dist=True)
+    sign_checkpoint(str(d))
+    (d / "meta.json").write_text(json.dumps({"step": 5, "model_config": asdict(cfg),
+                                             "tokenizer": asdict(ByteTokenizer().info())}))
+    return str(d)
+
+
+def test_a_checkpoint_trained_untied_is_refused_never_silently_retied(tmp_path, untied_checkpoint, checkpoint):
+    from train.checkpoint import UntiedCheckpoint, check_tied
+
+    for load_it in (load_for_sampling, check_tied, lambda c: export(c, str(tmp_path / "out"))):
+        with pytest.raises(UntiedCheckpoint, match="differs from its token embedding.*train a new run"):
+            load_it(untied_checkpoint)
+    assert not os.path.exists(tmp_path / "out")
+    with pytest.raises(SystemExit, match="differs from its token embedding"):
+        main(["--checkpoint", untied_checkpoint, "--out", str(tmp_path / "out")])
+    check_tied(checkpoint[0])  # a tied one written without the flag (meta.json) is read and passes
+    assert load_for_sampling(checkpoint[0])[0].tied
+
+
+@pytest.mark.slow
+def test_the_model_trained_is_the_model_sampled_and_exported(local_ray, dataset, tmp_path):
+    """Training's reported validation loss equals the loss of the checkpoint as `train.sample` loads it and
+    of the export as transformers loads it, on the same validation rows."""
+    import torch.nn.functional as F
+
+    from strata.dataset import resolve
+    from train.loop import TrainConfig, validation_batches
+    from train.trainer import _source, run
+
+    transformers = pytest.importorskip("transformers")
+    storage = Storage.from_env()
+    cfg = TrainConfig(max_steps=8, batch_size=4, warmup_steps=2, lr=1e-2, log_every=4, eval_every=8,
+                      eval_batches=2)
+    out = run(preset("debug", n_layer=2, n_embd=64, n_head=4), cfg, dataset=dataset["ref"], run_name="same-model",
+              storage=storage, workers=1, use_gpu=False)
+    rows = validation_batches(_source(resolve(storage, dataset["ref"]), 1.0)["val_shards"], cfg)
+    assert rows, "the dataset has a validation split"
+
+    def loss_of(logits_of) -> float:
+        with torch.no_grad():
+            return float(np.mean([F.cross_entropy(logits_of(torch.from_numpy(b[:, :-1].astype(np.int64))).flatten(0, 1),
+                                                  torch.from_numpy(b[:, 1:].astype(np.int64)).flatten()).item()
+                                  for b in rows]))
+
+    sampled, _, step = load_for_sampling(out["checkpoint"])
+    assert step == 8 and sampled.tied
+    export(out["checkpoint"], str(tmp_path / "hf"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert out["val_loss"] == pytest.approx(loss_of(sampled), abs=1e-4)
+    assert out["val_loss"] == pytest.approx(loss_of(lambda x: hf(x).logits), abs=1e-4)
+    assert out["val_loss"] < out["first_loss"] - 0.5  # it learned: a different model would not score the same

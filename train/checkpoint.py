@@ -25,6 +25,7 @@ optimizer, RNG) is the whole training state: a resumed run continues exactly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -36,6 +37,7 @@ import torch
 from strata.signing import check, sign
 
 META = "meta.json"
+TIED = "tied_embeddings"  # in meta.json: the output layer was the token embedding when saved
 SIGNATURE = "signature.json"
 DCP_METADATA = ".metadata"
 SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of registered checkpoints
@@ -73,12 +75,13 @@ class AsyncCheckpointer:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         assert self.pending is None, "finish the previous checkpoint first"
+        getattr(self.model, "module", self.model).check_tied()  # what is saved is what sampling will load
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         local = tempfile.mkdtemp(prefix=f"strata-{dir_name(step)}-rank{self.rank}-")
         torch.save(_rng_state(), os.path.join(local, f"rng-{self.rank}.pt"))
         if self.rank == 0:
             with open(os.path.join(local, META), "w") as f:
-                json.dump({"step": step, **meta, "saved_at": time.time()}, f)
+                json.dump({"step": step, **meta, TIED: True, "saved_at": time.time()}, f)
         self.future = dcp.async_save({"model": model_state, "optim": optim_state}, checkpoint_id=local,
                                      process_group=self.pg)
         self.pending = (step, local)
@@ -134,11 +137,62 @@ def load_model_state(directory: str, model) -> dict:
     import torch.distributed.checkpoint as dcp
 
     check_signed(directory)
-    state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=directory, no_dist=True)
-    model.load_state_dict(state["model"])
     with open(os.path.join(directory, META)) as f:
-        return json.load(f)
+        meta = json.load(f)
+    # Every tensor its own buffer: a tied model's state_dict shares one between head and wte, into which
+    # the checkpoint's two would load one over the other.
+    state = {"model": {k: torch.empty_like(v) for k, v in model.state_dict().items()}}
+    dcp.load(state, checkpoint_id=directory, no_dist=True)
+    _check_tied(state["model"], directory, meta)
+    model.load_state_dict(state["model"])
+    return meta
+
+
+class UntiedCheckpoint(ValueError):
+    """A checkpoint whose output layer is not its token embedding."""
+
+
+def _check_tied(weights: dict, directory: str, meta: dict) -> None:
+    if meta.get(TIED) or torch.equal(weights["head.weight"], weights["wte.weight"]):
+        return
+    raise UntiedCheckpoint(
+        f"checkpoint {directory} holds an output layer (head.weight) that differs from its token embedding "
+        f"(wte.weight): it was written by a strata that trained them untied (before 2026-12), while the model "
+        "is GPT-2's, with the two tied. Loading it would keep one of the two and give a different model, so it "
+        "is refused: train a new run")
+
+
+def check_tied(directory: str) -> None:
+    """Refuse (UntiedCheckpoint) a checkpoint saved untied, before its run continues from it. Checkpoints
+    that say they were saved tied (meta.json) are not read; older ones are, their two matrices only."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = read_meta(directory)
+    if meta.get(TIED):
+        return
+    with local_copy(directory) as d:
+        check_signed(d)
+        cfg = meta["model_config"]
+        shape = (cfg["vocab_size"], cfg["n_embd"])
+        state = {"model": {"wte.weight": torch.empty(shape), "head.weight": torch.empty(shape)}}
+        dcp.load(state, checkpoint_id=d, no_dist=True)
+    _check_tied(state["model"], directory, meta)
+
+
+@contextlib.contextmanager
+def local_copy(directory: str):
+    """A local directory with the checkpoint's files (a download when it lives in an object store)."""
+    import pyarrow.fs as pafs
+
+    from strata.storage import filesystem
+
+    fs, path = filesystem(directory)
+    if isinstance(fs, pafs.LocalFileSystem):
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="strata-ckpt-") as d:
+        pafs.copy_files(path, d, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        yield d
 
 
 def sign_checkpoint(directory: str) -> None:

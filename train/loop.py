@@ -30,7 +30,7 @@ from train.checkpoint import dir_name as checkpoint_dir_name
 from train.checkpoint import load as load_checkpoint
 from train.data import MixedBatches, ShardRef, TokenBatches
 from train.hardware import device_name, peak_flops
-from train.model import GPT, GPTConfig
+from train.model import GPT, GPTConfig, build
 
 STRATEGIES = ("auto", "ddp", "fsdp")
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -252,6 +252,7 @@ def to_xy(batch: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.
 def train_step(model, optimizer, micro_batches: list[np.ndarray], lr: float, cfg: TrainConfig, device,
                bf16: bool = False) -> torch.Tensor:
     """One optimizer step over `micro_batches`; returns their mean loss (a tensor: no device sync here)."""
+    unwrap(model).check_tied()  # an identity check: costs nothing
     for group in optimizer.param_groups:
         group["lr"] = lr
     total = torch.zeros((), device=device)
@@ -266,6 +267,11 @@ def train_step(model, optimizer, micro_batches: list[np.ndarray], lr: float, cfg
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total / len(micro_batches)
+
+
+def unwrap(model: torch.nn.Module) -> GPT:
+    """The GPT inside a DDP wrapper (FSDP2 shards the model in place: it is its own)."""
+    return getattr(model, "module", model)
 
 
 def autocast(device: torch.device, bf16: bool):
@@ -526,10 +532,7 @@ def _build(mcfg: GPTConfig, tcfg: TrainConfig, device: torch.device, bf16: bool,
     """The model made on the meta device, materialized on `device`, initialized, and wrapped;
     returns (the plain model, the wrapped one, the strategy chosen)."""
     torch.manual_seed(tcfg.seed)
-    with torch.device("meta"):  # no host copy of the weights: they are made on the device
-        raw = GPT(mcfg, init=False)
-    raw.to_empty(device=device)
-    raw.init_weights()
+    raw = build(mcfg, device)
     strategy = strategy_for(tcfg, raw.num_params(), memory)
     model = parallelize(raw, strategy, device, bf16, world, one_node=local_world == world,
                         compile_blocks=tcfg.compile == "on" or (tcfg.compile == "auto" and device.type == "cuda"))

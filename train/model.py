@@ -105,9 +105,25 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.head.weight = self.wte.weight  # tied embeddings
+        self.tie_weights()
         if init:
             self.init_weights()
+
+    def tie_weights(self) -> None:
+        """The output layer is the token embedding (GPT-2's tied embeddings). Anything that replaces
+        parameters (`to_empty` after a meta-device build, a load by assignment) unties them: call this
+        again after it, before the weights are initialised or loaded."""
+        self.head.weight = self.wte.weight
+
+    @property
+    def tied(self) -> bool:
+        return self.head.weight is self.wte.weight
+
+    def check_tied(self) -> None:
+        """Raise if the output layer is no longer the token embedding: the model trained would then not be
+        the model that sampling, export and --init-from load."""
+        if not self.tied:
+            raise RuntimeError("the output layer (head.weight) is not tied to the token embedding (wte.weight)")
 
     def init_weights(self) -> None:
         """GPT-2's init (also for a model built on the meta device and then `to_empty` on its own)."""
@@ -127,6 +143,8 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def num_params(self) -> int:
+        """Parameters of the model as it trains: the tied embedding counts once (`parameters()` lists a
+        shared parameter once)."""
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self) -> int:
@@ -160,6 +178,18 @@ class GPT(nn.Module):
                 logits[logits < kth] = -float("inf")
             idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
         return idx
+
+
+def build(cfg: GPTConfig, device: torch.device | str) -> GPT:
+    """The model made on the meta device (no host copy of its weights), materialised on `device`, tied
+    and initialised. `to_empty` gives every parameter new storage, which unties the output layer from the
+    embedding: they are tied again before init, so the model trained is the one sampled and exported."""
+    with torch.device("meta"):
+        model = GPT(cfg, init=False)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.init_weights()
+    return model
 
 
 LOSS_CHUNK_ROWS = 4096  # rows of logits materialized at a time by linear_cross_entropy

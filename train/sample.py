@@ -5,20 +5,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
-import tempfile
 
-import pyarrow.fs as pafs
 import torch
 
 from strata.cli import parser as cli_parser
 from strata.dataset import TokenizerInfo
-from strata.storage import Storage, filesystem
+from strata.storage import Storage
 from strata.tokenizer import from_info
-from train.checkpoint import META, committed_checkpoints, load_model_state
+from train.checkpoint import META, committed_checkpoints, load_model_state, local_copy
 from train.model import GPT, GPTConfig
 
 
@@ -30,24 +27,12 @@ def latest_checkpoint(run_dir: str) -> str:
     return found[-1]
 
 
-@contextlib.contextmanager
-def local_copy(directory: str):
-    """A local directory with the checkpoint's files (a download when it lives in an object store)."""
-    fs, path = filesystem(directory)
-    if isinstance(fs, pafs.LocalFileSystem):
-        yield path
-        return
-    with tempfile.TemporaryDirectory(prefix="strata-ckpt-") as d:
-        pafs.copy_files(path, d, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
-        yield d
-
-
 def load(checkpoint: str) -> tuple[GPT, object, int]:
     """Model, tokenizer and step from a checkpoint directory."""
     with local_copy(checkpoint) as d:
         with open(os.path.join(d, META)) as f:
             meta = json.load(f)
-        model = GPT(GPTConfig(**meta["model_config"]))
+        model = GPT(GPTConfig(**meta["model_config"]), init=False)  # every weight comes from the checkpoint
         load_model_state(d, model)
     tok = from_info(TokenizerInfo(**meta["tokenizer"]), meta.get("tokenizer_definition"))
     return model.eval(), tok, meta["step"]

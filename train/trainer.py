@@ -29,7 +29,7 @@ from strata.storage import (
 )
 from strata.tokenizer import from_info
 from train import mixture
-from train.checkpoint import committed_checkpoints, forget_missing, read_meta
+from train.checkpoint import check_tied, committed_checkpoints, forget_missing, read_meta
 from train.loop import (
     TrainConfig,
     train_loop_per_worker,
@@ -89,6 +89,7 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, wo
     size = describe(model_cfg)
     resume_from = _newest_intact(run_dir)
     if resume_from:
+        check_tied(resume_from)
         what = f"continuing run {run_name} from step {read_meta(resume_from)['step']} ({resume_from})"
     else:
         what = f"{'restarting' if launches else 'starting'} run {run_name} (no checkpoint yet)"

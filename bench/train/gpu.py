@@ -69,17 +69,15 @@ def build(name: str, device, batch_size: int, compile_model: bool, strategy: str
     import torch
 
     from train.loop import TrainConfig, make_optimizer, parallelize, use_bf16
-    from train.model import GPT, preset
+    from train.model import build as build_model
+    from train.model import preset
 
     cfg = preset(name)
     tcfg = TrainConfig(batch_size=batch_size, precision="auto", compile="on" if compile_model else "off",
                        strategy=strategy)
     bf16 = use_bf16(tcfg, device) or strategy == "fsdp"
     torch.manual_seed(0)
-    with torch.device("meta"):
-        raw = GPT(cfg, init=False)
-    raw.to_empty(device=device)
-    raw.init_weights()
+    raw = build_model(cfg, device)  # tied, as training builds it
     model = parallelize(raw, strategy, device, bf16, 1, compile_blocks=compile_model)
     optimizer = make_optimizer(model, tcfg)
     if not fused:  # the path of the FSDP2 presets: FSDP2's DTensor parameters take the unfused AdamW
