@@ -14,7 +14,9 @@ import re
 import unicodedata
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from strata.cli import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, check_fields
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _SPACES = re.compile(r"[ \t\u00a0\u2000-\u200b\u3000]+")
@@ -75,6 +77,10 @@ class CleanConfig:
     """With --decontaminate: words per n-gram (normalised: lowercase letters and digits)."""
 
     def __post_init__(self):
+        fractions = [f.name for f in fields(self) if f.name.endswith(("_fraction", "_ratio", "_score"))]
+        check_fields(self, {**dict.fromkeys(fractions, FRACTION), "language_chars": AT_LEAST_ONE,
+                            **dict.fromkeys(("min_words", "max_words", "min_mean_word_length",
+                                             "max_mean_word_length"), NON_NEGATIVE)})
         if self.decontaminate_n < 1:
             raise ValueError(f"decontaminate_n must be at least 1, not {self.decontaminate_n}")
         if self.languages not in (None, "*") and not all(c.strip().isalpha() for c in self.languages.split(",")):

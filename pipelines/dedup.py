@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from strata.cli import NON_NEGATIVE, check_fields
+
 _WORD = re.compile(r"\w+", re.UNICODE)
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -64,6 +66,7 @@ class DedupConfig:
             raise ValueError("need 0 < max_duplicate_fraction <= 1")
         if not 0.0 < self.false_negative_weight < 1.0:
             raise ValueError("need 0 < false_negative_weight < 1")
+        check_fields(self, dict.fromkeys(("bands", "rows", "index_shards"), NON_NEGATIVE))
         if self.rows and not self.bands:
             raise ValueError("rows needs bands")
         if self.bands and self.bands * (self.rows or self.num_perm // self.bands) > self.num_perm or (

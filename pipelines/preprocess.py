@@ -33,7 +33,14 @@ from pipelines.sources import (
     without_deferred,
 )
 from strata import tiers
-from strata.cli import add_config_arguments, finish, overrides
+from strata.cli import (
+    AT_LEAST_ONE,
+    NON_NEGATIVE,
+    add_config_arguments,
+    check_fields,
+    finish,
+    overrides,
+)
 from strata.cli import parser as cli_parser
 from strata.connect import connect
 from strata.cost import UsageMonitor, ray_daemon_cpu
@@ -52,6 +59,7 @@ from strata.dataset import (
 from strata.lease import Lease, LeaseBusy
 from strata.records import write_record
 from strata.runinfo import run_info
+from strata.shell import Command
 from strata.storage import (
     Storage,
     basename,
@@ -96,8 +104,8 @@ class PackConfig:
         check_spec(self.tokenizer)
         if self.tokenizer_engine not in ENGINES:
             raise ValueError(f"tokenizer_engine {self.tokenizer_engine!r}: use one of {', '.join(ENGINES)}")
-        if self.seq_len < 1 or self.shard_bytes < 1:
-            raise ValueError("seq_len and shard_bytes must be >= 1")
+        check_fields(self, {**dict.fromkeys(("seq_len", "shard_bytes", "tokenizer_sample_bytes"), AT_LEAST_ONE),
+                            **dict.fromkeys(("seed", "split_seed"), NON_NEGATIVE)})
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ValueError("validation_fraction must be in [0, 1)")
 
@@ -186,7 +194,8 @@ def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "", *, wait: bool
     """
     started = time.time()
     check_outside(list(cfg.read.inputs), storage.root)
-    files = list_inputs(list(cfg.read.inputs))  # a missing input fails here, before anything is written
+    # A missing or empty input fails here, before anything is written.
+    files = list_inputs(list(cfg.read.inputs), cfg.read.allow_empty)
     lease = Lease(storage.dataset(cfg.dataset), f"dataset {cfg.dataset}",
                   purpose=f"preprocess{f' run {run_id}' if run_id else ''}")
     lease.acquire(wait=wait, log=_log)
@@ -229,7 +238,7 @@ def _run_leased(cfg: PreprocessConfig, storage: Storage, run_id: str, lease: Lea
     if not files:
         _log("nothing new: no version created")
         return _empty_summary(cfg, started, "nothing new")
-    _log(connect(dashboard=dashboard, preload=WORKER_MODULES))
+    _log(connect(dashboard=dashboard, preload=WORKER_MODULES, quiet=True))
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.label_selector = tiers.selector(tiers.Tier.CPU)  # every task and actor, shuffles too
     # A unit whose file stays unreadable runs again; then its error reaches run() as itself, not wrapped.
@@ -693,6 +702,11 @@ def _log(msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    return Command("python -m pipelines.preprocess").run(
+        lambda cmd: _main(cmd, sys.argv[1:] if argv is None else argv))
+
+
+def _main(cmd: Command, argv: list[str]) -> dict:
     parser = cli_parser("python -m pipelines.preprocess", __doc__)
     parser.add_argument("--dataset", required=True, help="dataset name under $STRATA_STORAGE/datasets")
     parser.add_argument("--preset", default="debug", choices=sorted(PRESETS), help="config preset (default: debug)")
@@ -707,12 +721,14 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = PRESETS[args.preset](args.dataset, **{n: overrides(args, c) for n, c in STAGES.items()})
     except ValueError as e:
         parser.error(str(e))
+    storage = Storage.from_env(args.storage)
+    before = _newest(storage, cfg.dataset)
+    cmd.interrupted = lambda: _interrupted(storage, cfg.dataset, before, cmd.continue_with(*argv))
     try:
         if args.run_id:
             check_name(args.run_id, "run id")
         # The command ends with its run: an embedded Ray needs no dashboard (a joined cluster keeps its own).
-        summary = run(cfg, Storage.from_env(args.storage), run_id=args.run_id, wait=not args.no_wait,
-                      dashboard=False)
+        summary = run(cfg, storage, run_id=args.run_id, wait=not args.no_wait, dashboard=False)
     except LeaseBusy as e:
         print(f"error: {e}; not waiting (--no-wait): its inputs are left for a later run", file=sys.stderr)
         sys.exit(EXIT_BUSY)
@@ -726,6 +742,19 @@ def main(argv: list[str] | None = None) -> dict:
         _log(f"committed {summary['dataset']}@{summary['version']} at {summary['path']}")
     _log("\n" + format_table(summary["stats"]))
     return finish(summary, args.json)
+
+
+def _newest(storage: Storage, dataset: str) -> str | None:
+    versions = list_versions(storage, dataset)
+    return versions[-1] if versions else None
+
+
+def _interrupted(storage: Storage, dataset: str, before: str | None, again: str) -> str:
+    """What Ctrl-C left: a version committed before it, or nothing (the run's files go with the next run)."""
+    now = _newest(storage, dataset)
+    kept = (f"version {dataset}@{now}, committed before the interrupt" if now != before else
+            "no new version: nothing was committed, and its inputs stay new for the next run")
+    return f"preprocessing into dataset {dataset}; kept {kept}; continue with: {again}"
 
 
 if __name__ == "__main__":

@@ -50,6 +50,9 @@ class ReadConfig:
     """A line, block or file-document larger than this is rejected as record-too-large."""
     incremental: bool = True
     """Skip input files an earlier version consumed (same path, size and modification time)."""
+    allow_empty: bool = False
+    """An input that holds no file is not an error (a scheduled run over a folder that may still be empty):
+    the run makes no version and exits 0."""
     read_retries: int = 3
     """Times a file whose read fails (a reset, a timeout, throttling, after the object-store client's
     own retries) is read again, with exponential backoff, before its work unit fails; Ray then runs
@@ -88,26 +91,28 @@ def describe(path: str) -> tuple[str, str]:
 # ---------------------------------------------------------------- discovery
 
 
-def list_inputs(inputs: list[str]) -> list[dict]:
+def list_inputs(inputs: list[str], allow_empty: bool = False) -> list[dict]:
     """Expand paths, directories (recursively), globs and URIs into files with size and mtime.
 
-    A missing input is an error before any work starts, not an empty dataset.
+    A missing input, or one that holds no file (unless `allow_empty`), is an error before any work
+    starts, not an empty dataset.
     """
     found: dict[str, dict] = {}
     for spec in inputs:
         if "://" not in spec and glob.has_magic(spec):
             matches = sorted(glob.glob(os.path.expanduser(spec), recursive=True))
-            if not matches:
-                raise FileNotFoundError(f"input glob {spec!r} matches no file")
-            for m in matches:
-                _add(found, os.path.abspath(m), spec)
+            files = sum(_add(found, os.path.abspath(m), spec) for m in matches)
         else:
-            _add(found, spec if "://" in spec else os.path.abspath(os.path.expanduser(spec)), spec)
+            files = _add(found, spec if "://" in spec else os.path.abspath(os.path.expanduser(spec)), spec)
+        if not files and not allow_empty:
+            why = "the glob matches no file" if "://" not in spec and glob.has_magic(spec) else "it is empty"
+            raise FileNotFoundError(f"no input files found under {spec} ({why}; --allow-empty accepts that)")
     return [found[p] for p in sorted(found)]
 
 
-def _add(found: dict[str, dict], path: str, source: str) -> None:
-    """`path`'s files, each with its `source`: the input it was found under (dedup is audited per source)."""
+def _add(found: dict[str, dict], path: str, source: str) -> int:
+    """`path`'s files, each with its `source`: the input it was found under (dedup is audited per source);
+    returns how many files it holds."""
     fs, p = filesystem(path)
     info = fs.get_file_info(p)
     if info.type == pafs.FileType.NotFound:
@@ -116,10 +121,11 @@ def _add(found: dict[str, dict], path: str, source: str) -> None:
     if info.type == pafs.FileType.Directory:
         infos = _local_tree(p) if "://" not in path else fs.get_file_info(pafs.FileSelector(p, recursive=True))
     prefix = path[: path.index("://") + 3] if "://" in path else ""
-    for i in infos:
-        if i.type == pafs.FileType.File and not i.base_name.startswith("."):
-            full = prefix + i.path
-            found.setdefault(full, {"path": full, "size": i.size, "mtime_ns": i.mtime_ns, "source": source})
+    files = [i for i in infos if i.type == pafs.FileType.File and not i.base_name.startswith(".")]
+    for i in files:
+        full = prefix + i.path
+        found.setdefault(full, {"path": full, "size": i.size, "mtime_ns": i.mtime_ns, "source": source})
+    return len(files)
 
 
 def _local_tree(root: str) -> list:

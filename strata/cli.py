@@ -11,8 +11,12 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 import textwrap
 import typing
+from collections.abc import Callable
+
+from strata.shell import Parser
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -58,9 +62,35 @@ def overrides(args: argparse.Namespace, cls: type) -> dict:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
 
 
+def flag_of(cls: type, name: str) -> str:
+    """The command-line flag of config field `name`."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.metadata.get("flag", "--" + name.replace("_", "-"))
+
+
+Rule = tuple[Callable[[float], bool], str]  # (whether a value is allowed, what is allowed, in words)
+POSITIVE: Rule = (lambda v: v > 0, "> 0")
+NON_NEGATIVE: Rule = (lambda v: v >= 0, ">= 0")
+AT_LEAST_ONE: Rule = (lambda v: v >= 1, ">= 1")
+FRACTION: Rule = (lambda v: 0 <= v <= 1, "between 0 and 1")
+BELOW_ONE: Rule = (lambda v: 0 <= v < 1, "in [0, 1)")
+
+
+def check_fields(cfg, rules: dict[str, Rule]) -> None:
+    """Raise ValueError naming the first field of `cfg` (by its flag) whose value breaks its rule; NaN and
+    infinity break every rule; None (an optional rule left off) passes. Configs call this in __post_init__, so
+    a bad value is refused where the config is made, on the driver, before anything starts."""
+    for name, (ok, allowed) in rules.items():
+        v = getattr(cfg, name)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not ok(v):
+            raise ValueError(f"{flag_of(type(cfg), name)} {v!r}: must be {allowed}")
+
+
 def parser(prog: str, doc: str | None, json_summary: bool = True) -> argparse.ArgumentParser:
     """An entry point's parser with the flags every one of them shares."""
-    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--storage", help="storage root (default: $STRATA_STORAGE or ~/strata-data)")
     if json_summary:
         p.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import socket
 import tempfile
@@ -53,7 +54,7 @@ def dashboard_port(preferred: int = 8265) -> int:
 
 def connect(*, address: str | None = None, num_cpus: int | None = None,
             temp_dir: str | None = None, log_to_driver: bool = True, dashboard: bool = True,
-            preload: tuple[str, ...] = ()) -> str:
+            preload: tuple[str, ...] = (), quiet: bool = False) -> str:
     """Connect to Ray once per process and return a one-line description.
 
     `address` (or `RAY_ADDRESS`) joins an existing cluster, which is how a job
@@ -62,7 +63,9 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
     `dashboard=False` starts it without its dashboard (1-2 s sooner on 2 cores):
     for a command that ends with its one job and needs no Ray Train. `preload`
     names modules the embedded Ray's idle workers import while the driver is
-    still starting, so that the first tasks and actors do not wait for them.
+    still starting, so that the first tasks and actors do not wait for them. `quiet` keeps Ray's own
+    start-up lines (its INFO banner, the token-auth notice of an embedded Ray) off the console: the
+    command says what it started.
     """
     import ray
 
@@ -77,7 +80,7 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
     # Two strata commands started at the same moment (two cron slots, a notebook beside a CLI) would both
     # see port 8265 free and both bind it. Starts on one machine take turns: once the first has bound its
     # ports, the second's probe sees them taken and picks free ones.
-    with _start_lock():
+    with _start_lock(), _quiet_token_notice(quiet):
         for attempt in range(3):
             try:
                 ray.init(
@@ -88,6 +91,7 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
                     dashboard_host="127.0.0.1",
                     dashboard_port=dashboard_port(),
                     log_to_driver=log_to_driver,
+                    logging_level=logging.WARNING if quiet else logging.INFO,
                     _temp_dir=temp_dir,
                     _system_config={"preload_python_modules": list(preload)} if preload else None,
                 )
@@ -99,6 +103,25 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
                 if "port" not in str(e) or attempt == 2:
                     raise
     return f"started embedded local Ray ({ray.cluster_resources().get('CPU', 0):.0f} CPUs, temp {temp_dir})"
+
+
+class _DropTokenNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Token authentication is enabled for this Ray cluster" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_token_notice(quiet: bool):
+    """An embedded Ray turns token auth on and says so at WARNING on every start; it listens on loopback
+    only, so a quiet command leaves the notice out (Ray's logger, during ray.init)."""
+    log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    drop = _DropTokenNotice()
+    if quiet:
+        log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
 
 
 def shutdown() -> None:

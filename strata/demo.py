@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         tier 2  {tr['steps']} steps, loss {tr['first_loss']:.3f} -> {tr['last_loss']:.3f} (validation {tr['val_loss']:.3f}),
                 {tr['params'] / 1e6:.2f}M params, {tr['strategy'].upper()}, {tr['tokens_per_s']:,.0f} tokens/s,
                 data wait {tr['data_wait']:.1%}, checkpoints {tr['checkpoint_blocked']:.1%} of wall time
-        sweep   {sw['completed']}/{sw['trials']} trials ({sw['iterations']} iterations, ASHA),
+        sweep   {sw['trials']} trials: {sw['completed'] - sw['stopped_early']} completed, {sw['stopped_early']} stopped early by ASHA ({sw['iterations']} iterations),
                 best {best['metric_name']} {best['metric']:.3f} with {json.dumps(best['config'])}
         cost    preprocess {_cost(pre)}, train {_cost(tr)}, sweep {_cost(sw)} for {pre['node_hours'] + tr['node_hours'] + sw['node_hours']:.3f} node-hours
                 (prices.yaml charges 0 for the local node); CPU busy {_busy(pre)} / {_busy(tr)} / {_busy(sw)}

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from strata.shell import StrataError
+
 ENV_VAR = "STRATA_STORAGE"
 DEFAULT_ROOT = "~/strata-data"
 
@@ -41,8 +43,17 @@ def is_uri(path: str) -> bool:
     return "://" in path
 
 
+class StorageNotSet(StrataError, ValueError):
+    """A submitted job without a storage root."""
+
+
 def storage_root(root: str | None = None) -> str:
-    """The storage root: `root`, else `$STRATA_STORAGE`, else `~/strata-data`."""
+    """The storage root: `root`, else `$STRATA_STORAGE`, else `~/strata-data` (not for a Ray job's driver,
+    which runs on a cluster's node: that node's home directory is nobody's storage)."""
+    if not (root or os.environ.get(ENV_VAR)) and os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        raise StorageNotSet(f"{ENV_VAR} is not set for this Ray job: submit it with `python -m strata submit`, "
+                            f"which passes yours (or --storage), or add --runtime-env-json "
+                            f"'{{\"env_vars\": {{\"{ENV_VAR}\": \"s3://BUCKET/strata\"}}}}' to `ray job submit`")
     root = root or os.environ.get(ENV_VAR) or DEFAULT_ROOT
     if is_uri(root) and not root.startswith("file://"):
         return root.rstrip("/")
@@ -373,3 +384,41 @@ def read_jsonl(path: str) -> list[dict]:
     else:
         chunks = [read_bytes(join(path, name)) for name, d in list_dir(path) if not d and name.endswith(".jsonl")]
     return [json.loads(line) for chunk in chunks for line in chunk.decode().splitlines() if line.strip()]
+
+
+class JsonlTail:
+    """The rows appended to a JsonlWriter log since the last `read()`, for a process that follows it
+    (the training driver showing progress). A local file is read from where the last read stopped; on an
+    object store only the parts that may have grown are read again: a writer's part is final once the
+    same writer has started the next one."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.offset = 0  # local file: bytes already read
+        self.seen: dict[str, int] = {}  # object store: lines already returned, by part name
+        self.final: set[str] = set()
+
+    def read(self) -> list[dict]:
+        fs, p = filesystem(self.path)
+        info = fs.get_file_info(p)
+        if info.type == pafs.FileType.NotFound:
+            return []
+        if info.type == pafs.FileType.File:
+            with fs.open_input_file(p) as f:
+                f.seek(self.offset)
+                data = f.read()
+            end = data.rfind(b"\n") + 1  # a line being written is left for the next read
+            self.offset += end
+            return [json.loads(line) for line in data[:end].decode().splitlines() if line.strip()]
+        parts = sorted(name for name, d in list_dir(self.path) if not d and name.endswith(".jsonl"))
+        rows = []
+        for i, name in enumerate(parts):
+            if name in self.final:
+                continue
+            lines = [line for line in read_bytes(join(self.path, name)).decode().splitlines() if line.strip()]
+            rows += [json.loads(line) for line in lines[self.seen.get(name, 0):]]
+            self.seen[name] = len(lines)
+            writer = name.rsplit("-", 1)[0]
+            if i + 1 < len(parts) and parts[i + 1].startswith(writer + "-"):
+                self.final.add(name)
+        return rows

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from strata import tiers
 from strata.runinfo import code_version
+from strata.shell import EXIT_USAGE, Parser
 from strata.signing import TOKEN_FILES
 
 MODULES = {"preprocess": "pipelines.preprocess", "train": "train", "tune": "tune"}
@@ -83,7 +84,9 @@ def _flag(args: list[str], flag: str) -> str:
     return ""
 
 
-def runtime_env(working_dir: str, env_file: str | None) -> dict:
+def runtime_env(working_dir: str, env_file: str | None, storage: str | None = None) -> dict:
+    """The job's runtime env: the file's (platform/runtime-env.yaml by default) with its allow-list, the
+    storage root the submitter gives, and the code version."""
     import yaml
 
     path = Path(env_file) if env_file else RUNTIME_ENV
@@ -95,25 +98,87 @@ def runtime_env(working_dir: str, env_file: str | None) -> dict:
         own = [e for e in env.get("excludes", []) if e not in allow]
         env["excludes"] = [*allow, *own, *SECRET_EXCLUDES, "!/."]
     env_vars = env.setdefault("env_vars", {})
-    if storage := os.environ.get("STRATA_STORAGE"):  # the submitter's storage wins over the file's default
+    if storage:  # the submitter's storage wins over anything the file says
         env_vars["STRATA_STORAGE"] = storage
     env_vars.setdefault("STRATA_CODE_VERSION", code_version())  # the upload has no .git to ask
     return env
 
 
-def use_token() -> str | None:
-    """Make the Ray client send the token if one is at hand; returns where it came from."""
-    if os.environ.get("RAY_AUTH_TOKEN"):
-        where = "RAY_AUTH_TOKEN"
-    elif os.environ.get("RAY_AUTH_TOKEN_PATH"):
-        where = os.environ["RAY_AUTH_TOKEN_PATH"]
-    else:
-        found = next((p for p in map(os.path.expanduser, TOKEN_FILES) if os.path.isfile(p)), None)
-        if found is None:
-            return None
-        os.environ["RAY_AUTH_TOKEN_PATH"] = where = found
-    os.environ.setdefault("RAY_AUTH_MODE", "token")  # Ray's client sends it only with this set
-    return where
+def job_storage(address: str, given: str | None) -> str:
+    """Where the job writes: --storage, else the submitter's $STRATA_STORAGE; a head on this machine may
+    also use the submitter's default root. A cluster's job never falls back to a root of its own."""
+    from strata.storage import ENV_VAR, storage_root
+
+    if given or os.environ.get(ENV_VAR):
+        return storage_root(given)
+    if _is_loopback(address):
+        return storage_root()  # ~/strata-data: this machine's, which a head on this machine reaches too
+    raise ValueError(f"no storage root for the job: set {ENV_VAR} (or --storage) to storage every node of the "
+                     "cluster reaches, such as s3://BUCKET/strata; the job writes its outputs there")
+
+
+def _is_loopback(address: str) -> bool:
+    from urllib.parse import urlparse
+
+    host = urlparse(address if "://" in address else f"http://{address}").hostname
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
+def token() -> tuple[str | None, str | None]:
+    """(the cluster token, where it came from): RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or a token file."""
+    if value := os.environ.get("RAY_AUTH_TOKEN"):
+        return value.strip(), "RAY_AUTH_TOKEN"
+    for path in filter(None, [os.environ.get("RAY_AUTH_TOKEN_PATH"), *TOKEN_FILES]):
+        full = os.path.expanduser(path)
+        if os.path.isfile(full):
+            with open(full) as f:
+                return f.read().strip(), full
+    return None, None
+
+
+def auth_headers(value: str | None) -> dict:
+    """The token as Ray's HTTP clients send it. Given explicitly, it goes whatever RAY_AUTH_MODE says:
+    Ray's clients otherwise send one only when RAY_AUTH_MODE=token was set before `ray` was imported
+    (the mode is read once, into a cached config)."""
+    return {"Authorization": f"Bearer {value}"} if value else {}
+
+
+# The tiers a job needs: its driver's (strata submit places it on the cpu tier), then its work's.
+NEEDS = {"preprocess": (tiers.Tier.CPU,), "train": (tiers.Tier.CPU, tiers.Tier.GPU),
+         "tune": (tiers.Tier.CPU, tiers.Tier.SPOT)}
+ROLE = {tiers.Tier.CPU: "its driver", tiers.Tier.GPU: "its workers", tiers.Tier.SPOT: "its trials"}
+
+
+def check_tiers(kind: str, address: str, headers: dict) -> None:
+    """Refuse a job no node of the cluster could run: every tier it needs is served by an alive node (its
+    label) or announced by an alive node (the head of an autoscaling cluster) as one the autoscaler starts
+    (`strata.tiers.autoscaled_tiers`). A job refused here would otherwise wait PENDING forever."""
+    from ray.util.state import StateApiClient
+    from ray.util.state.common import ListApiOptions, StateResource
+
+    nodes = StateApiClient(address=address, headers=dict(headers)).list(
+        StateResource.NODES, options=ListApiOptions(detail=False), raise_on_missing_output=False)
+    served = set()
+    for n in nodes:
+        if n.state == "ALIVE":
+            served |= tiers.tiers_of(n.labels or {}) | tiers.autoscaled_tiers(n.labels or {})
+    missing = [t for t in NEEDS[kind] if t not in served]
+    if missing:
+        labels = tiers.format_labels(tiers.node_labels(*missing))
+        raise ValueError(
+            f"no node of the cluster at {address} serves the {missing[0]} tier, which {kind} needs for "
+            f"{ROLE[missing[0]]} (node label {tiers.label_key(missing[0])}={tiers.LABEL_VALUE}), and no autoscaler "
+            f"announces one: start a node with `ray start --labels={labels} ...`, or the head of a laptop "
+            "cluster with every tier (README: From a laptop to a cluster)")
+
+
+def python_for(address: str, python: str | None) -> str:
+    """The interpreter of the job's entrypoint: --python, else this one for a head on this machine (the
+    head's own PATH may find another Python, without strata's packages), else `python` on the head's
+    PATH (a cluster's image puts its environment first)."""
+    if python:
+        return python
+    return sys.executable if _is_loopback(address) else "python"
 
 
 def check_address(address: str, insecure_http: bool = False) -> None:
@@ -150,30 +215,35 @@ AGENT_WAIT_S = 60  # how long a submission waits for the head's job agent (a hea
 
 def submit(kind: str, args: list[str], *, address: str, slot: str | None = None, sub_id: str | None = None,
            working_dir: str = ".", env_file: str | None = None, wait: bool = True, at: float | None = None,
-           out=sys.stderr, insecure_http: bool = False, fix_token_mode: bool | None = False) -> dict:
+           out=sys.stderr, insecure_http: bool = False, fix_token_mode: bool | None = False,
+           storage: str | None = None, python: str | None = None, check_labels: bool = True) -> dict:
     """Submit; returns {"submission_id", "status", "duplicate"}. Waits and streams logs unless wait=False."""
-    from ray.job_submission import JobStatus, JobSubmissionClient
-
     if kind not in MODULES:
         raise ValueError(f"unknown job kind {kind!r}: one of {', '.join(MODULES)}")
+    check_address(address, insecure_http)
+    root = job_storage(address, storage)
     if slot:
         sub_id = sub_id or submission_id(kind, args, slot, at)
         if kind == "preprocess" and "--run-id" not in args:
             args = [*args, "--run-id", sub_id]  # idempotent at the data level too
-    entrypoint = shlex.join(["python", "-m", MODULES[kind], *args])
-    check_address(address, insecure_http)
-    where = use_token()
-    if where and os.path.isfile(os.path.expanduser(where)):
-        check_token_mode(os.path.expanduser(where), fix=fix_token_mode, out=out)
-    print(f"[submit] {entrypoint} -> {address}" + (f" as {sub_id}" if sub_id else "")
+    entrypoint = shlex.join([python_for(address, python), "-m", MODULES[kind], *args])
+    value, where = token()
+    if where and os.path.isfile(where):
+        check_token_mode(where, fix=fix_token_mode, out=out)
+    headers = auth_headers(value)
+    if check_labels:
+        check_tiers(kind, address, headers)
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    print(f"[submit] {entrypoint} -> {address}" + (f" as {sub_id}" if sub_id else "") + f", storage {root}"
           + ("" if where else " (no token found: the cluster will refuse this if it has auth on)"), file=out)
+    client = JobSubmissionClient(address, headers=dict(headers))
     try:
-        client = JobSubmissionClient(address)
         deadline = time.time() + AGENT_WAIT_S
         while True:
             try:
                 job = client.submit_job(entrypoint=entrypoint, submission_id=sub_id,
-                                        runtime_env=runtime_env(working_dir, env_file), entrypoint_num_cpus=1,
+                                        runtime_env=runtime_env(working_dir, env_file, root), entrypoint_num_cpus=1,
                                         entrypoint_label_selector=tiers.selector(tiers.Tier.CPU),
                                         metadata={"strata.kind": kind, **({"strata.slot": slot} if slot else {})})
                 break
@@ -184,7 +254,7 @@ def submit(kind: str, args: list[str], *, address: str, slot: str | None = None,
                 time.sleep(2)
     except RuntimeError as e:
         if sub_id and "already exists" in str(e):
-            status = str(JobSubmissionClient(address).get_job_status(sub_id))
+            status = str(client.get_job_status(sub_id))
             print(f"[submit] {sub_id} was already submitted for this slot ({status}); nothing to do", file=out)
             return {"submission_id": sub_id, "status": status, "duplicate": True}
         raise
@@ -207,16 +277,22 @@ def submit(kind: str, args: list[str], *, address: str, slot: str | None = None,
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     head, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    p = argparse.ArgumentParser(prog="python -m strata submit", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m strata submit", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("kind", choices=sorted(MODULES), help="which stage to run")
     p.add_argument("--address", default=os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS"),
                    help="the cluster's dashboard address, e.g. http://127.0.0.1:8265 (default: $RAY_ADDRESS)")
+    p.add_argument("--storage", help="the storage root the job writes to (default: $STRATA_STORAGE; a head on "
+                   "this machine may use ~/strata-data; a remote cluster needs storage all its nodes reach)")
     p.add_argument("--slot", help="hourly, daily or SECONDS: one submission per slot (for cron)")
     p.add_argument("--slot-time", help="submit the slot of this UTC time (ISO 8601) instead of now: a backfill")
     p.add_argument("--submission-id", help="an explicit submission id (default: Ray's, or the slot's)")
     p.add_argument("--working-dir", default=".", help="directory to upload (default: .; '' uploads nothing)")
     p.add_argument("--runtime-env", help=f"runtime env YAML (default: {RUNTIME_ENV.relative_to(RUNTIME_ENV.parents[1])})")
+    p.add_argument("--python", help="the interpreter the job runs (default: this one for a head on this machine, "
+                   "else `python` on the head's PATH)")
+    p.add_argument("--no-label-check", action="store_true", help="submit even when no node serves a tier the "
+                   "job needs (it then waits PENDING until one joins)")
     p.add_argument("--no-wait", action="store_true", help="return once submitted instead of streaming logs")
     p.add_argument("--insecure-http", action="store_true", help="allow plain http:// to a head that is not "
                    "loopback (the token travels in the clear; use a tunnel or TLS instead)")
@@ -231,9 +307,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--slot-time needs --slot")
         r = submit(a.kind, rest, address=a.address, slot=a.slot, sub_id=a.submission_id,
                    working_dir=a.working_dir, env_file=a.runtime_env, wait=not a.no_wait, at=at,
-                   insecure_http=a.insecure_http, fix_token_mode=True if a.fix_token_mode else None)
+                   insecure_http=a.insecure_http, fix_token_mode=True if a.fix_token_mode else None,
+                   storage=a.storage, python=a.python, check_labels=not a.no_label_check)
     except ValueError as e:
-        p.error(str(e))
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except Exception as e:  # the client's errors (refused token, unreachable head) are the user's to read
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

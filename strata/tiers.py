@@ -45,6 +45,22 @@ def tiers_of(labels: dict[str, str]) -> set[Tier]:
     return {t for t in Tier if labels.get(label_key(t)) == LABEL_VALUE}
 
 
+def autoscale_key(tier: Tier | str) -> str:
+    """The label by which a node (the head of an autoscaling cluster) announces that the autoscaler starts
+    nodes of `tier` on demand: every worker type of cluster.yaml starts at zero, so a cold cluster has no
+    node of the tier yet, and a job that needs one must still be let through (strata.submit)."""
+    return f"{LABEL_PREFIX}/autoscales-{Tier(tier).value}"
+
+
+def autoscale_labels(*tiers: Tier | str) -> dict[str, str]:
+    return {autoscale_key(t): LABEL_VALUE for t in tiers}
+
+
+def autoscaled_tiers(labels: dict[str, str]) -> set[Tier]:
+    """Which tiers a node with `labels` announces as started on demand."""
+    return {t for t in Tier if labels.get(autoscale_key(t)) == LABEL_VALUE}
+
+
 def format_labels(labels: dict[str, str]) -> str:
     """`k=v,k=v`, the syntax of `ray start --labels`."""
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))

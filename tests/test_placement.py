@@ -88,15 +88,40 @@ def test_the_placement_plan():
     assert plan(mixed, embedded=False, workers=16, allow_mixed=True) is None  # wait for more
 
 
+def _announce_gpu_node_type(gpus: int) -> None:
+    """What an autoscaler reports to GCS at start: its node types (here one with `gpus` GPUs, up to 2 nodes)."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    config = autoscaler_pb2.ClusterConfig(node_group_configs=[autoscaler_pb2.NodeGroupConfig(
+        name="gpu-1x", resources={"CPU": 8, **({"GPU": gpus} if gpus else {})}, min_count=0, max_count=2)])
+    _internal_kv_put(ray._raylet.GCS_AUTOSCALER_CLUSTER_CONFIG_KEY.encode(), config.SerializeToString(),
+                     namespace=ray._raylet.GCS_AUTOSCALER_STATE_NAMESPACE.encode())
+
+
 @pytest.mark.slow
 def test_a_cold_cluster_waits_for_gpus_and_never_trains_on_cpu_silently(tiered_cluster, capfd):
-    """The simulated cluster's gpu-tier node has no GPU: training waits for one, then fails, saying so.
+    """The simulated cluster's gpu-tier node has no GPU. Without an autoscaler that could start one, training
+    fails at once naming --no-use-gpu; with one, it waits, says what ends the wait, then fails, saying so.
     Nodes that declare GPUs (a resource; no CUDA is touched) are placed by model."""
-    from train.placement import PlacementError, place
+    from train.placement import PlacementError, max_gpus, place
 
+    assert max_gpus() is None  # `ray.cluster_utils.Cluster` runs no autoscaler
+    with pytest.raises(PlacementError, match="can never have them: none up, and no autoscaler config.*--no-use-gpu"):
+        place(embedded=False, workers=None, use_gpu=None, allow_mixed=False, wait_s=900, poll_s=0.2)
+    assert "waiting" not in capfd.readouterr().err
+    _announce_gpu_node_type(0)
+    with pytest.raises(PlacementError, match="no node type with GPUs"):
+        place(embedded=False, workers=None, use_gpu=None, allow_mixed=False, wait_s=900, poll_s=0.2)
+    _announce_gpu_node_type(1)
+    assert max_gpus() == 2
     with pytest.raises(PlacementError, match="no 1 GPU.*after 1 s .*Train on CPU with --no-use-gpu"):
         place(embedded=False, workers=None, use_gpu=None, allow_mixed=False, wait_s=1, poll_s=0.2)
-    assert "waiting for 1 GPU(s) on the gpu tier: none up" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert err.count("waiting") == 1, err  # one line, then one a minute
+    assert ("waiting for 1 GPU(s) on the gpu tier (none up): the autoscaler can start up to 2; the wait ends when "
+            "they join, or fails after --gpu-wait-s 1 s (--no-use-gpu trains on CPU instead)") in err
     cluster = tiered_cluster["cluster"]
     for gpus, model in ((2, "H100"), (1, "A100")):
         cluster.add_node(num_cpus=1, num_gpus=gpus, resources={f"accelerator_type:{model}": 1},

@@ -42,7 +42,12 @@ def test_cluster_yaml_follows_our_rules(cluster):
     validate_config(prepare_config(cluster))
     types = cluster["available_node_types"]
     head = types[cluster["head_node_type"]]
-    assert head["resources"].get("CPU") == 0 and not head.get("labels"), "the head runs no work"
+    assert head["resources"].get("CPU") == 0 and not tiers.tiers_of(head["labels"]), "the head runs no work"
+    # It announces exactly the tiers the autoscaler can start (strata submit lets their jobs through).
+    scaled = {t for name, n in types.items() if name != cluster["head_node_type"] and n.get("max_workers")
+              for t in tiers.tiers_of(n.get("labels") or {})}
+    assert tiers.autoscaled_tiers(head["labels"]) == scaled == set(tiers.Tier)
+    assert set(head["labels"]) == {tiers.autoscale_key(t) for t in scaled}
     assert "InstanceMarketOptions" not in head["node_config"], "the head is on-demand"
     for name, t in types.items():
         assert t["resources"] and all(isinstance(v, int) for v in t["resources"].values()), name
@@ -162,6 +167,7 @@ def test_the_kuberay_cluster_matches_cluster_yaml(cluster, manifests):
     assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
     assert spec["headGroupSpec"].get("serviceType", "ClusterIP") == "ClusterIP"
     types = cluster["available_node_types"]
+    assert spec["headGroupSpec"]["labels"] == types[cluster["head_node_type"]]["labels"]
     groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
     assert set(groups) == set(types) - {cluster["head_node_type"]}
     images = _images()

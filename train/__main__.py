@@ -24,8 +24,10 @@ from strata.cli import add_config_arguments, finish, overrides
 from strata.cli import parser as cli_parser
 from strata.dataset import DatasetError
 from strata.lease import LeaseBusy
+from strata.shell import Command
 from strata.storage import Storage, check_name
 from train import mixture, pretrained
+from train.checkpoint import committed_checkpoints, read_meta
 from train.loop import TRAIN_PRESETS, TrainConfig, with_hyperparameters
 from train.mixture import load_file
 from train.model import PRESETS, GPTConfig, fit_to_dataset, preset
@@ -36,6 +38,10 @@ SHAPE = {"vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "bias"}
 
 
 def main(argv: list[str] | None = None) -> dict:
+    return Command("python -m train").run(lambda cmd: _main(cmd, sys.argv[1:] if argv is None else argv))
+
+
+def _main(cmd: Command, argv: list[str]) -> dict:
     parser = cli_parser("python -m train", __doc__)
     parser.add_argument("--dataset", action="append", help="NAME or NAME@VERSION of a tier-1 dataset (default: "
                         "the sweep's, with --from-sweep); repeat it as NAME[@VERSION]:WEIGHT to train on a mixture")
@@ -59,10 +65,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-failures", type=int, default=2, help="worker-group restarts from checkpoint")
     parser.add_argument("--allow-change", action="store_true", help="continue a run on another dataset or "
                         f"with another data order ({', '.join(DATA_ORDER)})")
+    parser.add_argument("--verbose", action="store_true", help="also show Ray's own logs (its workers', its "
+                        "controller's); by default the driver prints one line per log point")
     add_config_arguments(parser, GPTConfig)
     add_config_arguments(parser, TrainConfig)
     args = parser.parse_args(argv)
     storage = Storage.from_env(args.storage)
+    for flag, value, ok in (("--cpus-per-worker", args.cpus_per_worker, args.cpus_per_worker > 0),
+                            ("--gpu-wait-s", args.gpu_wait_s, args.gpu_wait_s >= 0),
+                            ("--max-failures", args.max_failures, args.max_failures >= -1),
+                            ("--workers", args.workers, args.workers is None or args.workers >= 1)):
+        if not ok:
+            parser.error(f"{flag} {value}: out of range")
     try:
         best = best_of_sweep(storage, args.from_sweep) if args.from_sweep else {}
         if args.mixture and args.dataset:
@@ -80,6 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
         first = dataset.partition("@")[0].partition(":")[0]
         run_name = args.run or f"{first}{'-mix' if ',' in dataset else ''}-{preset_name}-{time.strftime('%Y%m%d-%H%M%S')}"
         check_name(run_name, "run name")
+        again = argv if args.run else [*argv, "--run", run_name]
+        cmd.interrupted = lambda: _interrupted(storage.run(run_name), run_name, cmd.continue_with(*again))
         model_cfg, train_cfg = with_hyperparameters(hp, preset(preset_name),
                                                     TRAIN_PRESETS[preset_name])
         given = overrides(args, GPTConfig)
@@ -103,7 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
         summary = run(model_cfg, train_cfg, dataset=dataset, run_name=run_name, storage=storage,
                       workers=args.workers, use_gpu=args.use_gpu, cpus_per_worker=args.cpus_per_worker,
                       max_failures=args.max_failures, allow_change=args.allow_change,
-                      allow_mixed_gpus=args.allow_mixed_gpus, gpu_wait_s=args.gpu_wait_s, init=init)
+                      allow_mixed_gpus=args.allow_mixed_gpus, gpu_wait_s=args.gpu_wait_s, init=init,
+                      verbose=args.verbose)
     except LeaseBusy as e:
         sys.exit(f"error: {e}: wait for it to end, or use another --run")
     except (DatasetError, ValueError, FileNotFoundError, PlacementError) as e:
@@ -128,6 +145,14 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"[train]   {ref}: {tokens:,} tokens ({summary['repeats_by_source'][ref]:.3f} passes)"
                   f"{f', validation {_scores(loss, bpb)}' if loss is not None else ''}", file=sys.stderr)
     return finish(summary, args.json)
+
+
+def _interrupted(run_dir: str, run_name: str, again: str) -> str:
+    """What Ctrl-C left of the run: its newest committed checkpoint, and the command that continues."""
+    found = committed_checkpoints(run_dir)
+    kept = (f"the checkpoint at step {read_meta(found[-1])['step']} ({found[-1]})" if found
+            else "no checkpoint yet (the run starts from step 0)")
+    return f"training run {run_name}; kept {kept}; continue with: {again}"
 
 
 def _scores(loss: float, bpb: float | None) -> str:

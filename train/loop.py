@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from strata.cli import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, check_fields
 from strata.storage import JsonlWriter
 from train.cadence import Cadence, Clock
 from train.checkpoint import AsyncCheckpointer
@@ -92,13 +93,13 @@ class TrainConfig:
             raise ValueError(f"compile must be auto, on or off, not {self.compile!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
-        for name in ("max_steps", "grad_accum", "eval_every", "log_every", "keep_checkpoints"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.batch_size < 0:
-            raise ValueError("batch_size must be >= 1, or 0 to size it for the device")
-        if self.checkpoint_every < 0 or self.checkpoint_every_s < 0 or self.drain_check_every_s < 0:
-            raise ValueError("checkpoint_every, checkpoint_every_s and drain_check_every_s must be >= 0")
+        check_fields(self, {
+            **dict.fromkeys(("max_steps", "grad_accum", "eval_every", "eval_batches", "log_every",
+                             "keep_checkpoints"), AT_LEAST_ONE),
+            "lr": POSITIVE, "min_lr_ratio": FRACTION,
+            **dict.fromkeys(("batch_size", "warmup_steps", "weight_decay", "grad_clip", "max_repeat",
+                             "checkpoint_every", "checkpoint_every_s", "report_every_s", "drain_check_every_s",
+                             "seed"), NON_NEGATIVE)})
 
 
 def strategy_for(cfg: TrainConfig, params: int, device_memory: int) -> str:
@@ -411,8 +412,8 @@ def train_loop_per_worker(config: dict) -> None:
                     for ckpt_step, local, sync in handover or [(None, None, False)]:
                         _report(metrics, ckpt_step, local, sync)
                 cadence.reported(time.perf_counter())
-            if preempted and w.rank == 0:
-                print(f"[train] rank 0: a node of this run is being drained; checkpointed at step {done}")
+            if preempted:  # the driver says so (train/progress.py)
+                w.log.event({"event": "preempted", "step": done})
             w.log.step(metrics, losses)
         w.log.event({"event": "end", **w.meter.total(*clock.overall())})
     finally:

@@ -18,6 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from strata.cli import AT_LEAST_ONE, BELOW_ONE, check_fields
+
 
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
@@ -37,6 +39,8 @@ class GPTConfig:
     """Biases on the linear layers, as GPT-2 has them (set by --init-from a model that has them)."""
 
     def __post_init__(self):
+        check_fields(self, {**dict.fromkeys(("vocab_size", "seq_len", "n_layer", "n_head", "n_embd"), AT_LEAST_ONE),
+                            "dropout": BELOW_ONE})
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
 

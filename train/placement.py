@@ -75,25 +75,54 @@ def _describe(inv: Counter) -> str:
     return ", ".join(f"{n}x {m}" for m, n in inv.most_common())
 
 
+SAY_EVERY_S = 60.0  # while waiting for GPUs, a line a minute
+
+
+def max_gpus() -> int | None:
+    """The most GPUs the cluster's autoscaler could bring up, by its node types (None: no autoscaler
+    config, so no node comes that is not up already).
+
+    Ray Train asks the same of the autoscaler's config before it waits for workers
+    (`WorkerGroup._check_cluster_resources_and_raise_if_insufficient`); no public API says it, so this reads
+    Ray's `ray._private.state`. tests/test_placement.py writes such a config and fails if the call goes."""
+    from ray._private.state import state
+
+    most = state.get_max_resources_from_cluster_config()
+    return None if most is None else int(most.get("GPU", 0))
+
+
 def place(*, embedded: bool, workers: int | None, use_gpu: bool | None, allow_mixed: bool,
           wait_s: float, poll_s: float = 5.0, log=None) -> Plan:
-    """`plan()` against the live cluster; asks the autoscaler for GPUs and waits for them when needed."""
+    """`plan()` against the live cluster; asks the autoscaler for GPUs and waits for them when it can
+    bring them, and fails at once when nothing can."""
     import ray
 
     log = log or (lambda msg: print(f"[train] {msg}", file=sys.stderr, flush=True))
-    started, asked = time.time(), False
+    started, asked, said = time.time(), False, time.time()
     while (p := plan(ray.nodes(), embedded=embedded, workers=workers, use_gpu=use_gpu,
                      allow_mixed=allow_mixed)) is None:
         waited = time.time() - started
-        if waited >= wait_s:
-            raise PlacementError(
-                f"no {workers or 1} GPU(s) on the gpu tier after {waited:.0f} s (--gpu-wait-s {wait_s:g}); "
-                f"up now: {_describe(gpu_inventory(ray.nodes())) or 'none'}. Train on CPU with --no-use-gpu")
+        up = _describe(gpu_inventory(ray.nodes())) or "none"
         if not asked:
+            most = max_gpus()
+            if not most:
+                raise PlacementError(
+                    f"training wants {workers or 1} GPU(s) on the gpu tier and this cluster can never have "
+                    f"them: {up} up, and {'no autoscaler config' if most is None else 'no node type with GPUs'} "
+                    "to start more. Train on CPU with --no-use-gpu")
             _request_gpus(workers or 1)
             asked = True
-        log(f"waiting for {workers or 1} GPU(s) on the gpu tier: {_describe(gpu_inventory(ray.nodes())) or 'none'} "
-            f"up ({waited:.0f} s of --gpu-wait-s {wait_s:g})")
+            log(f"waiting for {workers or 1} GPU(s) on the gpu tier ({up} up): the autoscaler can start up to "
+                f"{most}; the wait ends when they join, or fails after --gpu-wait-s {wait_s:g} s "
+                "(--no-use-gpu trains on CPU instead)")
+        elif waited >= wait_s:
+            raise PlacementError(
+                f"no {workers or 1} GPU(s) on the gpu tier after {waited:.0f} s (--gpu-wait-s {wait_s:g}); "
+                f"up now: {up}. Train on CPU with --no-use-gpu")
+        elif time.time() - said >= SAY_EVERY_S:
+            log(f"still waiting for {workers or 1} GPU(s) on the gpu tier: {up} up ({waited:.0f} s of "
+                f"--gpu-wait-s {wait_s:g})")
+            said = time.time()
         time.sleep(min(poll_s, max(0.1, wait_s - waited)))
     if asked:
         _request_gpus(0)  # the GPUs are up: drop the standing request, the run's own demand keeps them

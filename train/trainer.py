@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from dataclasses import asdict, replace
 
@@ -37,6 +38,7 @@ from train.loop import (
 from train.mixture import resolve_all
 from train.model import GPTConfig, describe
 from train.placement import place
+from train.progress import Progress
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -46,7 +48,7 @@ def read_metrics(run_dir: str) -> list[dict]:
 def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name: str, storage: Storage,
         workers: int | None = None, use_gpu: bool | None = None, cpus_per_worker: float = 1,
         max_failures: int = 2, allow_change: bool = False, allow_mixed_gpus: bool = False,
-        gpu_wait_s: float = 900.0, init: tuple[str, dict] | None = None) -> dict:
+        gpu_wait_s: float = 900.0, init: tuple[str, dict] | None = None, verbose: bool = False) -> dict:
     """Train (or continue) run `run_name`, holding the run's lease: one writer per run. `init` is
     (source, weights) to start from (train.pretrained) when the run has no checkpoint yet."""
     run_dir = storage.run(run_name)
@@ -60,16 +62,18 @@ def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name:
         return _run_leased(model_cfg, train_cfg, dataset=dataset, run_name=run_name, run_dir=run_dir,
                            storage=storage, workers=workers, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker,
                            max_failures=max_failures, allow_change=allow_change,
-                           allow_mixed_gpus=allow_mixed_gpus, gpu_wait_s=gpu_wait_s, init=init)
+                           allow_mixed_gpus=allow_mixed_gpus, gpu_wait_s=gpu_wait_s, init=init, verbose=verbose)
 
 
 def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, workers, use_gpu, cpus_per_worker,
-                max_failures, allow_change, allow_mixed_gpus, gpu_wait_s, init) -> dict:
+                max_failures, allow_change, allow_mixed_gpus, gpu_wait_s, init, verbose) -> dict:
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    print(f"[train] {connect()}", file=sys.stderr)
+    # The driver speaks for the run (train/progress.py); Ray's worker and controller logs stay in its log
+    # files unless --verbose.
+    print(f"[train] {connect(log_to_driver=verbose, quiet=not verbose)}", file=sys.stderr)
     launches = read_launches(run_dir)
     if launches:
         dataset = _continued_dataset(launches[-1]["config"], dataset, run_name, allow_change)
@@ -118,11 +122,12 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, wo
                                      label_selector=tiers.selector(tiers.Tier.GPU)),
         run_config=RunConfig(name=run_name, storage_path=storage.runs(),
                              checkpoint_config=CheckpointConfig(num_to_keep=train_cfg.keep_checkpoints),
-                             failure_config=FailureConfig(max_failures=max_failures)),
+                             failure_config=FailureConfig(max_failures=max_failures),
+                             logging_config=LoggingConfig(log_level="INFO" if verbose else "WARNING")),
     )
     started = time.time()
     with UsageMonitor() as usage:
-        result = trainer.fit()
+        result = fit(trainer, Progress(run_dir, train_cfg.max_steps, since=started))
     rows = read_jsonl(join(run_dir, "metrics.jsonl"))
     history = [r for r in rows if "loss" in r]
     mine = [h for h in history if h["time"] >= started]
@@ -151,6 +156,32 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, wo
     rec = write_record(storage, record, name=run_name, beside=join(run_dir, "record.json"), usage=usage,
                        work_nodes=_worker_nodes(run_dir, workers), figures=figures)
     return {**summary, "cost": rec["cost"], "node_hours": rec["node_hours"], "cpu_busy": rec["utilization"]["cpu_busy"]}
+
+
+def fit(trainer, progress: Progress):
+    """`trainer.fit()` on a thread of its own while this thread shows the run's progress.
+
+    Ray Train installs its own SIGINT handler when `fit()` runs on the main thread (it aborts the run and
+    exits 0 or 1, with a line of its own; `DataParallelTrainer._initialize_and_run_controller`), and not
+    on any other thread. So Ctrl-C stays the command's: a KeyboardInterrupt here, which `strata.shell`
+    turns into one line saying what was kept (tests/test_cli.py sends it)."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = trainer.fit()
+        except BaseException as e:  # noqa: BLE001 - raised again on this thread
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name="strata-train-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(timeout=1.0)
+        progress.poll()
+    progress.close()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 def _source(version, weight: float) -> dict:

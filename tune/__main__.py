@@ -18,6 +18,7 @@ from strata.cli import add_config_arguments, finish, overrides
 from strata.cli import parser as cli_parser
 from strata.dataset import DatasetError
 from strata.lease import LeaseBusy
+from strata.shell import Command
 from strata.signing import Untrusted
 from strata.storage import Storage, check_name
 from train import mixture
@@ -26,6 +27,10 @@ from tune.sweep import SweepConfig
 
 
 def main(argv: list[str] | None = None) -> dict:
+    return Command("python -m tune").run(lambda cmd: _main(cmd, sys.argv[1:] if argv is None else argv))
+
+
+def _main(cmd: Command, argv: list[str]) -> dict:
     parser = cli_parser("python -m tune", __doc__)
     parser.add_argument("--dataset", required=True, action="append", help="NAME or NAME@VERSION of a tier-1 "
                         "dataset; repeat it for a mixture (NAME[:WEIGHT], or weights swept as mix.NAME in the space)")
@@ -34,20 +39,32 @@ def main(argv: list[str] | None = None) -> dict:
     add_config_arguments(parser, SweepConfig)
     args = parser.parse_args(argv)
     name = args.sweep or f"{args.dataset[0].partition('@')[0].partition(':')[0]}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    storage = Storage.from_env(args.storage)
+    again = argv if args.sweep else [*argv, "--sweep", name]
+    cmd.interrupted = lambda: (f"sweep {name}; kept Tune's saved state (the trials it finished are not run "
+                               f"again); continue with: {cmd.continue_with(*again)}")
     try:
         check_name(name, "sweep name")
         cfg = SweepConfig(**overrides(args, SweepConfig))
         summary = run(cfg, dataset=mixture.spec(mixture.parse(args.dataset, weighted=False)), model_preset=args.preset, sweep_name=name,
-                      storage=Storage.from_env(args.storage))
+                      storage=storage)
     except LeaseBusy as e:
         sys.exit(f"error: {e}: its driver is still running; resume it once that one has ended")
     except (DatasetError, ValueError, Untrusted) as e:
         sys.exit(f"error: {e}")
     b = summary["best"]
-    print(f"[tune] sweep {name}: {summary['completed']}/{summary['trials']} trials completed, "
-          f"{summary['iterations']} iterations; best {b['metric_name']} {b['metric']:.4f} with {b['config']}",
-          file=sys.stderr)
+    print(f"[tune] sweep {name}: {outcome(summary)}, {summary['iterations']} iterations; best {b['metric_name']} "
+          f"{b['metric']:.4f} with {b['config']}", file=sys.stderr)
     return finish(summary, args.json)
+
+
+def outcome(summary: dict) -> str:
+    """`8 trials: 5 completed, 3 stopped early, 0 failed`, each trial counted once (the summary's
+    `completed` counts every trial that ended without error, the stopped ones too)."""
+    ended = summary["completed"] - summary["stopped_early"]
+    return (f"{summary['trials']} trials: {ended} completed, {summary['stopped_early']} stopped early, "
+            f"{summary['errors']} failed")
+
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ plots, best config) and the run record. `python -m tune` is its CLI."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -61,8 +62,6 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
     import ray
 
     space = load_space(cfg.space)  # read and checked once, on the driver, before anything starts
-    print(f"[tune] {connect()}", file=sys.stderr)
-    check_driver_node()
     model_cfg = preset(model_preset)
     sweep_dir = storage.sweep(sweep_name)
     if exists(join(sweep_dir, "sweep.json")):  # a resume reads the snapshots it began on
@@ -81,8 +80,7 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
             raise ValueError(f"--init-from takes the model's shape from the weights: the space cannot tune {shaped[0]}")
         source = pretrained.load(cfg.init_from, storage)
         print(f"[tune] every trial starts from {pretrained.describe_source(source)}", file=sys.stderr)
-        model_cfg, weights = source.for_dataset(m.seq_len, m.tokenizer.hash, m.tokenizer.vocab_size)
-        init = {"weights": ray.put(weights)}  # read once here; each trial actor fetches it once
+        model_cfg, init = source.for_dataset(m.seq_len, m.tokenizer.hash, m.tokenizer.vocab_size)
     else:
         # The preset shaped for the dataset, as `python -m train --preset` shapes it (so --from-sweep matches).
         model_cfg = fit_to_dataset(model_cfg, vocab=m.tokenizer.vocab_size, seq_len=m.seq_len)
@@ -96,8 +94,13 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
             raise DatasetError(f"dataset {v.ref} has too few rows to sweep on")
         rows.append(train_rows)
         val_rows.append(held)
+    # Everything above is read and checked before Ray starts: a mistake costs no start-up.
+    print(f"[tune] {connect(quiet=True)}", file=sys.stderr)
+    check_driver_node()
     data = {"rows": rows, "val_rows": np.concatenate(val_rows), "names": names, "weights": [w for _, w in sources],
-            "token_bytes": from_info(m.tokenizer, version.tokenizer_definition()).token_bytes(), "init": init}
+            "token_bytes": from_info(m.tokenizer, version.tokenizer_definition()).token_bytes(),
+            # Read once here; each trial actor fetches them once.
+            "init": {"weights": ray.put(init)} if init is not None else None}
     spec = mixture.spec([(v.ref, w) for v, w in sources])
     # One driver per sweep: a resume while the first driver is alive would run every trial twice.
     with Lease(sweep_dir, f"sweep {sweep_name}", purpose="tune").acquire(wait=False):
@@ -130,7 +133,7 @@ def _run_leased(cfg, space, model_cfg, dataset, data, sweep_name, sweep_dir, mod
     tuner = make_tuner(trainable, cfg, space, sweep_dir, progress=progress, resume=resuming)
     started = time.time()
     with UsageMonitor() as usage:
-        grid = tuner.fit()
+        grid = fit(tuner)
     trials = collect(grid, cfg, space)
     done = [t for t in trials if t["best"] is not None]
     if not done:
@@ -164,6 +167,45 @@ def _run_leased(cfg, space, model_cfg, dataset, data, sweep_name, sweep_dir, mod
         "iterations": sum(t["iterations"] for t in trials), "seconds": round(time.time() - started, 1),
         "plots": plots,
     }
+
+
+class _Interrupted:
+    """The SIGINT handler while Tune runs. Tune installs its own over it (on the main thread) and, on the
+    first Ctrl-C, checkpoints the experiment, stops, and puts back the handler it found: this one. So this
+    handler being in place after `fit()` means the sweep was interrupted (`ray/tune/tune.py`,
+    `_setup_signal_catching`; tests/test_cli.py sends the Ctrl-C)."""
+
+    def __call__(self, signum, frame):
+        raise KeyboardInterrupt
+
+
+class _QuietInterrupt(logging.Filter):
+    """Tune's own lines about an interrupt point at `Tuner.restore`: strata's one line says how to go on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not msg.startswith(("Stop signal received", "Experiment has been interrupted"))
+
+
+def fit(tuner):
+    """`tuner.fit()`; a KeyboardInterrupt once Tune has saved what an interrupted sweep keeps."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():  # no signals here: Tune installs none
+        return tuner.fit()
+    marker, quiet, log = _Interrupted(), _QuietInterrupt(), logging.getLogger("ray.tune.tune")
+    previous = signal.signal(signal.SIGINT, marker)
+    log.addFilter(quiet)
+    try:
+        grid = tuner.fit()
+        interrupted = signal.getsignal(signal.SIGINT) is marker
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        log.removeFilter(quiet)
+    if interrupted:
+        raise KeyboardInterrupt
+    return grid
 
 
 def make_tuner(trainable, cfg: SweepConfig, space: dict, sweep_dir: str, *, progress: bool = True,
@@ -278,7 +320,9 @@ class SweepProgress(Callback):
                 if t.status == "ERROR":
                     errors += len(self.cfg.pack_range(t.config["pack"])) - n
             else:
-                n, errors = int(t.status == "TERMINATED"), errors + int(t.status == "ERROR")
+                # Ended with a result: a trial Ctrl-C ended before it reported ends TERMINATED too.
+                n = int(t.status == "TERMINATED" and self.cfg.metric in (t.last_result or {}))
+                errors += int(t.status == "ERROR")
             done += n
             m = t.metric_analysis.get(self.cfg.metric, {}).get("min")
             if m is not None and (best is None or m < best):

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from strata.cli import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, check_fields
 from strata.connect import fetch_once
 from strata.dataset import DatasetVersion, read_rows
 from train.loop import (
@@ -87,12 +88,10 @@ class SweepConfig:
             raise ValueError(f"metric must be one of {', '.join(METRICS)}, not {self.metric!r}")
         if self.search not in ("random", "optuna"):
             raise ValueError(f"search must be random or optuna, not {self.search!r}")
-        if self.num_samples < 1 or self.steps < 1 or self.report_every < 1:
-            raise ValueError("num_samples, steps and report_every must be at least 1")
-        if self.cpus_per_trial <= 0:
-            raise ValueError(f"cpus_per_trial must be positive, not {self.cpus_per_trial}")
-        if self.pack < 0:
-            raise ValueError(f"pack must be 0 (auto) or more, not {self.pack}")
+        check_fields(self, {**dict.fromkeys(("num_samples", "steps", "report_every", "max_rows", "eval_rows"),
+                                            AT_LEAST_ONE), "cpus_per_trial": POSITIVE,
+                            **dict.fromkeys(("max_concurrent", "pack", "seed", "checkpoint_every_s"), NON_NEGATIVE),
+                            "max_failures": (lambda v: v >= -1, ">= 0, or -1 for no limit")})
         if self.search == "optuna" and self.pack_size > 1:
             raise ValueError("--search optuna proposes one config per Tune trial: use --pack 1 "
                              "(or sweep at most 1,000 trials)")

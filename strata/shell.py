@@ -1,0 +1,121 @@
+"""The shell every strata command runs in: what a person sees when a command ends, however it ends.
+
+    def main(argv=None):
+        return Command("python -m train", __doc__).run(lambda cmd: train(cmd, argv))
+
+- A user's mistake (`StrataError`, a bad flag) ends with one line that says
+  what to do, and a distinct exit code; never a traceback.
+- A bug (any other exception) shows its traceback and exits EXIT_BUG.
+- Ctrl-C ends with one line: what was interrupted, what was kept, and the exact
+  command that continues (`Command.interrupted`), and exit code 130.
+- `Command.started` is when the process started, so a run's record counts the
+  whole command, imports and Ray's start included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+EXIT_FAILED = 1  # the command failed for a reason it states in one line
+EXIT_USAGE = 2  # a flag or value it cannot take (argparse's code)
+EXIT_BUG = 70  # EX_SOFTWARE: a bug; the traceback follows
+EXIT_BUSY = 75  # EX_TEMPFAIL: another run holds what this one would write
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+
+
+class StrataError(Exception):
+    """An error the user can act on: its message is one line that says what to do."""
+
+    exit_code = EXIT_FAILED
+
+
+class UsageError(StrataError):
+    """A flag or value the command cannot take."""
+
+    exit_code = EXIT_USAGE
+
+
+def process_started() -> float:
+    """When this process started (wall clock), imports included."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - no psutil or no /proc: the call's time is the best left
+        return time.time()
+
+
+STARTED = process_started()
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a short failure: a mistyped flag prints one line and a hint, not the whole usage."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class Command:
+    """One run of a command: its exit, whatever happens inside `body`."""
+
+    def __init__(self, prog: str, tag: str | None = None):
+        self.prog = prog
+        self.tag = tag or prog.split()[-1].rsplit(".", 1)[-1]
+        self.started = STARTED
+        self.interrupted: Callable[[], str] | None = None
+        """Says, when Ctrl-C comes, what was interrupted, what was kept and the command that continues."""
+
+    def run(self, body: Callable[[Command], object], user_errors: tuple[type[BaseException], ...] = ()):
+        """Run `body(self)`, return what it returns; errors and Ctrl-C end the process as described above.
+        `user_errors` are other exception types whose message is meant for the user."""
+        try:
+            return body(self)
+        except KeyboardInterrupt:
+            self._say(self._interruption())
+            _exit(EXIT_INTERRUPTED)
+        except StrataError as e:
+            self._error(e, e.exit_code)
+        except user_errors as e:
+            self._error(e, EXIT_FAILED)
+        except SystemExit:
+            raise
+        except BaseException:  # noqa: BLE001 - a bug: show where
+            traceback.print_exc()
+            self._say(f"internal error (a bug in strata; the traceback is above), exit code {EXIT_BUG}")
+            _exit(EXIT_BUG)
+
+    def continue_with(self, *args: str) -> str:
+        """The command line that runs this command again with `args` (quoted for a shell)."""
+        return shlex.join(["python", "-m", self.prog.removeprefix("python -m "), *args])
+
+    def _interruption(self) -> str:
+        if self.interrupted is None:
+            return "interrupted: nothing was kept"
+        try:
+            return f"interrupted: {self.interrupted()}"
+        except Exception as e:  # noqa: BLE001 - the line must come out even if looking up what was kept fails
+            return f"interrupted (what was kept could not be read: {e})"
+
+    def _error(self, e: BaseException, code: int):
+        print(f"error: {str(e).strip() or type(e).__name__}", file=sys.stderr, flush=True)
+        _exit(code)
+
+    def _say(self, line: str) -> None:
+        print(f"\n[{self.tag}] {line}", file=sys.stderr, flush=True)
+
+
+def _exit(code: int):
+    """Stop an embedded Ray this process started (its processes go with it), then exit with `code`."""
+    if "ray" in sys.modules:
+        import ray
+
+        from strata.connect import shutdown
+
+        if ray.is_initialized():
+            shutdown()
+    sys.exit(code)
