@@ -702,11 +702,11 @@ def _log(msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return Command("python -m pipelines.preprocess").run(
-        lambda cmd: _main(cmd, sys.argv[1:] if argv is None else argv))
+    return Command("python -m pipelines.preprocess", argv).run(_main)
 
 
-def _main(cmd: Command, argv: list[str]) -> dict:
+def _main(cmd: Command) -> dict:
+    argv = cmd.argv
     parser = cli_parser("python -m pipelines.preprocess", __doc__)
     parser.add_argument("--dataset", required=True, help="dataset name under $STRATA_STORAGE/datasets")
     parser.add_argument("--preset", default="debug", choices=sorted(PRESETS), help="config preset (default: debug)")

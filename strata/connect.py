@@ -73,7 +73,7 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
         return "already connected"
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=log_to_driver)
+        ray.init(address=address, log_to_driver=log_to_driver, logging_level=logging.WARNING if quiet else logging.INFO)
         return f"joined Ray cluster at {address}"
     _use_loopback()
     temp_dir = temp_dir or tempfile.mkdtemp(prefix="strata-ray-")

@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from strata.shell import StrataError
 from strata.storage import (
     Storage,
     create_exclusive,
@@ -45,7 +46,7 @@ MANIFEST = "manifest.json"
 _VERSION_RE = re.compile(r"^v(\d{4,})$")
 
 
-class DatasetError(Exception):
+class DatasetError(StrataError):
     """A dataset is missing, or does not fit what the reader needs."""
 
 
@@ -222,7 +223,10 @@ def resolve(storage: Storage, ref: str) -> DatasetVersion:
     name, _, version = ref.partition("@")
     versions = list_versions(storage, name)
     if not versions:
-        raise DatasetError(f"dataset {name!r} has no committed version under {storage.datasets()}")
+        others = sorted(n for n, d in list_dir(storage.datasets()) if d and n != name)
+        there = (f"datasets there: {', '.join(others[:20])}{', ...' if len(others) > 20 else ''}" if others
+                 else "there are none yet: make one with python -m pipelines.preprocess")
+        raise DatasetError(f"dataset {name!r} has no committed version under {storage.datasets()}; {there}")
     version = version or versions[-1]
     if version not in versions:
         raise DatasetError(f"dataset {name!r} has no version {version!r}; committed: {', '.join(versions)}")

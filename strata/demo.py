@@ -7,9 +7,9 @@ summary. It imports none of the stage packages.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import sysconfig
@@ -18,6 +18,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from strata.shell import Parser
 from strata.storage import Storage, join
 
 
@@ -39,7 +40,7 @@ def demo_corpus(storage: Storage) -> list[str]:
 
 def stage(title: str, module: str, *args: str) -> dict:
     """Run one stage's CLI; its progress streams to the terminal, its JSON comes back."""
-    print(f"\n=== {title}: python -m {module} {' '.join(args)}", flush=True)
+    print(f"\n=== {title}: {shlex.join(['python', '-m', module, *args])}", flush=True)
     proc = subprocess.Popen([sys.executable, "-m", module, *args, "--json"], stdout=subprocess.PIPE, text=True)
     last = ""
     for line in proc.stdout:  # stream progress; the JSON summary is the last line
@@ -61,7 +62,7 @@ def _busy(summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m strata demo", description=__doc__)
+    parser = Parser(prog="python -m strata demo", description=__doc__)
     parser.add_argument("--steps", type=int, default=300, help="training steps (default: 300)")
     parser.add_argument("--trials", type=int, default=8, help="sweep trials (default: 8)")
     args = parser.parse_args(argv)

@@ -4,6 +4,7 @@ again under `records/` so that `python -m strata runs` finds every run of any ki
 from __future__ import annotations
 
 from strata.cost import UsageMonitor, load_prices
+from strata.shell import command_started
 from strata.storage import Storage, join, list_dir, read_json, write_json_atomic
 
 
@@ -13,6 +14,7 @@ def write_record(storage: Storage, info: dict, *, name: str, beside: str, usage:
     the nodes that did its work with their node-hours, busy fractions and cost, and `figures`
     (throughput and the like). Written to `beside` and to records/KIND-NAME-START.json."""
     nodes = usage.nodes(work_nodes)
+    started = command_started() or usage.started
     by_type: dict[str, dict] = {}
     for n in nodes:
         t = by_type.setdefault(n["type"], {"nodes": 0, "hours": 0.0, "cost": 0.0, "market": n["market"],
@@ -25,8 +27,10 @@ def write_record(storage: Storage, info: dict, *, name: str, beside: str, usage:
     gpu = [n["gpu_busy"] for n in nodes if n["gpu_busy"] is not None]
     prices = load_prices()
     record = {
-        **info, "name": name, "outputs": beside.rsplit("/", 1)[0], "started_at": usage.started,
-        "ended_at": usage.ended, "seconds": round(usage.ended - usage.started, 1),
+        # The whole command's time (imports, Ray's start, the run): a person's wait, as they would time it.
+        **info, "name": name, "outputs": beside.rsplit("/", 1)[0], "started_at": started,
+        "ended_at": usage.ended, "seconds": round(usage.ended - started, 1),
+        "work_started_at": usage.started, "work_seconds": round(usage.ended - usage.started, 1),
         "nodes": nodes, "by_type": by_type, "node_hours": sum(n["hours"] for n in nodes),
         "cost": None if not nodes or None in costs else sum(costs), "currency": prices.get("currency"),
         "prices_as_of": prices.get("as_of"),
@@ -35,7 +39,7 @@ def write_record(storage: Storage, info: dict, *, name: str, beside: str, usage:
         "figures": figures,
     }
     write_json_atomic(beside, record)
-    write_json_atomic(join(storage.records(), f"{info['kind']}-{name}-{int(usage.started)}.json"), record)
+    write_json_atomic(join(storage.records(), f"{info['kind']}-{name}-{int(started)}.json"), record)
     return record
 
 

@@ -3,7 +3,6 @@ a terminal summary, and an HTML page with plots (loss, throughput, utilization, 
 
 from __future__ import annotations
 
-import argparse
 import base64
 import html
 import io
@@ -12,6 +11,7 @@ import sys
 import time
 
 from strata.records import find_record, list_records
+from strata.shell import Parser
 from strata.storage import Storage, join, read_jsonl, write_bytes_atomic
 
 
@@ -82,15 +82,19 @@ def plots(r: dict, storage: Storage) -> dict[str, str]:
     import matplotlib.pyplot as plt
 
     out = {}
-    metrics = _train_metrics(r)
+    metrics, launches = _train_metrics(r)
     if metrics:
         fig, ax = plt.subplots(figsize=(6.4, 3.6))
         ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], label="train loss")
         val = [m for m in metrics if m.get("val_loss") is not None]
         if val:
             ax.plot([m["step"] for m in val], [m["val_loss"] for m in val], "o-", label="validation loss")
+        for i, step in enumerate(launches[1:], start=2):  # where each later launch of the run continued
+            ax.axvline(step, color="grey", linestyle=":", linewidth=1)
+            ax.annotate(f"launch {i}", (step, 1), xycoords=("data", "axes fraction"), fontsize=7,
+                        rotation=90, va="top", ha="right", color="grey")
         ax.set_xlabel("step"), ax.set_ylabel("loss"), ax.legend(), ax.grid(alpha=0.3)
-        out["Loss"] = _png(fig)
+        out["Loss" if len(launches) < 2 else f"Loss, all {len(launches)} launches"] = _png(fig)
         fig, ax = plt.subplots(figsize=(6.4, 3.6))
         t0 = metrics[0]["time"]
         ax.plot([m["time"] - t0 for m in metrics], [m.get("tokens_per_s", 0) for m in metrics])
@@ -124,11 +128,15 @@ def plots(r: dict, storage: Storage) -> dict[str, str]:
     return out
 
 
-def _train_metrics(r: dict) -> list[dict]:
+def _train_metrics(r: dict) -> tuple[list[dict], list[int]]:
+    """Every log point of the run up to this record's end, every launch's (a continued run plots its
+    whole history), and the step each launch started at."""
     if r["kind"] != "train":
-        return []
-    rows = read_jsonl(join(r["outputs"], "metrics.jsonl"))
-    return [m for m in rows if "loss" in m and "step" in m and r["started_at"] - 5 <= m.get("time", 0) <= r["ended_at"] + 5]
+        return [], []
+    rows = [m for m in read_jsonl(join(r["outputs"], "metrics.jsonl")) if m.get("time", 0) <= r["ended_at"] + 5]
+    starts = [m["start_step"] for m in rows if m.get("event") == "start"]
+    launches = [s for i, s in enumerate(starts) if i == 0 or s != starts[i - 1]]  # restarts after a failure: one
+    return [m for m in rows if "loss" in m and "step" in m], launches
 
 
 def html_page(r: dict, images: dict[str, str]) -> str:
@@ -158,7 +166,7 @@ def report(ref: str, storage: Storage, out: str | None = None) -> tuple[str, str
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m strata", description=__doc__)
+    p = Parser(prog="python -m strata", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("runs", help="list every recorded run with its cost")
     rp = sub.add_parser("report", help="summarise one run and write its HTML report")

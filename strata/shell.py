@@ -1,7 +1,7 @@
 """The shell every strata command runs in: what a person sees when a command ends, however it ends.
 
     def main(argv=None):
-        return Command("python -m train", __doc__).run(lambda cmd: train(cmd, argv))
+        return Command("python -m train", argv).run(train)   # train(cmd) reads cmd.argv
 
 - A user's mistake (`StrataError`, a bad flag) ends with one line that says
   what to do, and a distinct exit code; never a traceback.
@@ -51,10 +51,21 @@ def process_started() -> float:
 
 
 STARTED = process_started()
+_ACTIVE: list = []  # the Command running in this process, if any
+
+
+def command_started() -> float | None:
+    """When the command running in this process started (None when strata runs inside another program,
+    a notebook or a test, where the process's start says nothing about the run's)."""
+    return _ACTIVE[-1].started if _ACTIVE else None
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with a short failure: a mistyped flag prints one line and a hint, not the whole usage."""
+    """argparse with a short failure: a mistyped flag prints one line and a hint, not the whole usage.
+    Flags are never abbreviated: `--max-step` is a mistake, not `--max-steps`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -63,16 +74,20 @@ class Parser(argparse.ArgumentParser):
 class Command:
     """One run of a command: its exit, whatever happens inside `body`."""
 
-    def __init__(self, prog: str, tag: str | None = None):
+    def __init__(self, prog: str, argv: list[str] | None = None, tag: str | None = None):
+        """`argv` None: the process's own command line (sys.argv), and the command started with the
+        process; a list: a call from other code (a notebook, a test), which starts now."""
         self.prog = prog
+        self.argv = sys.argv[1:] if argv is None else list(argv)
         self.tag = tag or prog.split()[-1].rsplit(".", 1)[-1]
-        self.started = STARTED
+        self.started = STARTED if argv is None else time.time()
         self.interrupted: Callable[[], str] | None = None
         """Says, when Ctrl-C comes, what was interrupted, what was kept and the command that continues."""
 
     def run(self, body: Callable[[Command], object], user_errors: tuple[type[BaseException], ...] = ()):
         """Run `body(self)`, return what it returns; errors and Ctrl-C end the process as described above.
         `user_errors` are other exception types whose message is meant for the user."""
+        _ACTIVE.append(self)
         try:
             return body(self)
         except KeyboardInterrupt:
@@ -88,6 +103,8 @@ class Command:
             traceback.print_exc()
             self._say(f"internal error (a bug in strata; the traceback is above), exit code {EXIT_BUG}")
             _exit(EXIT_BUG)
+        finally:
+            _ACTIVE.remove(self)
 
     def continue_with(self, *args: str) -> str:
         """The command line that runs this command again with `args` (quoted for a shell)."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import hashlib
+import logging
 import os
 import re
 import shlex
@@ -234,6 +235,10 @@ def submit(kind: str, args: list[str], *, address: str, slot: str | None = None,
     if check_labels:
         check_tiers(kind, address, headers)
     from ray.job_submission import JobStatus, JobSubmissionClient
+
+    # Ray's packaging notes (which files its own defaults leave out) say nothing the allow-list does not.
+    for name in ("ray._private.runtime_env", "ray.dashboard.modules.dashboard_sdk"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
     print(f"[submit] {entrypoint} -> {address}" + (f" as {sub_id}" if sub_id else "") + f", storage {root}"
           + ("" if where else " (no token found: the cluster will refuse this if it has auth on)"), file=out)

@@ -18,8 +18,26 @@ import uuid
 import pytest
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
     os.environ.pop(var, None)
+
+
+def readme_blocks(lang: str = "bash") -> list[str]:
+    """The README's fenced code blocks in `lang`, continuation lines joined."""
+    import re
+
+    with open(os.path.join(REPO, "README.md")) as f:
+        text = f.read()
+    return [block.replace("\\\n", " ") for block in re.findall(rf"```{lang}\n(.*?)```", text, re.S)]
+
+
+def readme_command(prefix: str) -> str:
+    """The one README command line that starts with `prefix` (a test runs exactly what the README shows)."""
+    found = [line.strip() for block in readme_blocks() for line in block.splitlines()
+             if line.strip().startswith(prefix)]
+    assert len(found) == 1, f"the README should show one `{prefix} ...` line, not {len(found)}"
+    return " ".join(found[0].split())
 
 
 def _free_port() -> int:
@@ -36,7 +54,6 @@ os.environ.update({"AWS_ENDPOINT_URL": S3_ENDPOINT, "AWS_ACCESS_KEY_ID": "testin
                    "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
                    "AWS_EC2_METADATA_DISABLED": "true"})
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ["data", "model", "token", "train", "layer", "batch", "node", "cluster", "spot", "shard", "parquet", "ray", "tune", "loss", "step", "the", "a", "of", "and", "to", "in", "is", "for", "on", "with"]
 
 

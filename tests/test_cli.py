@@ -1,5 +1,6 @@
-"""The entry points as users run them: `--help`, and clear errors for bad input."""
+"""The entry points as users run them: `--help`, clear errors for bad input, progress, Ctrl-C."""
 
+import json
 import os
 import subprocess
 import sys
@@ -52,3 +53,136 @@ def test_training_on_a_missing_dataset_is_a_clear_error(tmp_path):
     out = cli("train", "--dataset", "ghost", "--max-steps", "1", env={"STRATA_STORAGE": str(tmp_path)})
     assert out.returncode != 0 and "dataset 'ghost' has no committed version" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_mistyped_flag_is_one_line_with_a_hint():
+    for module, required in (("train", []), ("pipelines.preprocess", ["--input", "x", "--dataset", "x"]),
+                             ("tune", ["--dataset", "x"])):
+        out = cli(module, *required, "--max-stepz", "3")
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.strip().splitlines() == [
+            f"python -m {module}: error: unrecognized arguments: --max-stepz 3 (see python -m {module} --help)"
+        ], out.stderr
+
+
+def test_bad_values_are_refused_in_one_line_before_ray_starts(tmp_path):
+    env = {"STRATA_STORAGE": str(tmp_path)}
+    for module, args, message in (("train", ["--lr", "-1"], "--lr -1.0: must be > 0"),
+                                  ("train", ["--dropout", "1.5"], "--dropout 1.5: must be in [0, 1)"),
+                                  ("train", ["--warmup-steps", "-5"], "--warmup-steps -5: must be >= 0"),
+                                  ("tune", ["--num-samples", "0"], "--num-samples 0: must be >= 1"),
+                                  ("tune", ["--cpus-per-trial", "nan"], "--cpus-per-trial nan: must be > 0")):
+        out = cli(module, "--dataset", "anything", *args, env=env)
+        assert out.returncode == 2, (module, args, out.stderr)
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], (args, out.stderr)
+    assert not os.path.exists(tmp_path / "runs") and not os.path.exists(tmp_path / "sweeps")
+
+
+def test_a_missing_dataset_lists_the_datasets_there_and_starts_nothing(dataset, storage_root):
+    for module in ("train", "tune"):
+        out = cli(module, "--dataset", "ghost", "--max-steps" if module == "train" else "--steps", "1",
+                  env={"STRATA_STORAGE": storage_root})
+        assert out.returncode == 1, out.stderr
+        assert "dataset 'ghost' has no committed version" in out.stderr and dataset["dataset"] in out.stderr
+        assert "started embedded local Ray" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_an_empty_input_folder_is_an_error_unless_allowed(tmp_path):
+    (tmp_path / "empty").mkdir()
+    env = {"STRATA_STORAGE": str(tmp_path / "store")}
+    out = cli("pipelines.preprocess", "--input", str(tmp_path / "empty"), "--dataset", "x", "--json", env=env)
+    assert out.returncode == 1, out.stderr
+    assert f"no input files found under {tmp_path / 'empty'}" in out.stderr and "--allow-empty" in out.stderr
+    out = cli("pipelines.preprocess", "--input", str(tmp_path / "empty"), "--dataset", "x", "--allow-empty", "--json",
+              env=env)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["version"] is None and summary["documents"]["read"] == 0
+
+
+def test_sample_documents_its_flags():
+    text = cli("train.sample", "--help").stdout
+    for flag in ("--temperature", "--seed", "--tokens", "--samples"):
+        help_line = text[text.index(flag):].split("\n  -")[0]
+        assert len(help_line.split()) > 3, f"{flag} has no help: {help_line!r}"
+
+
+def test_the_strata_command_runs_from_any_shell(tmp_path):
+    """`.venv/bin/strata` (a console script) runs with the environment's Python whatever PATH finds first."""
+    script = os.path.join(os.path.dirname(sys.executable), "strata")
+    out = subprocess.run([script, "runs"], capture_output=True, text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "STRATA_STORAGE": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert "no runs recorded under" in out.stdout
+
+
+def _follow(cmd: list[str], env: dict, until: str) -> tuple[subprocess.Popen, list[str]]:
+    """Start a command in its own process group and read its output until a line contains `until`."""
+    proc = subprocess.Popen([sys.executable, "-m", *cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, env={**os.environ, **env})
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if until in line:
+            return proc, lines
+    proc.wait()
+    raise AssertionError(f"{until!r} never came:\n{''.join(lines)[-3000:]}")
+
+
+@pytest.mark.slow
+def test_training_prints_its_progress_and_no_ray_noise_and_ctrl_c_says_how_to_continue(dataset, storage_root):
+    """What a person sees: one line per log point, no Ray internals, no error-level line; the run's record counts
+    the whole command; Ctrl-C (SIGINT to the process group, as a terminal sends it) ends with one line."""
+    import signal
+    import time
+
+    from strata.records import find_record
+    from strata.storage import Storage
+
+    env = {"STRATA_STORAGE": storage_root}
+    started = time.time()
+    out = cli("train", "--dataset", dataset["ref"], "--max-steps", "40", "--log-every", "5", "--eval-every", "40",
+              "--run", "watched", "--json", env=env)
+    wall = time.time() - started
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = [line for line in out.stderr.splitlines() if line.startswith("[train] step ")]
+    assert steps and steps[-1].startswith("[train] step 40/40 · loss ") and " tok/s" in steps[-1], out.stderr
+    assert any("ETA " in line for line in steps[:-1]) and "val " in steps[-1]
+    for noise in ("TrainingReport(", "PreemptionWatcher", "Traceback", "ERROR", " E ", "(TrainController",
+                  "(RayTrainWorker"):
+        assert noise not in out.stderr, f"{noise!r} in:\n{out.stderr[-3000:]}"
+    record = find_record(Storage(storage_root), "train/watched")
+    assert 0.8 * wall <= record["seconds"] <= wall, (record["seconds"], wall)  # the command, not the fit alone
+
+    proc, lines = _follow(["train", "--dataset", dataset["ref"], "--max-steps", "5000", "--checkpoint-every", "10",
+                           "--log-every", "5", "--run", "stopped"], env, until="[train] step 2")
+    os.killpg(proc.pid, signal.SIGINT)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, "".join(lines) + rest
+    last = rest.strip().splitlines()[-1]
+    assert last.startswith("[train] interrupted: training run stopped; kept "), last
+    assert last.endswith(f"continue with: python -m train --dataset {dataset['ref']} --max-steps 5000 "
+                         "--checkpoint-every 10 --log-every 5 --run stopped"), last
+    assert "Traceback" not in rest and "KeyboardInterrupt" not in rest
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_preprocessing_keeps_nothing_and_the_printed_command_continues(corpus, tmp_path):
+    import shlex
+    import signal
+
+    env = {"STRATA_STORAGE": str(tmp_path / "store")}
+    proc, lines = _follow(["pipelines.preprocess", "--input", corpus["path"], "--dataset", "halted"], env,
+                          until="pass 1/3")
+    os.killpg(proc.pid, signal.SIGINT)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, "".join(lines) + rest
+    last = rest.strip().splitlines()[-1]
+    assert last.startswith("[preprocess] interrupted: preprocessing into dataset halted; kept no new version"), last
+    assert "Traceback" not in rest
+    again = shlex.split(last.split("continue with: ", 1)[1])
+    assert again[:3] == ["python", "-m", "pipelines.preprocess"]
+    out = cli(*again[2:], "--json", env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["version"] == "v0001"

@@ -44,9 +44,9 @@ def priced(tmp_path):
 
 def _check_record(record: dict, kind: str):
     assert record["kind"] == kind and record["code_version"] and record["libraries"]["ray"]
-    assert record["ended_at"] > record["started_at"] and record["config"]
+    assert record["ended_at"] > record["work_started_at"] >= record["started_at"] and record["config"]
     assert record["nodes"] and all(n["type"] == "local" for n in record["nodes"])
-    hours = (record["ended_at"] - record["started_at"]) / 3600
+    hours = (record["ended_at"] - record["work_started_at"]) / 3600  # the nodes' time is the work's
     assert record["node_hours"] == pytest.approx(hours * len(record["nodes"]))
     assert record["cost"] == pytest.approx(3.6 * record["node_hours"]) and record["currency"] == "EUR"
     busy = record["utilization"]["cpu_busy"]

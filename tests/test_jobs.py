@@ -4,6 +4,7 @@ import datetime as dt
 import json
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -13,7 +14,7 @@ import tempfile
 import time
 
 import pytest
-from conftest import REPO
+from conftest import REPO, readme_command
 
 from strata import tiers
 from strata.dataset import list_versions
@@ -29,22 +30,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def head(storage_root):
-    temp = tempfile.mkdtemp(prefix="rayj-", dir="/tmp")
-    os.makedirs(os.path.join(temp, "ray"))
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
-           "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_TMPDIR": temp,
-           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-           "PATH": BIN + os.pathsep + os.environ.get("PATH", "")}
+def _start_head(command: list[str], env: dict) -> tuple[subprocess.Popen, str]:
+    """`ray start --head ... --block` on free ports of 127.0.0.1; returns (its process, the dashboard address)
+    once the job server answers."""
     # Every port its own: an embedded Ray of an earlier test holds the default job agent port (52365), and a
     # head whose agent cannot bind it refuses every submission ("No available agent").
     port, dash, agent = _free_port(), _free_port(), _free_port()
     proc = subprocess.Popen(
-        [os.path.join(BIN, "ray"), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={agent}",
-         "--num-cpus=2", "--disable-usage-stats",
-         f"--labels={tiers.format_labels(tiers.local_node_labels())}"],
+        [*command, "--block", f"--port={port}", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+         f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={agent}", "--num-cpus=2",
+         "--disable-usage-stats"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     address = f"http://127.0.0.1:{dash}"
     deadline = time.time() + 120
@@ -52,19 +47,43 @@ def head(storage_root):
         up = subprocess.run([os.path.join(BIN, "ray"), "job", "list", "--address", address], env=env,
                             capture_output=True, text=True)
         if up.returncode == 0:
-            break
+            return proc, address
         if proc.poll() is not None or time.time() > deadline:
             proc.kill()
             pytest.fail(f"ray start --head did not come up: {proc.stderr.read() if proc.poll() is not None else ''}"
                         f"{up.stderr[-2000:]}")
         time.sleep(2)
-    yield {"address": address, "env": env}
+
+
+def _stop_head(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGTERM)  # --block stops every process it started
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def _head_env(temp: str) -> dict:
+    """A head's environment: its own temp dir and token, no storage root (a job gets the one it is given)."""
+    env = {k: v for k, v in os.environ.items() if k != "STRATA_STORAGE"}
+    return {**env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_TMPDIR": temp, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+            "PATH": BIN + os.pathsep + os.environ.get("PATH", "")}
+
+
+@pytest.fixture(scope="module")
+def head(storage_root):
+    """The laptop head exactly as the README starts it (its flags; the test adds free ports and --block)."""
+    line = readme_command(".venv/bin/ray start --head")
+    assert f"--labels={tiers.format_labels(tiers.local_node_labels())}" in line.split(), \
+        "the README's head should serve every tier"
+    temp = tempfile.mkdtemp(prefix="rayj-", dir="/tmp")
+    os.makedirs(os.path.join(temp, "ray"))
+    env = _head_env(temp)
+    proc, address = _start_head([os.path.join(BIN, "ray"), *shlex.split(line)[1:]], env)
+    yield {"address": address, "env": env}
+    _stop_head(proc)
     shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -122,17 +141,23 @@ def _submit(head, *args, env=None):
 
 
 @pytest.mark.slow
-def test_strata_submit_runs_a_scheduled_slot_once(head, corpus, storage_root):
-    env = {**head["env"], "STRATA_STORAGE": storage_root}
+def test_strata_submit_runs_a_scheduled_slot_once(head, corpus, storage_root, tmp_path):
+    # The token without RAY_AUTH_MODE (strata submit sends it anyway), and a head whose PATH finds no Python
+    # with strata's packages (one started from .venv/bin/ray unactivated): the job runs the submitter's.
+    env = {k: v for k, v in head["env"].items() if k != "RAY_AUTH_MODE"}
+    env["STRATA_STORAGE"] = storage_root
+    bare = tmp_path / "bare-path.yaml"
+    bare.write_text("env_vars: {PATH: /usr/bin:/bin}\n")
     args = ["preprocess", "--address", head["address"], "--slot", "hourly", "--slot-time", "2026-11-30T10:17:00",
             "--", "--input", corpus["path"], "--dataset", "slotted", "--json"]
-    first = _submit(head, *args, env=env)
+    first = _submit(head, *args[:5], "--runtime-env", str(bare), *args[5:], env=env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     sub_id = submission_id("preprocess", args[7:], "hourly", dt.datetime(2026, 11, 30, 10, tzinfo=dt.UTC).timestamp())
     assert sub_id.startswith("strata-preprocess-slotted-") and sub_id.endswith("-20261130T100000")
     assert f"{sub_id} SUCCEEDED" in first.stderr
     summary = json.loads(next(line for line in reversed(first.stdout.splitlines()) if line.startswith("{")))
     assert summary["documents"]["kept"] + summary["documents"]["unpacked"] == len(corpus["good"])
+    assert f"{sys.executable} -m pipelines.preprocess" in first.stderr
     again = _submit(head, *args[:5], "--slot-time", "2026-11-30T10:59:59", *args[7:], env=env)  # the same hour
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already submitted for this slot (SUCCEEDED); nothing to do" in again.stderr
@@ -205,3 +230,42 @@ def test_a_submitted_working_dir_uploads_the_code_and_nothing_else(head, tmp_pat
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         arrived = {line.split(" ", 1)[1] for line in out.stdout.splitlines() if line.startswith("FILE ")}
         assert arrived == set(code), f"{how}: uploaded {sorted(arrived - set(code))}, missing {sorted(set(code) - arrived)}"
+
+
+@pytest.mark.slow
+def test_strata_submit_refuses_a_head_no_job_could_run_on(tmp_path, corpus):
+    """A plain `ray start --head` has no tier label: a job would wait PENDING forever. strata submit refuses,
+    naming the label and the command that adds it; without a storage root for a remote cluster, it refuses
+    before any request."""
+    temp = tempfile.mkdtemp(prefix="rayp-", dir="/tmp")
+    os.makedirs(os.path.join(temp, "ray"))
+    env = _head_env(temp)
+    proc, address = _start_head([os.path.join(BIN, "ray"), "start", "--head"], env)
+    try:
+        for kind, tier in (("preprocess", "cpu"), ("train", "cpu")):
+            out = _submit({"env": env}, kind, "--address", address, "--", "--input", corpus["path"], "--dataset", "x",
+                          env={**env, "STRATA_STORAGE": str(tmp_path)})
+            assert out.returncode == 2, out.stderr[-2000:]
+            line = out.stderr.strip().splitlines()[-1]
+            assert f"serves the {tier} tier" in line and f"--labels={tiers.label_key(tier)}=true" in line, line
+            assert "README" in line and "Traceback" not in out.stderr
+        listed = subprocess.run([os.path.join(BIN, "ray"), "job", "list", "--address", address], env=env,
+                                capture_output=True, text=True)
+        assert "submission_id='" not in listed.stdout, "nothing was submitted"
+    finally:
+        _stop_head(proc)
+        shutil.rmtree(temp, ignore_errors=True)
+    remote = {k: v for k, v in env.items() if k != "STRATA_STORAGE"}
+    out = _submit({"env": remote}, "train", "--address", "https://10.255.255.1:8265", "--", "--dataset", "x", env=remote)
+    assert out.returncode == 2 and "set STRATA_STORAGE (or --storage) to storage every node" in out.stderr
+
+
+@pytest.mark.slow
+def test_a_plain_ray_job_submit_without_a_storage_root_refuses_to_start(head, corpus):
+    """The shipped runtime env names no bucket: a job submitted with it alone says what is missing."""
+    env = {k: v for k, v in head["env"].items() if k != "STRATA_STORAGE"}
+    out = _job(head, "submit", "--working-dir", ".", "--runtime-env", os.path.join(REPO, "platform", "runtime-env.yaml"),
+               "--", "python", "-m", "pipelines.preprocess", "--input", corpus["path"], "--dataset", "nowhere", env=env)
+    assert out.returncode != 0
+    assert "STRATA_STORAGE is not set for this Ray job" in out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr

@@ -38,10 +38,11 @@ SHAPE = {"vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "bias"}
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return Command("python -m train").run(lambda cmd: _main(cmd, sys.argv[1:] if argv is None else argv))
+    return Command("python -m train", argv).run(_main)
 
 
-def _main(cmd: Command, argv: list[str]) -> dict:
+def _main(cmd: Command) -> dict:
+    argv = cmd.argv
     parser = cli_parser("python -m train", __doc__)
     parser.add_argument("--dataset", action="append", help="NAME or NAME@VERSION of a tier-1 dataset (default: "
                         "the sweep's, with --from-sweep); repeat it as NAME[@VERSION]:WEIGHT to train on a mixture")
@@ -77,6 +78,11 @@ def _main(cmd: Command, argv: list[str]) -> dict:
                             ("--workers", args.workers, args.workers is None or args.workers >= 1)):
         if not ok:
             parser.error(f"{flag} {value}: out of range")
+    try:  # every value given is checked before anything is read or started
+        TrainConfig(**overrides(args, TrainConfig))
+        replace(PRESETS[args.preset or "debug"], **overrides(args, GPTConfig))
+    except ValueError as e:
+        parser.error(str(e))
     try:
         best = best_of_sweep(storage, args.from_sweep) if args.from_sweep else {}
         if args.mixture and args.dataset:

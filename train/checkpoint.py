@@ -134,7 +134,6 @@ def load(directory: str, model, optimizer, rank: int, pg=None) -> dict:
 
 def load_model_state(directory: str, model) -> dict:
     """The model's weights alone, in one process (sample, export); returns the meta."""
-    import torch.distributed.checkpoint as dcp
 
     check_signed(directory)
     with open(os.path.join(directory, META)) as f:
@@ -142,10 +141,21 @@ def load_model_state(directory: str, model) -> dict:
     # Every tensor its own buffer: a tied model's state_dict shares one between head and wte, into which
     # the checkpoint's two would load one over the other.
     state = {"model": {k: torch.empty_like(v) for k, v in model.state_dict().items()}}
-    dcp.load(state, checkpoint_id=directory, no_dist=True)
+    _load_one_process(state, directory)
     _check_tied(state["model"], directory, meta)
     model.load_state_dict(state["model"])
     return meta
+
+
+def _load_one_process(state: dict, directory: str) -> None:
+    """DCP's load in this process alone (it warns that it assumes so: it is meant to)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=directory, no_dist=True)
 
 
 class UntiedCheckpoint(ValueError):
@@ -165,7 +175,6 @@ def _check_tied(weights: dict, directory: str, meta: dict) -> None:
 def check_tied(directory: str) -> None:
     """Refuse (UntiedCheckpoint) a checkpoint saved untied, before its run continues from it. Checkpoints
     that say they were saved tied (meta.json) are not read; older ones are, their two matrices only."""
-    import torch.distributed.checkpoint as dcp
 
     meta = read_meta(directory)
     if meta.get(TIED):
@@ -175,7 +184,7 @@ def check_tied(directory: str) -> None:
         cfg = meta["model_config"]
         shape = (cfg["vocab_size"], cfg["n_embd"])
         state = {"model": {"wte.weight": torch.empty(shape), "head.weight": torch.empty(shape)}}
-        dcp.load(state, checkpoint_id=d, no_dist=True)
+        _load_one_process(state, d)
     _check_tied(state["model"], directory, meta)
 
 

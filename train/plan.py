@@ -23,6 +23,7 @@ import json
 import math
 
 from strata.cost import REPO, cluster_types, hourly_price, load_prices
+from strata.shell import Parser
 from strata.storage import Storage
 from train.hardware import PEAK_TFLOPS
 from train.model import describe, preset
@@ -186,7 +187,7 @@ def _dur(hours: float) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m strata plan", description=__doc__,
+    p = Parser(prog="python -m strata plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--preprocess-tokens", type=float, help="tokens to preprocess")

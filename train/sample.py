@@ -61,15 +61,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
     parser.add_argument("--tokens", type=int, default=200, help="tokens to generate per sample")
     parser.add_argument("--samples", type=int, default=1, help="number of samples")
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.8, help="divides the logits before sampling: "
+                        "lower is more predictable, 0 picks the most likely token (default: 0.8)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling: the same seed, the same text "
+                        "(default: 0)")
     args = parser.parse_args(argv)
     try:
         ckpt = args.checkpoint or latest_checkpoint(Storage.from_env(args.storage).run(args.run))
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        texts = sample(ckpt, args.prompt, args.tokens, args.samples, args.temperature, args.seed)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    texts = sample(ckpt, args.prompt, args.tokens, args.samples, args.temperature, args.seed)
     for t in texts:
         print(t + "\n" + "-" * 40, file=sys.stderr if args.json else sys.stdout)
     result = {"checkpoint": ckpt, "samples": texts}

@@ -27,10 +27,11 @@ from tune.sweep import SweepConfig
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return Command("python -m tune").run(lambda cmd: _main(cmd, sys.argv[1:] if argv is None else argv))
+    return Command("python -m tune", argv).run(_main)
 
 
-def _main(cmd: Command, argv: list[str]) -> dict:
+def _main(cmd: Command) -> dict:
+    argv = cmd.argv
     parser = cli_parser("python -m tune", __doc__)
     parser.add_argument("--dataset", required=True, action="append", help="NAME or NAME@VERSION of a tier-1 "
                         "dataset; repeat it for a mixture (NAME[:WEIGHT], or weights swept as mix.NAME in the space)")
@@ -44,8 +45,11 @@ def _main(cmd: Command, argv: list[str]) -> dict:
     cmd.interrupted = lambda: (f"sweep {name}; kept Tune's saved state (the trials it finished are not run "
                                f"again); continue with: {cmd.continue_with(*again)}")
     try:
-        check_name(name, "sweep name")
         cfg = SweepConfig(**overrides(args, SweepConfig))
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        check_name(name, "sweep name")
         summary = run(cfg, dataset=mixture.spec(mixture.parse(args.dataset, weighted=False)), model_preset=args.preset, sweep_name=name,
                       storage=storage)
     except LeaseBusy as e:

@@ -306,10 +306,10 @@ class SweepProgress(Callback):
 
     def __init__(self, cfg: SweepConfig, sweep_dir: str, every_s: float = 2.0):
         self.cfg, self.sweep_dir, self.every_s = cfg, sweep_dir, every_s
-        self.last, self.bar = 0.0, None
+        self.last, self.bar, self.said = 0.0, None, None
 
     def __getstate__(self):  # Tune pickles its callbacks with the experiment; the bar is rebuilt
-        return {**self.__dict__, "bar": None, "last": 0.0}
+        return {**self.__dict__, "bar": None, "last": 0.0, "said": None}
 
     def counts(self, trials) -> dict:
         done = errors = 0
@@ -345,6 +345,14 @@ class SweepProgress(Callback):
         self.last = now
         c = self.counts(trials)
         write_json_atomic(join(self.sweep_dir, "progress.json"), {**c, "updated": time.time()})
+        if not sys.stderr.isatty():  # a log (a submitted job's, a file): a line when something changed
+            line = (f"[tune] trials: {c['done']}/{c['trials']} done, {c['running']} running, {c['errors']} failed, "
+                    f"best {c['best']:.4f}" if c["best"] is not None else f"[tune] trials: {c['done']}/{c['trials']} "
+                    f"done, {c['running']} running, {c['errors']} failed")
+            if line != self.said or force:
+                print(line, file=sys.stderr, flush=True)
+                self.said = line
+            return
         if self.bar is None:
             from tqdm import tqdm
 
