@@ -38,9 +38,14 @@ def demo_corpus(storage: Storage) -> list[str]:
     return [os.path.join(sysconfig.get_paths()["stdlib"], "*.py"), str(dirty)]
 
 
+def shown(module: str, args) -> str:
+    """A stage's command line as a shell would take it (a prompt with a space in it stays one argument)."""
+    return shlex.join(["python", "-m", module, *args])
+
+
 def stage(title: str, module: str, *args: str) -> dict:
     """Run one stage's CLI; its progress streams to the terminal, its JSON comes back."""
-    print(f"\n=== {title}: {shlex.join(['python', '-m', module, *args])}", flush=True)
+    print(f"\n=== {title}: {shown(module, args)}", flush=True)
     proc = subprocess.Popen([sys.executable, "-m", module, *args, "--json"], stdout=subprocess.PIPE, text=True)
     last = ""
     for line in proc.stdout:  # stream progress; the JSON summary is the last line
@@ -96,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
                 best {best['metric_name']} {best['metric']:.3f} with {json.dumps(best['config'])}
         cost    preprocess {_cost(pre)}, train {_cost(tr)}, sweep {_cost(sw)} for {pre['node_hours'] + tr['node_hours'] + sw['node_hours']:.3f} node-hours
                 (prices.yaml charges 0 for the local node); CPU busy {_busy(pre)} / {_busy(tr)} / {_busy(sw)}
-                (`python -m strata runs`; `python -m strata report NAME` writes an HTML report)
+                (`.venv/bin/strata runs`; `.venv/bin/strata report NAME` writes an HTML report)
         outputs dataset    {pre['path']}
                 checkpoint {tr['checkpoint']}
                 sweep      {sw['path']} (best config: {join(sw['path'], 'best.json')})

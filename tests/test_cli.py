@@ -34,6 +34,13 @@ def test_strata_command_lists_demo():
     assert out.returncode == 0 and "demo" in out.stdout
 
 
+def test_the_demo_shows_each_stage_as_a_shell_takes_it():
+    from strata.demo import shown
+
+    line = shown("train.sample", ["--run", "demo", "--prompt", "def ", "--tokens", "160"])
+    assert line == "python -m train.sample --run demo --prompt 'def ' --tokens 160"
+
+
 def test_missing_input_is_a_clear_error(tmp_path):
     out = cli("pipelines.preprocess", "--input", str(tmp_path / "nope"), "--dataset", "x", "--json",
               env={"STRATA_STORAGE": str(tmp_path / "store")})
@@ -131,9 +138,11 @@ def _follow(cmd: list[str], env: dict, until: str) -> tuple[subprocess.Popen, li
 
 
 @pytest.mark.slow
-def test_training_prints_its_progress_and_no_ray_noise_and_ctrl_c_says_how_to_continue(dataset, storage_root):
+def test_training_prints_its_progress_and_no_ray_noise_and_ctrl_c_says_how_to_continue(local_ray, dataset,
+                                                                                         storage_root):
     """What a person sees: one line per log point, no Ray internals, no error-level line; the run's record counts
-    the whole command; Ctrl-C (SIGINT to the process group, as a terminal sends it) ends with one line."""
+    the whole command; Ctrl-C (SIGINT to the process group, as a terminal sends it) ends with one line. The first
+    command starts its own Ray, as on a laptop; the second joins the session's, as a submitted job does."""
     import signal
     import time
 
@@ -155,15 +164,16 @@ def test_training_prints_its_progress_and_no_ray_noise_and_ctrl_c_says_how_to_co
     record = find_record(Storage(storage_root), "train/watched")
     assert 0.8 * wall <= record["seconds"] <= wall, (record["seconds"], wall)  # the command, not the fit alone
 
+    joined = {**env, "RAY_ADDRESS": local_ray.get_runtime_context().gcs_address}
     proc, lines = _follow(["train", "--dataset", dataset["ref"], "--max-steps", "5000", "--checkpoint-every", "10",
-                           "--log-every", "5", "--run", "stopped"], env, until="[train] step 2")
+                           "--log-every", "5", "--run", "stopped", "--no-use-gpu"], joined, until="[train] step 2")
     os.killpg(proc.pid, signal.SIGINT)
     rest, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, "".join(lines) + rest
     last = rest.strip().splitlines()[-1]
     assert last.startswith("[train] interrupted: training run stopped; kept "), last
     assert last.endswith(f"continue with: python -m train --dataset {dataset['ref']} --max-steps 5000 "
-                         "--checkpoint-every 10 --log-every 5 --run stopped"), last
+                         "--checkpoint-every 10 --log-every 5 --run stopped --no-use-gpu"), last
     assert "Traceback" not in rest and "KeyboardInterrupt" not in rest
 
 

@@ -49,7 +49,9 @@ def test_cluster_yaml_labels_are_the_tiers(cluster):
         labels = t.get("labels") or {}
         validate_node_label_syntax(labels)
         ours = {k for k in labels if k.startswith(tiers.LABEL_PREFIX + "/")}
-        assert ours == {tiers.label_key(x) for x in served[name]}, f"{name}: unknown strata labels {ours}"
+        known = {tiers.label_key(x) for x in served[name]} | {tiers.autoscale_key(x) for x in
+                                                               tiers.autoscaled_tiers(labels)}
+        assert ours == known, f"{name}: unknown strata labels {ours - known}"
     assert served[cluster["head_node_type"]] == set(), "the head must not serve a tier"
     for t in tiers.Tier:
         assert any(t in s for s in served.values()), f"no node type serves the {t} tier"

@@ -74,6 +74,14 @@ def test_ddp_run_checkpoints_and_a_rerun_continues(local_ray, dataset, capfd):
     assert "checkpoint(s) checkpoint-00000010 are registered but missing" in err
     assert "continuing run ddp from step 8" in err and (third["start_step"], third["steps"]) == (8, 4)
     assert [launch["config"]["train"]["max_steps"] for launch in read_launches(first["path"])] == [6, 10, 12]
+    # The report of the third launch plots the whole run: every launch's steps, and where each began.
+    from strata.records import find_record
+    from strata.report import _train_metrics, html_page, plots
+
+    record = find_record(storage, "train/ddp")
+    rows, launches = _train_metrics(record)
+    assert launches == [0, 6, 8] and {1, 6, 10, 12} <= {r["step"] for r in rows}
+    assert "Loss, all 3 launches" in html_page(record, plots(record, storage))
 
 
 @pytest.mark.slow

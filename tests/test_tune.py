@@ -85,6 +85,12 @@ def test_trials_table_ranks_trials_and_counts_statuses():
     lines = trials_table(trials, top=2).splitlines()
     assert "1 completed, 1 stopped early, 1 error" in lines[0]
     assert lines[2].startswith("2.5000") and lines[3].startswith("3.0000") and len(lines) == 4
+    # The closing line counts each trial once: 'completed' in the summary counts every trial that ended
+    # without error, the ones ASHA stopped too.
+    from tune.__main__ import outcome
+
+    assert outcome({"trials": 8, "completed": 8, "stopped_early": 3, "errors": 0}) == \
+        "8 trials: 5 completed, 3 stopped early, 0 failed"
 
 
 def test_search_spaces_by_name_or_file_are_checked(tmp_path):
