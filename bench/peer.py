@@ -7,7 +7,8 @@ the .py/.md/.rst/.txt files of the installed Python packages, one document per f
 download: every machine has them). One byte-level BPE tokenizer.json (32,768 ids), trained here, for
 every system. Workload A: read JSONL, tokenize, write (strata with dedup off; datatrove `JsonlReader ->
 DocumentTokenizer`). Workload B: exact and MinHash near dedup, then tokenize (strata's defaults;
-datatrove's four MinHash stages with the same 5-word shingles and 14 x 9 bands, then the tokenizer).
+datatrove's four MinHash stages with the same 5-word shingles, bands and rows as strata's defaults, then the
+tokenizer).
 The hand-written multiprocessing pipeline of `bench.preprocess` runs A as the physical reference.
 
 Every run is a whole process timed on the wall clock, the systems alternating, on --cores cores
@@ -166,8 +167,12 @@ def _removed_ids(version_path: str) -> list[str]:
 def run_peer(corpus: str, tok: str, work: str, workload: str, cores: int) -> dict:
     out = os.path.join(work, "datatrove")
     shutil.rmtree(out, ignore_errors=True)
+    from pipelines.dedup import DedupConfig
+
+    bands, rows = DedupConfig().lsh()  # the same LSH as strata's defaults
     seconds, stdout = timed([PEER_PYTHON, os.path.join(REPO, "bench", "peer_datatrove.py"), "--workload", workload,
-                             "--input", corpus, "--tokenizer", tok, "--out", out, "--workers", str(cores)])
+                             "--input", corpus, "--tokenizer", tok, "--out", out, "--workers", str(cores),
+                             "--bands", str(bands), "--rows", str(rows)])
     r = json.loads(stdout.strip().splitlines()[-1])
     return {"seconds": seconds, "tokens": r["tokens"], "removed": r["removed"], "largest_mb": LARGEST["mb"]}
 

@@ -19,6 +19,8 @@ import time
 
 from strata.cli import parser as cli_parser
 from strata.dataset import DatasetError, delete_version, list_versions, resolve
+from strata.lease import LeaseBusy
+from strata.shell import EXIT_BUSY, Command
 from strata.storage import Storage, list_dir
 
 
@@ -27,6 +29,10 @@ def datasets(storage: Storage) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    Command("python -m pipelines.datasets", argv).run(_main)
+
+
+def _main(cmd: Command) -> None:
     parser = cli_parser("python -m pipelines.datasets", __doc__, json_summary=False)
     sub = parser.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("list", help="datasets, or one dataset's committed versions")
@@ -36,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     show.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
     rm = sub.add_parser("delete", help="delete the newest version (its manifest, then its run's files)")
     rm.add_argument("ref", help="NAME@VERSION")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(cmd.argv)
     storage = Storage.from_env(args.storage)
     try:
         if args.command == "list" and not args.name:
@@ -82,8 +88,9 @@ def main(argv: list[str] | None = None) -> None:
                 from pipelines.preprocess import format_table
 
                 print(format_table(m.stats))
-    except DatasetError as e:
-        sys.exit(f"error: {e}")
+    except LeaseBusy as e:  # a run is building on the dataset: deleting under it would lose its documents
+        print(f"error: {e}: delete once that run has ended", file=sys.stderr)
+        sys.exit(EXIT_BUSY)
 
 
 if __name__ == "__main__":

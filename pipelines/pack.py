@@ -415,34 +415,56 @@ def write_tails(path: str, carry: dict[str, np.ndarray]) -> None:
                    filesystem=fs)
 
 
-def pack_tails(work_dir: str, names: list[str], *, seq_len: int, dtype: str, seed: int, eot_id: int) -> dict:
-    """Every unit's tails, in name order, packed together into `packed/packed-tails.parquet`.
+def pack_tails(work_dir: str, names: list[str], *, seq_len: int, dtype: str, seed: int, eot_id: int,
+               carried: str | None = None, final: bool = False, tails_out: str | None = None) -> dict:
+    """The tails the previous version could not pack (`carried`, a tails file), first, then every unit's, in
+    name order, packed together into `packed/packed-tails.parquet`: the same input always packs the same.
 
-    What is left over is shorter than a row per split and ends a document: its tokens are counted as
-    unpacked, and so is every document with text in it, so that every document counted kept is whole
-    in the shards. Returns {"rows:SPLIT", "unpacked_tokens:SPLIT",
-    "unpacked_documents", "packed_file"}.
+    What is left over is shorter than a row per split. With `final` it becomes a last row padded with the
+    pad value (strata.dataset.pad_value; training leaves it out of the loss), so every kept document is in
+    the version. Otherwise it goes to `tails_out`, for the next version to pack first: its documents are
+    counted unpacked (carried). Returns {"rows:SPLIT", "unpacked_tokens:SPLIT", "padding_tokens:SPLIT",
+    "carried_in_tokens:SPLIT", "unpacked_documents", "carried_in_documents", "packed_file", "tails_file"}.
     """
+    from strata.dataset import pad_value
+
     cpu0 = time.process_time()
     schema, row_len = packed_schema(seq_len, dtype), seq_len + 1
     streams = {s: [np.zeros(0, dtype=np.uint32)] for s in SPLIT_IDS}
-    ids = {v: k for k, v in SPLIT_IDS.items()}
-    for name in sorted(names):
-        fs, p = filesystem(join(work_dir, "tails", name))
-        t = pq.read_table(p, filesystem=fs)
-        for split, tokens in zip(t["split"].to_pylist(), t["tokens"].to_numpy(zero_copy_only=False), strict=True):
-            streams[ids[split]].append(np.asarray(tokens, dtype=np.uint32))
-    out, tables = {"unpacked_documents": 0}, []
+    out, tables = Counter(), []
+    for path, first in ([(carried, True)] if carried else []) + [(join(work_dir, "tails", n), False)
+                                                                for n in sorted(names)]:
+        for split, tokens in read_tails(path).items():
+            streams[split].append(tokens)
+            if first:
+                out[f"carried_in_tokens:{split}"] += len(tokens)
+                out["carried_in_documents"] += int((tokens == eot_id).sum())
+    out["unpacked_documents"] = out["carried_on_documents"] = 0
+    left = {}
     for split, parts in streams.items():
         flat = np.concatenate(parts)
         n = len(flat) // row_len
+        left[split] = flat[n * row_len:]
+        # This run's documents in what is left (the carried ones come first and were counted by their run).
+        ours = left[split][max(0, out[f"carried_in_tokens:{split}"] - n * row_len):]
+        if final and len(left[split]):  # the last row, padded: nothing is left over
+            pad = np.full(row_len - len(left[split]), pad_value(dtype), dtype=np.uint32)
+            out[f"padding_tokens:{split}"] = len(pad)
+            flat, n, left[split] = np.concatenate([flat, pad]), n + 1, flat[:0]
         if n:
             tables.append(packed_rows(schema, seed, TAILS_FILE, split, 0, flat[: n * row_len]))
         out[f"rows:{split}"] = n
-        out[f"unpacked_tokens:{split}"] = len(flat) - n * row_len
+        out[f"unpacked_tokens:{split}"] = len(left[split])
         # Each document ends with an end-of-text id; one whose text is all in the rows may leave just its id.
-        left = flat[n * row_len:]
-        out["unpacked_documents"] += int((left == eot_id).sum()) - int(len(left) > 0 and left[0] == eot_id)
+        if len(left[split]):
+            rest = left[split]
+            out["unpacked_documents"] += int((ours == eot_id).sum()) - int(len(ours) == len(rest) and ours[0] == eot_id)
+            out["carried_on_documents"] += int((rest == eot_id).sum()) - int(rest[0] == eot_id)
+    out = dict(out)
+    out["tails_file"] = None
+    if tails_out and any(len(t) for t in left.values()):
+        write_tails(tails_out, left)
+        out["tails_file"] = tails_out
     out["packed_file"] = None
     if tables:
         fs, p = filesystem(join(work_dir, "packed", TAILS_FILE))
@@ -451,6 +473,15 @@ def pack_tails(work_dir: str, names: list[str], *, seq_len: int, dtype: str, see
         out["packed_file"] = TAILS_FILE
     out["cpu_s"] = time.process_time() - cpu0
     return out
+
+
+def read_tails(path: str) -> dict[str, np.ndarray]:
+    """A tails file's tokens by split."""
+    ids = {v: k for k, v in SPLIT_IDS.items()}
+    fs, p = filesystem(path)
+    t = pq.read_table(p, filesystem=fs)
+    return {ids[split]: np.asarray(tokens, dtype=np.uint32)
+            for split, tokens in zip(t["split"].to_pylist(), t["tokens"].to_numpy(zero_copy_only=False), strict=True)}
 
 
 # ---------------------------------------------------------------- pass 3

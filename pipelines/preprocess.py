@@ -65,6 +65,7 @@ from strata.storage import (
     basename,
     check_name,
     delete_dir,
+    exists,
     filesystem,
     join,
     make_dirs,
@@ -99,6 +100,10 @@ class PackConfig:
     """Seed of the row shuffle: the same seed, the same order."""
     split_seed: int = 0
     """Seed of the train/validation split of documents."""
+    final: bool = False
+    """Pad what is left of each split into a last row (the padding is left out of training's loss) instead
+    of carrying it into the next version: every kept document is in this version. For a one-off dataset,
+    or the last version of one."""
 
     def __post_init__(self):
         check_spec(self.tokenizer)
@@ -194,8 +199,13 @@ def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "", *, wait: bool
     """
     started = time.time()
     check_outside(list(cfg.read.inputs), storage.root)
-    # A missing or empty input fails here, before anything is written.
-    files = list_inputs(list(cfg.read.inputs), cfg.read.allow_empty)
+    # A missing or empty input fails here, before anything is written; so does a link into the storage root.
+    skipped: list[str] = []
+    files = list_inputs(list(cfg.read.inputs), cfg.read.allow_empty, cfg.read.follow_links, skipped)
+    check_outside([], storage.root, files)
+    if skipped:
+        _log(f"{len(skipped)} symbolic link(s) lead out of their input folder and were not followed "
+             f"(--follow-links reads them): {', '.join(skipped[:3])}{' ...' if len(skipped) > 3 else ''}")
     lease = Lease(storage.dataset(cfg.dataset), f"dataset {cfg.dataset}",
                   purpose=f"preprocess{f' run {run_id}' if run_id else ''}")
     lease.acquire(wait=wait, log=_log)
@@ -247,7 +257,7 @@ def _run_leased(cfg: PreprocessConfig, storage: Storage, run_id: str, lease: Lea
     cpus = _tier_cpus()
     if not cpus:
         raise DatasetError(f"no alive node serves the cpu tier (label {tiers.label_key(tiers.Tier.CPU)}=true)")
-    units = plan_units(files, cfg.read, parallelism=int(cpus))
+    units = plan_units(files, cfg.read)
     total_bytes = sum(f["size"] for f in files)
     _log(f"{len(files)} input files, {total_bytes / 1e6:.1f} MB in {len(units)} work units")
 
@@ -259,7 +269,8 @@ def _run_leased(cfg: PreprocessConfig, storage: Storage, run_id: str, lease: Lea
     write_json_atomic(join(staging, "run.json"), record)
     try:
         with UsageMonitor() as usage:
-            passes = _run_passes(cfg, ray, units, work, staging, cpus, _prior_state(earlier, cfg), parent, started)
+            passes = _run_passes(cfg, ray, units, work, staging, cpus, _prior_state(earlier, cfg), parent, started,
+                                 lease)
         delete_dir(work)
         for path, why in passes.deferred.items():
             _log(f"WARNING: {path} left out of this version (--unreadable defer), to be read by a later run: {why}")
@@ -269,7 +280,8 @@ def _run_leased(cfg: PreprocessConfig, storage: Storage, run_id: str, lease: Lea
             delete_dir(staging)
             _log("no document survived: no version created")
             return _empty_summary(cfg, started, "no rows", passes)
-        version = _commit(cfg, storage, staging, files, record, passes, started, cpus, total_bytes, run_id, lease)
+        version = _commit(cfg, storage, staging, files, record, passes, started, cpus, total_bytes, run_id, lease,
+                          parent)
     except BaseException:
         delete_dir(staging)  # a failed run leaves nothing behind (a killed one: the next writer cleans up)
         raise
@@ -298,6 +310,9 @@ class PassResults:
     index: list
     nodes: list[str]
     peak_rss_mb: float
+    """The largest worker process's peak memory, the dedup index actors' included."""
+    index_rss_mb: float
+    """The largest dedup index actor's peak memory (it holds its share of every key, old versions' too)."""
     pass2_utilization: float
     dedup_by_source: dict[str, dict]
     languages: dict[str, int]
@@ -316,7 +331,7 @@ class PassResults:
     """Wall seconds of each step on the critical path, in order."""
 
 
-def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent, started: float) -> PassResults:
+def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent, started: float, lease) -> PassResults:
     from pipelines.dedup import DedupIndex
     from pipelines.pack import DedupTokenizePack, read_clean_sign, write_shard
 
@@ -327,10 +342,11 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent, started: fl
     counts, samples, p1, docs_files, deferred = Counter(), {}, [], [], {}
     walls, mark, driver_cpu = {"start-up": round(time.time() - started, 2)}, time.time(), time.process_time()
 
-    def step(name: str) -> None:  # wall time on the critical path, step by step
+    def step(name: str) -> None:  # wall time on the critical path, step by step; a lost lease stops the run
         nonlocal mark
         walls[name] = round(time.time() - mark, 2)
         mark = time.time()
+        lease.check()
 
     cpu, daemons = Counter(), ray_daemon_cpu()
     contamination = None
@@ -393,8 +409,9 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent, started: fl
             counts.update(json.loads(row["counts"]))
             _add_samples(samples, row)
         tok = _tokenizer(cfg, definition)
-        tails = _pack_tails(cfg, ray, work, [r["packed_file"] for r in p2], tok, on_cpu) if p2 else {}
-        packed.update({k: v for k, v in tails.items() if k not in ("packed_file", "cpu_s")})
+        tails = _pack_tails(cfg, ray, work, [r["packed_file"] for r in p2], tok, on_cpu, parent,
+                            join(staging, TAILS_FILE)) if p2 else {}
+        packed.update({k: v for k, v in tails.items() if k not in ("packed_file", "tails_file", "cpu_s")})
         cpu["pack"] += tails.get("cpu_s", 0.0)
         pass2_wall = time.time() - pass2_started
         step("pass 2: " + ("read, clean, " if fused else "dedup, ") + "tokenize, pack")
@@ -405,6 +422,7 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent, started: fl
                 ray.get(i.save.remote(t, join(staging, name)))
                 dedup_files[t].append(name)
         cpu["dedup-index"] += sum(ray.get([i.cpu_s.remote() for i in index]))
+        index_rss = max(ray.get([i.peak_rss_mb.remote() for i in index]), default=0.0)
     finally:
         for i in index:
             ray.kill(i)
@@ -443,7 +461,8 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent, started: fl
     return PassResults(
         docs=_accounting(counts, packed), packed=packed, samples=samples, shards=shards, tokenizer=tok,
         definition=definition, dedup_files=dedup_files, index=sizes, nodes=sorted({r["node"] for r in rows_all}),
-        peak_rss_mb=round(max((r.get("peak_rss_mb", 0) for r in rows_all), default=0), 1),
+        peak_rss_mb=round(max([index_rss, *(r.get("peak_rss_mb", 0) for r in rows_all)]), 1),
+        index_rss_mb=round(index_rss, 1),
         pass2_utilization=round(sum(r["busy_s"] for r in p2) / max(pass2_wall * min(cpus, len(p2) or 1), 1e-9), 3),
         dedup_by_source=by_source, dedup_audit=audit, deferred=deferred,
         languages=_tally(counts, LANGUAGE), contaminated_by=_tally(counts, CONTAMINATED_BY),
@@ -451,6 +470,7 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent, started: fl
 
 
 AUDIT_FILE = "dedup-audit.json"
+TAILS_FILE = "tails.parquet"  # what this version's rows could not hold: the next version packs it first
 REMOVED_DIR = "removed"  # parquet parts: every document dedup removed (doc_id, kind, kept doc key, earlier)
 LARGEST_CLUSTERS = 5
 
@@ -485,13 +505,16 @@ def _dedup_audit(cfg, ray, docs_paths: list[str], p2: list[dict], by_source: dic
     return audit
 
 
-def _pack_tails(cfg, ray, work, names, tok, on_cpu) -> dict:
-    """Every unit's tails packed together (pipelines/pack.py `pack_tails`), in one task on the cpu tier."""
+def _pack_tails(cfg, ray, work, names, tok, on_cpu, parent, tails_out: str) -> dict:
+    """The parent version's leftover tails, then every unit's, packed together (pipelines/pack.py
+    `pack_tails`), in one task on the cpu tier; what is left is padded (--final) or carried on."""
     from pipelines.pack import pack_tails
 
+    carried = parent.file(parent.manifest.tails) if parent and parent.manifest.tails else None
     task = ray.remote(pack_tails).options(label_selector=on_cpu, num_cpus=1)
     return ray.get(task.remote(work, names, seq_len=cfg.pack.seq_len, dtype=token_dtype(tok.vocab_size),
-                               seed=cfg.pack.seed, eot_id=tok.eot_id))
+                               seed=cfg.pack.seed, eot_id=tok.eot_id, carried=carried, final=cfg.pack.final,
+                               tails_out=tails_out))
 
 
 def _add_samples(samples: dict, row: dict) -> None:
@@ -575,7 +598,7 @@ def _accounting(counts: Counter, packed: Counter) -> DocumentCounts:
         rejected=sum(v for k, v in counts.items() if k.startswith("rejected:")),
         reasons=dict(sorted({**{k: v for k, v in counts.items() if k != "kept"},
                              **{k: v for k, v in packed.items() if k.startswith("duplicate:") and v},
-                             **({"unpacked:tail": unpacked} if unpacked else {})}.items())))
+                             **({"unpacked:carried": unpacked} if unpacked else {})}.items())))
     if not docs.balanced() or counts.get("kept", 0) != docs.kept + docs.unpacked + docs.duplicate:
         raise RuntimeError(f"document accounting does not balance: {docs}")  # a bug, never bad input
     return docs
@@ -593,8 +616,14 @@ def _table(passes: PassResults | None, started: float, cpus: float, total_bytes:
         "duplicate": {"exact": packed.get("duplicate:exact", 0), "near": packed.get("duplicate:near", 0)},
         "rejected_by_reason": {k.split(":", 1)[1]: v for k, v in docs.reasons.items() if k.startswith("rejected:")},
         "bytes": total_bytes, "tokens": tokens,
-        # Tokens of kept documents in no row: what is left of each split after every tail is packed.
+        # Tokens of kept documents in no row: what is left of each split after every tail is packed, carried
+        # into the next version (which packs it first); none with --final, which pads the last row instead.
         "tokens_unpacked": {s: packed.get(f"unpacked_tokens:{s}", 0) for s in ("train", "validation")},
+        "tokens_padding": {s: packed.get(f"padding_tokens:{s}", 0) for s in ("train", "validation")},
+        "carried_in": {"documents": packed.get("carried_in_documents", 0),
+                       "tokens": {s: packed.get(f"carried_in_tokens:{s}", 0) for s in ("train", "validation")}},
+        "carried_on": {"documents": packed.get("carried_on_documents", 0),
+                       "tokens": {s: packed.get(f"unpacked_tokens:{s}", 0) for s in ("train", "validation")}},
         "rows": {s: packed.get(f"rows:{s}", 0) for s in ("train", "validation")}, "shards": len(passes.shards) if passes else 0,
         # Which engine encoded how many documents, and how many of them both engines encoded (strata.tokenizer).
         # With --languages: the documents the language rule scored, by detected language (kept or not).
@@ -606,6 +635,7 @@ def _table(passes: PassResults | None, started: float, cpus: float, total_bytes:
         "mb_per_s_per_cpu": round(total_bytes / 1e6 / seconds / max(cpus, 1), 3),
         "tokens_per_s_per_cpu": round(tokens / seconds / max(cpus, 1)),
         "peak_worker_rss_mb": passes.peak_rss_mb if passes else 0,
+        "peak_index_rss_mb": passes.index_rss_mb if passes else 0,
         "pack_worker_utilization": passes.pass2_utilization if passes else 0.0,
         "dedup_by_source": passes.dedup_by_source if passes else {},
         "deferred_inputs": passes.deferred if passes else {},
@@ -616,7 +646,8 @@ def _table(passes: PassResults | None, started: float, cpus: float, total_bytes:
     }
 
 
-def _commit(cfg, storage, staging, files, record, passes: PassResults, started, cpus, total_bytes, run_id, lease):
+def _commit(cfg, storage, staging, files, record, passes: PassResults, started, cpus, total_bytes, run_id, lease,
+            parent):
     docs = passes.docs
     shards = sorted((Shard(path=s["path"], split=s["split"], rows=s["rows"], tokens=s["tokens"])
                      for s in passes.shards), key=lambda s: s.path)
@@ -630,12 +661,13 @@ def _commit(cfg, storage, staging, files, record, passes: PassResults, started, 
         write_json_atomic(join(staging, AUDIT_FILE), passes.dedup_audit)
         audit = {"audit": AUDIT_FILE, "removed": REMOVED_DIR}
     record.update(finished_at=time.time(), work_nodes=passes.nodes)
+    tails = TAILS_FILE if exists(join(staging, TAILS_FILE)) else ""
     return commit(storage, cfg.dataset, staging, dict(
         tokenizer=tok.info(), seq_len=cfg.pack.seq_len, dtype=token_dtype(tok.vocab_size), shards=shards,
         documents=docs, tokens=table["tokens"], inputs=files, run=record, stats=table, rejects="rejects.json",
-        run_id=run_id,
+        run_id=run_id, tails=tails,
         dedup={"params": cfg.dedup.params(), "files": passes.dedup_files, "index_entries": passes.index, **audit}),
-        lease=lease)
+        lease=lease, built_on=parent.manifest.version if parent else None)
 
 
 def _summary(version) -> dict:
@@ -665,7 +697,7 @@ def format_table(stats: dict) -> str:
     lines += [f"{'    ' + k:<28}{v:>14,}" for k, v in stats["duplicate"].items()]
     lines += [f"{'  rejected':<28}{d['rejected']:>14,}"]
     lines += [f"{'    ' + k:<28}{v:>14,}" for k, v in sorted(stats["rejected_by_reason"].items())]
-    lines += [f"{'  unpacked (last partial row)':<28}{d.get('unpacked', 0):>14,}"]
+    lines += [f"{'  unpacked (carried on)':<28}{d.get('unpacked', 0):>14,}"]
     if stats.get("documents_by_language"):
         lines += ["documents by language"] + [f"{'  ' + k:<28}{v:>14,}" for k, v in stats["documents_by_language"].items()]
     if stats.get("contaminated_by_file"):
@@ -675,6 +707,7 @@ def format_table(stats: dict) -> str:
               f"{'rows (train / validation)':<28}{stats['rows']['train']:>7,} / {stats['rows']['validation']:,}",
               f"{'shards':<28}{stats['shards']:>14,}", f"{'seconds':<28}{stats['seconds']:>14,.1f}",
               f"{'peak worker RSS MB':<28}{stats.get('peak_worker_rss_mb', 0):>14,.0f}",
+              f"{'peak dedup index RSS MB':<28}{stats.get('peak_index_rss_mb', 0):>14,.0f}",
               f"{'MB/s per CPU':<28}{stats['mb_per_s_per_cpu']:>14,.3f}",
               f"{'tokens/s per CPU':<28}{stats['tokens_per_s_per_cpu']:>14,}"]
     if stats.get("cpu_s_by_stage"):

@@ -21,7 +21,9 @@ import io
 import json
 import os
 import random
+import shutil
 import stat
+import tempfile
 import time
 import zlib
 from collections.abc import Iterator
@@ -50,6 +52,9 @@ class ReadConfig:
     """A line, block or file-document larger than this is rejected as record-too-large."""
     incremental: bool = True
     """Skip input files an earlier version consumed (same path, size and modification time)."""
+    follow_links: bool = False
+    """Read what symbolic links inside an input folder point to outside it (by default such links are
+    not followed: a link to a credentials file or to the storage root is not input; they are counted)."""
     allow_empty: bool = False
     """An input that holds no file is not an error (a scheduled run over a folder that may still be empty):
     the run makes no version and exits 0."""
@@ -91,26 +96,31 @@ def describe(path: str) -> tuple[str, str]:
 # ---------------------------------------------------------------- discovery
 
 
-def list_inputs(inputs: list[str], allow_empty: bool = False) -> list[dict]:
+def list_inputs(inputs: list[str], allow_empty: bool = False, follow_links: bool = False,
+                skipped: list[str] | None = None) -> list[dict]:
     """Expand paths, directories (recursively), globs and URIs into files with size and mtime.
 
     A missing input, or one that holds no file (unless `allow_empty`), is an error before any work
-    starts, not an empty dataset.
+    starts, not an empty dataset. Inside a local input folder, a symbolic link that leads out of it is
+    not followed unless `follow_links`; such links are appended to `skipped`.
     """
     found: dict[str, dict] = {}
+    skipped = [] if skipped is None else skipped
     for spec in inputs:
         if "://" not in spec and glob.has_magic(spec):
             matches = sorted(glob.glob(os.path.expanduser(spec), recursive=True))
-            files = sum(_add(found, os.path.abspath(m), spec) for m in matches)
+            files = sum(_add(found, os.path.abspath(m), spec, follow_links, skipped) for m in matches)
         else:
-            files = _add(found, spec if "://" in spec else os.path.abspath(os.path.expanduser(spec)), spec)
+            files = _add(found, spec if "://" in spec else os.path.abspath(os.path.expanduser(spec)), spec,
+                         follow_links, skipped)
         if not files and not allow_empty:
             why = "the glob matches no file" if "://" not in spec and glob.has_magic(spec) else "it is empty"
             raise FileNotFoundError(f"no input files found under {spec} ({why}; --allow-empty accepts that)")
     return [found[p] for p in sorted(found)]
 
 
-def _add(found: dict[str, dict], path: str, source: str) -> int:
+def _add(found: dict[str, dict], path: str, source: str, follow_links: bool = False,
+         skipped: list[str] | None = None) -> int:
     """`path`'s files, each with its `source`: the input it was found under (dedup is audited per source);
     returns how many files it holds."""
     fs, p = filesystem(path)
@@ -119,7 +129,8 @@ def _add(found: dict[str, dict], path: str, source: str) -> int:
         raise FileNotFoundError(f"input {path!r} does not exist")
     infos = [info]
     if info.type == pafs.FileType.Directory:
-        infos = _local_tree(p) if "://" not in path else fs.get_file_info(pafs.FileSelector(p, recursive=True))
+        infos = (_local_tree(p, follow_links, [] if skipped is None else skipped) if "://" not in path
+                 else fs.get_file_info(pafs.FileSelector(p, recursive=True)))
     prefix = path[: path.index("://") + 3] if "://" in path else ""
     files = [i for i in infos if i.type == pafs.FileType.File and not i.base_name.startswith(".")]
     for i in files:
@@ -128,12 +139,25 @@ def _add(found: dict[str, dict], path: str, source: str) -> int:
     return len(files)
 
 
-def _local_tree(root: str) -> list:
-    """Every file under a local directory, symbolic links followed, each directory and file once.
+def _local_tree(root: str, follow_links: bool = False, skipped: list[str] | None = None) -> list:
+    """Every file under a local directory, each directory and file once; symbolic links are followed
+    while they stay inside `root` (anywhere with `follow_links`), and the others go to `skipped`.
 
     Arrow's recursive listing follows a link back to a parent forever; here a directory already seen
     (same device and inode) is not entered again, and a file reached by a second path is listed once.
     """
+    real_root = os.path.realpath(root)
+
+    def inside(path: str) -> bool:
+        if follow_links:
+            return True
+        real = os.path.realpath(path)
+        if real == real_root or real.startswith(real_root + os.sep):
+            return True
+        if skipped is not None:
+            skipped.append(path)
+        return False
+
     seen_dirs, seen_files, out = set(), set(), []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         st = os.stat(dirpath)
@@ -141,9 +165,11 @@ def _local_tree(root: str) -> list:
             dirnames[:] = []
             continue
         seen_dirs.add((st.st_dev, st.st_ino))
-        dirnames.sort()
+        dirnames[:] = sorted(d for d in dirnames if inside(os.path.join(dirpath, d)))
         for name in sorted(filenames):
             full = os.path.join(dirpath, name)
+            if not inside(full):
+                continue
             try:
                 st = os.stat(full)
             except OSError:  # a dangling link: nothing to read
@@ -154,31 +180,48 @@ def _local_tree(root: str) -> list:
     return out
 
 
-def check_outside(inputs: list[str], root: str) -> None:
+def check_outside(inputs: list[str], root: str, files: list[dict] | None = None) -> None:
     """Refuse an input that is, or is inside, or holds the storage root: strata would read back its own
-    shards, records and reports as text."""
+    shards, records and reports as text. Every spelling counts: a glob is judged by the folder it starts
+    from (`ROOT/dat[a]/**`, `ROOT/dat?`), a `file://` URI as its path, a link by where it leads; and
+    `files` (what the inputs expanded to) are each checked where they really are."""
     def norm(p: str) -> str:
+        if p.startswith("file://"):
+            p = p[len("file://"):]
         return p.rstrip("/") if "://" in p else os.path.realpath(os.path.expanduser(p))
+
+    def fixed_part(spec: str) -> str:  # a glob's folder before its first wildcard component
+        parts = spec.split("/")
+        keep = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts))
+        return "/".join(parts[:keep]) or "/"
 
     r = norm(root)
     for spec in inputs:
-        p = norm(spec.split("*", 1)[0].rsplit("/", 1)[0] if glob.has_magic(spec) else spec)
+        p = norm(fixed_part(spec) if glob.has_magic(spec) else spec)
         if p == r or p.startswith(r + "/") or r.startswith(p.rstrip("/") + "/"):
             raise ValueError(f"input {spec!r} overlaps the storage root {root!r}: strata would read its own "
                              "datasets, records and reports as input. Keep raw text outside it")
+    for f in files or []:
+        p = norm(f["path"])
+        if p == r or p.startswith(r + "/"):
+            raise ValueError(f"input file {f['path']!r} is inside the storage root {root!r} (through a link or "
+                             "a glob): strata would read its own data as input. Keep raw text outside it")
 
 
-def plan_units(files: list[dict], cfg: ReadConfig, parallelism: int = 1) -> list[list[dict]]:
+UNITS_AT_LEAST = 16  # a small input is still cut into this many units (unless that would make them < 1 MiB)
+
+
+def plan_units(files: list[dict], cfg: ReadConfig) -> list[list[dict]]:
     """Group files into work units of about `split_bytes`; cut big splittable files into ranges.
 
-    Units shrink (not below 1 MiB) so there are at least eight per core, a
-    file is cut into equal ranges, and the biggest units come first: coarse or
-    uneven units leave cores idle at the end. A range [start, end) owns the
-    records that start inside it, so ranges are read independently and every
-    record exactly once.
+    Units shrink (not below 1 MiB) so that even a small input makes UNITS_AT_LEAST of them, a file is
+    cut into equal ranges, and the biggest units come first: coarse or uneven units leave cores idle at
+    the end. The units are a function of the input alone, never of the cluster's size: what a version
+    holds, row for row, does not depend on where it ran. A range [start, end) owns the records that start
+    inside it, so ranges are read independently and every record exactly once.
     """
     total = sum(f["size"] for f in files)
-    unit = min(cfg.split_bytes, max(1 << 20, -(-total // (8 * max(1, parallelism)))))
+    unit = min(cfg.split_bytes, max(1 << 20, -(-total // UNITS_AT_LEAST)))
     units, current, size = [], [], 0
     for f in files:
         kind, compression = describe(f["path"])
@@ -309,8 +352,31 @@ def read_capped_line(stream, cap: int, limit: float = float("inf")) -> tuple[byt
 
 def _row(doc_id: str, text: str, status: str = "ok", reason: str = "", sample: bytes | str = b"") -> dict:
     if isinstance(sample, bytes):
-        sample = sample[:SAMPLE_BYTES].decode("utf-8", errors="backslashreplace")
+        sample = _text_or_summary(sample, reason)
     return {"doc_id": doc_id, "text": text, "status": status, "reason": reason, "sample": sample[:SAMPLE_BYTES]}
+
+
+def _text_or_summary(data: bytes, reason: str) -> str:
+    """A rejected record's bytes as a sample: text stays readable (a malformed JSON line); bytes that are not
+    UTF-8 text are summarised, never copied (a rejected file may be a key)."""
+    head = data[: SAMPLE_BYTES + 3]
+    if head and reason not in ("binary", "invalid-utf8") and b"\x00" not in head:
+        try:
+            return head.decode("utf-8")
+        except UnicodeDecodeError as e:
+            if e.start >= len(head) - 3 and len(data) > SAMPLE_BYTES:  # only a character cut at the end
+                return head[: e.start].decode("utf-8")
+    return byte_summary(data) if data else ""
+
+
+def byte_summary(data: bytes) -> str:
+    """What a rejected record's raw bytes were, without them: a rejected file may be a key or a credential,
+    and rejects.json is read by people and tools. Its size, a hash to find it by, and its byte classes."""
+    import hashlib
+
+    text = sum(32 <= b < 127 or b in (9, 10, 13) for b in data[:4096])
+    return (f"<{len(data):,} bytes, sha256 {hashlib.sha256(data).hexdigest()[:16]}, "
+            f"{text * 100 // max(1, min(len(data), 4096))}% printable ASCII>")
 
 
 def decode_text(doc_id: str, data: bytes) -> dict:
@@ -327,7 +393,7 @@ def json_record(doc_id: str, raw: bytes, field: str) -> dict:
         obj = json.loads(raw)
     except UnicodeDecodeError:
         return _row(doc_id, "", "rejected", "invalid-utf8", raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # nesting deeper than Python's stack (`[[[[...`) is malformed too
         return _row(doc_id, "", "rejected", "malformed-json", raw)
     return json_object(doc_id, obj, field, raw)
 
@@ -496,7 +562,7 @@ def _json(stream, f: dict, cfg: ReadConfig, kind: str) -> Iterator[dict]:
                 return
             try:
                 records = json.loads(data)
-            except ValueError:
+            except (ValueError, RecursionError):
                 yield _row(f"{path}:0", "", "rejected", "malformed-json", data)
                 return
             for i, obj in enumerate(records):
@@ -547,30 +613,53 @@ def _blocks(stream, f: dict, cfg: ReadConfig) -> Iterator[dict]:
 
 
 def _parquet(f: dict, cfg: ReadConfig) -> Iterator[dict]:
+    """A parquet file's text column, a record per row. The file is decoded from local disk (an object
+    store's is copied there first, through the retried reads), so a decoding error (a corrupt page or
+    footer) is the file's own damage, counted `corrupt-file`, and only a failed read is an I/O error."""
+    if "://" in f["path"] and not f["path"].startswith("file://"):
+        with tempfile.NamedTemporaryFile(prefix="strata-parquet-", suffix=".parquet") as local:
+            fs, p = filesystem(f["path"])
+            with fs.open_input_stream(p) as src:  # an OSError here is I/O: read_file retries it
+                shutil.copyfileobj(src, local, 1 << 20)
+            local.flush()
+            yield from _parquet_local(local.name, f["path"], cfg)
+        return
+    yield from _parquet_local(f["path"].removeprefix("file://"), f["path"], cfg)
+
+
+def _parquet_local(local: str, path: str, cfg: ReadConfig) -> Iterator[dict]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    fs, p = filesystem(f["path"])
+    if not os.path.exists(local):
+        raise FileNotFoundError(local)
     try:
-        pf = pq.ParquetFile(fs.open_input_file(p))
-    except pa.ArrowInvalid as e:  # the file's own damage (I/O errors fail the unit, see read_file)
-        yield _row(f"{f['path']}:damage", "", "rejected", "corrupt-file", str(e))
+        pf = pq.ParquetFile(local)
+        names = pf.schema_arrow.names
+    except (pa.ArrowException, OSError) as e:  # a corrupt footer or magic bytes
+        yield _row(f"{path}:damage", "", "rejected", "corrupt-file", str(e))
         return
-    if cfg.text_field not in pf.schema_arrow.names:
-        yield _row(f"{f['path']}:0", "", "rejected", "missing-text-column", ", ".join(pf.schema_arrow.names))
+    if cfg.text_field not in names:
+        yield _row(f"{path}:0", "", "rejected", "missing-text-column", ", ".join(names))
         return
     row = 0
-    try:
-        for batch in pf.iter_batches(columns=[cfg.text_field], batch_size=1024):
-            column = batch.column(0)
-            if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
-                column = column.cast(pa.large_binary())  # the bytes as stored: a bad value is its row's
-            textual = pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)
-            for value in column.to_pylist():
-                yield _parquet_value(f"{f['path']}:{row}", value, textual, cfg.max_record_bytes)
-                row += 1
-    except pa.ArrowInvalid as e:  # the file's own damage (I/O errors fail the unit, see read_file)
-        yield _row(f"{f['path']}:damage", "", "rejected", "corrupt-file", str(e))
+    for group in range(pf.num_row_groups):  # one row group at a time: a corrupt one costs only itself
+        try:
+            column = pf.read_row_group(group, columns=[cfg.text_field]).column(0).combine_chunks()
+        except (pa.ArrowException, OSError) as e:  # a corrupt page or chunk
+            rows = pf.metadata.row_group(group).num_rows
+            yield _row(f"{path}:damage-{group}", "", "rejected", "corrupt-file",
+                       f"row group {group} ({rows:,} rows) unreadable: {e}")
+            row += rows
+            continue
+        if pa.types.is_dictionary(column.type):  # dictionary-encoded text: its values, row by row
+            column = column.dictionary_decode()
+        if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+            column = column.cast(pa.large_binary())  # the bytes as stored: a bad value is its row's
+        textual = pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)
+        for value in column.to_pylist():
+            yield _parquet_value(f"{path}:{row}", value, textual, cfg.max_record_bytes)
+            row += 1
 
 
 def _parquet_value(doc_id: str, value, textual: bool, cap: int) -> dict:

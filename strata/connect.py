@@ -147,17 +147,35 @@ def stop_monitor(node=None) -> None:
             info.process.kill()
 
 
+def private_dir() -> str:
+    """This user's own folder in the system temp dir (0700), for what strata keeps there. A path of that
+    name that is a link, or someone else's, is refused: the temp dir is shared, and a planted link would
+    make strata write where another user chose."""
+    import stat
+
+    path = os.path.join(tempfile.gettempdir(), f"strata-{os.getuid()}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise OSError(f"{path} is not a private folder of this user (a link, another user's, or open to others): "
+                      "remove it and run again")
+    return path
+
+
 @contextlib.contextmanager
 def _start_lock():
-    """An exclusive lock across the processes of this machine (released when the holder exits)."""
+    """An exclusive lock across this user's processes on this machine (released when the holder exits), in
+    a file of this user's private folder, never through a link."""
     import fcntl
 
-    with open(os.path.join(tempfile.gettempdir(), "strata-ray-start.lock"), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    fd = os.open(os.path.join(private_dir(), "ray-start.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 _FETCHED: dict[str, object] = {}  # object-store values this process fetched, by object id (a few at a time)

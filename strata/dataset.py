@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import re
 import signal
 import time
@@ -33,6 +34,7 @@ from strata.storage import (
     delete_dir,
     exists,
     filesystem,
+    is_uri,
     join,
     list_dir,
     read_bytes,
@@ -51,11 +53,17 @@ class DatasetError(StrataError):
 
 
 def token_dtype(vocab_size: int) -> str:
-    """The smallest unsigned integer type that holds every token id."""
+    """The smallest unsigned integer type that holds every token id and, above them, the pad value."""
     for name, limit in (("uint8", 2**8), ("uint16", 2**16), ("uint32", 2**32)):
-        if vocab_size <= limit:
+        if vocab_size < limit:
             return name
     raise ValueError(f"vocab_size {vocab_size} does not fit in uint32")
+
+
+def pad_value(dtype) -> int:
+    """The id that fills the end of a padded row (`--final`): the largest value of the rows' type, never a
+    token (`token_dtype` leaves it free). Training masks it out of the loss."""
+    return int(np.iinfo(np.dtype(dtype)).max)
 
 
 def arrow_schema(seq_len: int, dtype: str) -> pa.Schema:
@@ -147,6 +155,9 @@ class Manifest:
     """The rejects report (counts and samples by reason), relative to the dataset directory."""
     run_id: str = ""
     """The idempotency key of the run that wrote it (e.g. a scheduled slot), if any."""
+    tails: str = ""
+    """What this version's rows could not hold (each split's last tokens, shorter than a row), relative to
+    the dataset directory: the next version packs them first, so no kept document is left out for good."""
     schema_version: int = SCHEMA_VERSION
 
     def rows(self, split: str) -> int:
@@ -192,7 +203,20 @@ class DatasetVersion:
         return self.path.rstrip("/").rsplit("/", 1)[0] if "://" in self.path else os.path.dirname(self.path)
 
     def file(self, rel: str) -> str:
-        return join(self.root, *rel.split("/"))
+        """A path the manifest names, under the dataset's directory; a manifest is data read back from
+        storage, so a path that would leave the dataset (`..`, absolute, a URI, a link out) is refused
+        before anything reads, writes or deletes there."""
+        norm = posixpath.normpath(rel) if rel else ""
+        if not norm or norm == "." or norm.startswith(("/", "../")) or norm == ".." or "://" in rel or "\\" in rel:
+            raise DatasetError(f"{self.ref}: its manifest names {rel!r}, which is not a path inside the dataset; "
+                               "refused")
+        path = join(self.root, *norm.split("/"))
+        if not is_uri(path):
+            root = os.path.realpath(self.root)
+            if not os.path.realpath(path).startswith(root + os.sep):
+                raise DatasetError(f"{self.ref}: {rel!r} leads outside the dataset ({os.path.realpath(path)}); "
+                                   "refused")
+        return path
 
     def shard_paths(self, split: str) -> list[str]:
         return [self.file(s.path) for s in self.manifest.shards if s.split == split]
@@ -242,7 +266,8 @@ def latest(storage: Storage, name: str) -> DatasetVersion | None:
 FAILPOINT = "STRATA_FAILPOINT"  # `before-commit`: the process kills itself there (crash tests)
 
 
-def commit(storage: Storage, name: str, files: str, manifest_fields: dict, *, lease=None) -> DatasetVersion:
+def commit(storage: Storage, name: str, files: str, manifest_fields: dict, *, lease=None,
+           built_on: str | None = None) -> DatasetVersion:
     """Publish this run's shards as the next snapshot, in one conditional create of its manifest.
 
     `files` is the run's directory (`storage.run_files`); `manifest_fields` are the
@@ -250,7 +275,8 @@ def commit(storage: Storage, name: str, files: str, manifest_fields: dict, *, le
     and `files`, with shard, tokenizer and rejects paths relative to `files`. The
     snapshot is built on the newest version at the moment of commit; a writer that
     loses the race for a number rebuilds on the winner and takes the next. With a
-    `lease`, a writer that lost it commits nothing.
+    `lease`, a writer that lost it commits nothing. `built_on` is the version the run built on (deduplicated against):
+    if it is gone (deleted meanwhile), the run's idea of what is new is wrong and it commits nothing.
     """
     base = storage.dataset(name)
     rel = files[len(base):].strip("/").replace(os.sep, "/")
@@ -262,6 +288,8 @@ def commit(storage: Storage, name: str, files: str, manifest_fields: dict, *, le
         fields["tokenizer"] = TokenizerInfo(**{**asdict(tok), "file": f"{rel}/{tok.file}"})
     if fields.get("rejects"):
         fields["rejects"] = f"{rel}/{fields['rejects']}"
+    if fields.get("tails"):
+        fields["tails"] = f"{rel}/{fields['tails']}"
     for key in ("audit", "removed"):
         if fields.get("dedup", {}).get(key):
             fields["dedup"] = {**fields["dedup"], key: f"{rel}/{fields['dedup'][key]}"}
@@ -270,6 +298,10 @@ def commit(storage: Storage, name: str, files: str, manifest_fields: dict, *, le
                                                        for t, ps in fields["dedup"]["files"].items()}}
     if os.environ.get(FAILPOINT) == "before-commit":
         os.kill(os.getpid(), signal.SIGKILL)
+    if built_on and built_on not in list_versions(storage, name):
+        raise DatasetError(f"{name}@{built_on}, the version this run deduplicated against, was deleted while it ran: "
+                           "nothing was committed (what it dropped as duplicates of that version would be lost). "
+                           "Run it again")
     for _ in range(1000):
         parent = latest(storage, name)
         if parent:
@@ -317,8 +349,16 @@ def check_extends(parent: DatasetVersion, tokenizer: TokenizerInfo, seq_len: int
 def delete_version(storage: Storage, name: str, version: str) -> list[str]:
     """Delete a version: only the newest, since every later snapshot references earlier shards.
 
-    Its manifest goes first (the version disappears at once), then the files its
-    run added. Returns the deleted run directory."""
+    It holds the dataset's lease while it deletes, so it never pulls a version from under a run that
+    deduplicates against it (a run in progress makes it refuse, LeaseBusy). Its manifest goes first (the
+    version disappears at once), then the files its run added. Returns the deleted run directory."""
+    from strata.lease import Lease
+
+    with Lease(storage.dataset(name), f"dataset {name}", purpose=f"delete {version}").acquire(wait=False):
+        return _delete_leased(storage, name, version)
+
+
+def _delete_leased(storage: Storage, name: str, version: str) -> list[str]:
     versions = list_versions(storage, name)
     if version not in versions:
         raise DatasetError(f"dataset {name!r} has no version {version!r}")
@@ -326,11 +366,12 @@ def delete_version(storage: Storage, name: str, version: str) -> list[str]:
         raise DatasetError(f"{name}@{version} is part of the later snapshots {', '.join(versions[versions.index(version) + 1:])}; "
                            f"only the newest version ({versions[-1]}) can be deleted")
     v = resolve(storage, f"{name}@{version}")
+    files = v.file(v.manifest.files) if v.manifest.files else None  # checked to be inside, before any delete
     delete(join(v.path, MANIFEST))
     delete_dir(v.path)
-    if v.manifest.files:
-        delete_dir(v.file(v.manifest.files))
-    return [v.file(v.manifest.files)] if v.manifest.files else []
+    if files:
+        delete_dir(files)
+    return [files] if files else []
 
 
 def abandoned_run_files(storage: Storage, name: str, before_gen: int) -> list[str]:

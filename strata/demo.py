@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -25,9 +26,9 @@ from strata.storage import Storage, join
 def demo_corpus(storage: Storage) -> list[str]:
     """Inputs that need no download: the standard library's top-level modules,
     plus damaged and duplicated files that show the rejects and dedup accounting."""
-    # Outside the storage root: preprocessing refuses inputs that overlap it.
-    dirty = Path(tempfile.gettempdir(), "strata-demo-inputs")
-    dirty.mkdir(parents=True, exist_ok=True)
+    # Outside the storage root (preprocessing refuses inputs that overlap it), in a fresh private folder
+    # (mkdtemp: 0700, made by this call), so nothing planted in a shared temp dir is read or written.
+    dirty = Path(tempfile.mkdtemp(prefix="strata-demo-inputs-"))
     (dirty / "latin1.txt").write_bytes("caf\xe9 cr\xe8me br\xfbl\xe9e, written in Latin-1".encode("latin-1"))
     (dirty / "image.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)))
     (dirty / "notes.jsonl").write_text('{"text": "A line of JSON with enough text to keep."}\n'
@@ -75,9 +76,14 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["STRATA_STORAGE"] = storage.root  # the stages use the same root
     t0 = time.time()
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    inputs = [a for path in demo_corpus(storage) for a in ("--input", path)]
+    corpus = demo_corpus(storage)
+    inputs = [a for path in corpus for a in ("--input", path)]
     # A dataset per demo run: a rerun over unchanged inputs into one dataset would (rightly) make no version.
-    pre = stage("1/4 tier 1: preprocess", "pipelines.preprocess", *inputs, "--dataset", f"demo-{stamp}")
+    try:
+        pre = stage("1/4 tier 1: preprocess", "pipelines.preprocess", *inputs, "--dataset", f"demo-{stamp}",
+                    "--final")  # a one-off dataset: its last row padded, so every kept document is in it
+    finally:
+        shutil.rmtree(corpus[-1], ignore_errors=True)  # the damaged files' private folder
     dataset = f"{pre['dataset']}@{pre['version']}"
     cpus = str(os.cpu_count() or 1)
     tr = stage("2/4 tier 2: train", "train", "--dataset", dataset, "--preset", "debug",

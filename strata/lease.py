@@ -23,6 +23,7 @@ import threading
 import time
 import uuid
 
+from strata.shell import EXIT_BUSY, StrataError
 from strata.storage import create_exclusive, delete, join, list_dir, read_json, write_json_atomic
 
 DEFAULT_TTL_S = 60.0
@@ -31,15 +32,17 @@ HOST = socket.gethostname()
 _GEN_RE = re.compile(r"^g(\d{8})\.json$")
 
 
-class LeaseBusy(Exception):
+class LeaseBusy(StrataError):
     """Someone else holds the lease (and the caller would not wait)."""
+
+    exit_code = EXIT_BUSY
 
     def __init__(self, what: str, holder: dict):
         self.holder = holder
         super().__init__(f"{what} is in use by {describe(holder)}")
 
 
-class LeaseLost(Exception):
+class LeaseLost(StrataError):
     """The lease expired while held and another writer took it."""
 
 
@@ -89,6 +92,16 @@ def holder(directory: str) -> dict | None:
     return state if _live(state) else None
 
 
+def check_held(directory: str, gen: int, what: str) -> None:
+    """For a process that works under another's lease (a training worker under its driver's): raise
+    LeaseLost unless generation `gen` is still the newest and live, so nothing is committed once the
+    holder has lost it."""
+    gens = _generations(directory)
+    if not gens or gens[-1] != gen or not _live(_read(directory, gen)):
+        raise LeaseLost(f"the lease on {what} (generation {gen}) is no longer held: it ran out or another writer "
+                        "took it; nothing more is committed")
+
+
 class Lease:
     """`with Lease(dir, "dataset web").acquire(): ...` holds the lease for the block."""
 
@@ -99,6 +112,8 @@ class Lease:
         self.gen: int | None = None
         self.acquired_at = 0.0
         self.lost = False
+        self.valid_until = 0.0  # the last renewal's expiry: past it, this holder has lost the lease
+        self.error = ""  # the storage error that kept it from renewing, if that is how it was lost
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -116,8 +131,9 @@ class Lease:
             if _live(state):
                 return state
             self.acquired_at = time.time()
-            if create_exclusive(_path(self.directory, top + 1), json.dumps(self._state()).encode()):
-                self.gen = top + 1
+            state = self._state()
+            if create_exclusive(_path(self.directory, top + 1), json.dumps(state).encode()):
+                self.gen, self.valid_until = top + 1, state["expires_at"]
                 for old in gens[:-1]:  # keep the previous one: a reader may be looking at it
                     delete(_path(self.directory, old))
                 self._thread = threading.Thread(target=self._renew, daemon=True, name=f"lease {self.what}")
@@ -143,24 +159,38 @@ class Lease:
         return self
 
     def _renew(self) -> None:
-        while not self._stop.wait(self.ttl_s / 4):
-            if not self.check(raise_=False):
-                return
+        """Renew every ttl/4. A storage error (a failed listing or write) is retried with backoff; a holder
+        that could not renew before its lease ran out has lost it (another writer may hold it now), and
+        `check()` says so before its work commits anything."""
+        wait = self.ttl_s / 4
+        while not self._stop.wait(wait):
             try:
+                if not self.check(raise_=False):
+                    return
                 write_json_atomic(_path(self.directory, self.gen), self._state())
-            except OSError:
-                continue  # a transient storage error: try again at the next tick, before the ttl runs out
+                self.valid_until = time.time() + self.ttl_s
+                wait = self.ttl_s / 4
+            except Exception as e:  # noqa: BLE001 - any storage error: the lease is kept while time is left
+                if time.time() >= self.valid_until:
+                    self.lost = True
+                    self.error = f"{type(e).__name__}: {e}"
+                    return
+                wait = min(wait / 2, max(0.05, (self.valid_until - time.time()) / 4))  # sooner, before it runs out
 
     def check(self, raise_: bool = True) -> bool:
-        """Whether this writer still holds the lease (nobody took a later generation)."""
+        """Whether this writer still holds the lease: nobody took a later generation, and its last renewal
+        has not run out."""
         if self.gen is None or self.lost:
             ok = False
+        elif time.time() >= self.valid_until:
+            ok, self.lost = False, True
         else:
             ok = max(_generations(self.directory), default=0) == self.gen
             self.lost = not ok
         if not ok and raise_:
-            raise LeaseLost(f"lost the lease on {self.what}: it expired (no renewal for {self.ttl_s:.0f} s) "
-                            "and another writer took it")
+            why = f" (renewal kept failing: {self.error})" if self.error else ""
+            raise LeaseLost(f"lost the lease on {self.what}: it ran out (no renewal for {self.ttl_s:.0f} s){why}, so "
+                            "another writer may hold it; nothing more is committed")
         return ok
 
     def release(self) -> None:

@@ -74,6 +74,18 @@ def _png(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def under(path: str, root: str) -> bool:
+    """Whether `path` is inside `root`, however it is spelled (`..`, links)."""
+    import os
+    import posixpath
+
+    if "://" in root or "://" in path:
+        p, r = posixpath.normpath(path), posixpath.normpath(root)
+        return "://" in path and p.startswith(r + "/")
+    p, r = os.path.realpath(path), os.path.realpath(root)
+    return p.startswith(r + os.sep)
+
+
 def plots(r: dict, storage: Storage) -> dict[str, str]:
     """{title: base64 PNG}: loss, throughput over time, utilization over time, cost by node type."""
     import matplotlib
@@ -82,7 +94,7 @@ def plots(r: dict, storage: Storage) -> dict[str, str]:
     import matplotlib.pyplot as plt
 
     out = {}
-    metrics, launches = _train_metrics(r)
+    metrics, launches = _train_metrics(r, storage.root)
     if metrics:
         fig, ax = plt.subplots(figsize=(6.4, 3.6))
         ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], label="train loss")
@@ -128,10 +140,10 @@ def plots(r: dict, storage: Storage) -> dict[str, str]:
     return out
 
 
-def _train_metrics(r: dict) -> tuple[list[dict], list[int]]:
+def _train_metrics(r: dict, root: str) -> tuple[list[dict], list[int]]:
     """Every log point of the run up to this record's end, every launch's (a continued run plots its
     whole history), and the step each launch started at."""
-    if r["kind"] != "train":
+    if r["kind"] != "train" or not under(r["outputs"], root):
         return [], []
     rows = [m for m in read_jsonl(join(r["outputs"], "metrics.jsonl")) if m.get("time", 0) <= r["ended_at"] + 5]
     starts = [m["start_step"] for m in rows if m.get("event") == "start"]
@@ -158,9 +170,12 @@ td{{padding:0.2em 1em;vertical-align:top}}img{{max-width:100%}}</style></head><b
 
 
 def report(ref: str, storage: Storage, out: str | None = None) -> tuple[str, str]:
-    """(terminal summary, path of the HTML page written)."""
+    """(terminal summary, path of the HTML page written): `out`, else beside the run's outputs when they
+    lie under the storage root (a record is data read back from storage: where it says the outputs are
+    is not trusted), else in the root's reports/."""
     r = find_record(storage, ref)
-    path = out or join(r["outputs"], f"report-{r['kind']}-{r['name']}.html")
+    name = f"report-{r['kind']}-{r['name']}.html"
+    path = out or (join(r["outputs"], name) if under(r["outputs"], storage.root) else join(storage.root, "reports", name))
     write_bytes_atomic(path, html_page(r, plots(r, storage)).encode())
     return summary(r), path
 

@@ -20,12 +20,14 @@ import hmac
 import os
 import secrets
 
+from strata.shell import StrataError
+
 KEY_ENV = "STRATA_SIGNING_KEY"
 TOKEN_FILES = ("~/.strata/ray-token", "~/.ray/auth_token")
 LOCAL_KEY = "~/.strata/signing-key"
 
 
-class Untrusted(Exception):
+class Untrusted(StrataError):
     """A file that would be unpickled is not signed with this cluster's key."""
 
 

@@ -40,6 +40,19 @@ def readme_command(prefix: str) -> str:
     return " ".join(found[0].split())
 
 
+def write_checkpoint(dest, model, step: int, meta: dict, optimizer=None) -> str:
+    """A checkpoint as training writes it (train.checkpoint.AsyncCheckpointer, in one process), at `dest`."""
+    import torch
+
+    from train.checkpoint import AsyncCheckpointer
+
+    checkpointer = AsyncCheckpointer(model, optimizer or torch.optim.AdamW(model.parameters()), 0)
+    checkpointer.start(step, meta)
+    _, local = checkpointer.take()
+    shutil.move(local, str(dest))
+    return str(dest)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

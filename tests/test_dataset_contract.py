@@ -238,11 +238,14 @@ def test_incompatible_dataset_is_refused_with_reasons(tmp_path):
         check_compatible(v, vocab_size=100, seq_len=8)
 
 
-def test_token_dtype_is_the_smallest_that_fits():
-    assert token_dtype(256) == "uint8"
+def test_token_dtype_is_the_smallest_that_fits_the_ids_and_the_pad():
+    from strata.dataset import pad_value
+
+    assert token_dtype(255) == "uint8" and token_dtype(256) == "uint16"  # id 255 would be the pad
     assert token_dtype(257) == "uint16"
-    assert token_dtype(65536) == "uint16"
-    assert token_dtype(65537) == "uint32"
+    assert token_dtype(65535) == "uint16" and token_dtype(65536) == "uint32"
+    for vocab in (255, 257, 50257, 65535, 65536):
+        assert pad_value(token_dtype(vocab)) >= vocab  # above every id
 
 
 def test_names_and_storage_root(tmp_path, monkeypatch):
@@ -254,3 +257,82 @@ def test_names_and_storage_root(tmp_path, monkeypatch):
     assert storage_root() == str(tmp_path / "x")
     assert storage_root("s3://bucket/root/") == "s3://bucket/root"
     assert Storage("s3://b/r").dataset("d") == "s3://b/r/datasets/d"
+
+
+def test_delete_waits_for_no_run_and_a_run_whose_parent_went_commits_nothing(any_root):
+    """`datasets delete` under a run building on the newest version is refused; a run whose parent version
+    disappears anyway (deleted by an older strata, by hand) commits nothing instead of losing documents."""
+    storage = Storage(any_root)
+    commit(storage, "ds", *_stage(storage, "ds"))
+    run = Lease(storage.dataset("ds"), "dataset ds", purpose="preprocess").acquire()
+    with pytest.raises(LeaseBusy, match="dataset ds is in use by .*preprocess"):
+        delete_version(storage, "ds", "v0001")
+    assert list_versions(storage, "ds") == ["v0001"]
+    files, fields = _stage(storage, "ds", gen=run.gen)
+    run.release()
+    delete_version(storage, "ds", "v0001")  # now nobody holds it
+    with pytest.raises(DatasetError, match="ds@v0001, the version this run deduplicated against, was deleted"):
+        commit(storage, "ds", files, fields, built_on="v0001")
+    assert list_versions(storage, "ds") == []
+
+
+def test_a_manifest_naming_paths_outside_its_dataset_is_refused_before_anything_is_deleted(tmp_path):
+    storage = Storage(str(tmp_path / "root"))
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine")
+    v = commit(storage, "ds", *_stage(storage, "ds"))
+    manifest = join(v.path, MANIFEST)
+    import json
+
+    for planted in ("../../../precious", "/etc", "s3://elsewhere/x", "data/../../../../precious"):
+        with open(manifest) as f:
+            m = json.load(f)
+        m["files"] = planted
+        with open(manifest, "w") as f:
+            json.dump(m, f)
+        with pytest.raises(DatasetError, match="not a path inside the dataset|leads outside the dataset"):
+            delete_version(storage, "ds", "v0001")
+        assert (outside / "keep.txt").read_text() == "mine"
+    os.symlink(outside, os.path.join(v.root, "data", "escape"))  # a link inside the dataset, to outside
+    m["files"] = "data/escape"
+    with open(manifest, "w") as f:
+        json.dump(m, f)
+    with pytest.raises(DatasetError, match="leads outside the dataset"):
+        delete_version(storage, "ds", "v0001")
+    assert (outside / "keep.txt").read_text() == "mine"
+
+
+def test_a_lease_survives_storage_errors_and_its_holder_stops_when_it_cannot_renew(tmp_path, monkeypatch):
+    """One failed listing (the red team's case) does not end renewal; a holder whose renewals fail until
+    its lease runs out has lost it, and says so before it commits."""
+    import strata.lease as lease_mod
+
+    d = str(tmp_path / "ds")
+    real_list, real_write = lease_mod.list_dir, lease_mod.write_json_atomic
+    failures = {"list": 1, "write": 0}
+
+    def flaky_list(path):
+        if failures["list"] > 0:
+            failures["list"] -= 1
+            raise OSError("connection reset by peer (injected)")
+        return real_list(path)
+
+    def flaky_write(path, obj):
+        if failures["write"] > 0:
+            raise OSError("service unavailable (injected)")
+        return real_write(path, obj)
+
+    held = Lease(d, "dataset ds", ttl_s=1.2).acquire()
+    monkeypatch.setattr(lease_mod, "list_dir", flaky_list)
+    monkeypatch.setattr(lease_mod, "write_json_atomic", flaky_write)
+    time.sleep(2.5)  # two ttls: renewal must have gone on after the failed listing
+    assert failures["list"] == 0 and held.check() and held._thread.is_alive()
+    with pytest.raises(LeaseBusy):
+        Lease(d, "dataset ds").acquire(wait=False)  # still held: nobody else gets in
+    failures["write"] = 1  # from now on every renewal fails
+    time.sleep(2.0)
+    assert not held._thread.is_alive()
+    with pytest.raises(LeaseLost, match="renewal kept failing: OSError: service unavailable"):
+        held.check()
+    held.release()

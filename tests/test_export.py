@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import write_checkpoint
 
 from strata.dataset import DatasetError
 from strata.storage import Storage
 from strata.tokenizer import ByteTokenizer
-from train.checkpoint import sign_checkpoint
+from train.checkpoint import sign_files
 from train.export import export, main
 from train.model import GPT, preset
 from train.sample import load as load_for_sampling
@@ -28,12 +29,9 @@ def checkpoint(tmp_path):
         for name, p in model.named_parameters():
             if name.startswith(("blocks.0.ln", "ln_f")):
                 p.add_(torch.randn_like(p) * 0.1)  # norms away from (1, 0)
-    d = tmp_path / "checkpoint-00000007"
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(d), no_dist=True)
-    sign_checkpoint(str(d))
-    (d / "meta.json").write_text(json.dumps({"step": 7, "model_config": asdict(cfg),
-                                             "tokenizer": asdict(ByteTokenizer().info())}))
-    return str(d), model
+    d = write_checkpoint(tmp_path / "checkpoint-00000007", model, 7,
+                         {"model_config": asdict(cfg), "tokenizer": asdict(ByteTokenizer().info())})
+    return d, model
 
 
 def test_export_writes_safetensors_and_a_gpt2_config(tmp_path, checkpoint):
@@ -156,9 +154,9 @@ def untied_checkpoint(tmp_path):
     model.head.weight = torch.nn.Parameter(torch.randn_like(model.wte.weight) * 0.02)
     d = tmp_path / "checkpoint-00000005"
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(d), no_dist=True)
-    sign_checkpoint(str(d))
     (d / "meta.json").write_text(json.dumps({"step": 5, "model_config": asdict(cfg),
                                              "tokenizer": asdict(ByteTokenizer().info())}))
+    sign_files(str(d), 0)
     return str(d)
 
 

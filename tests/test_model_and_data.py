@@ -284,3 +284,37 @@ def test_mixed_batches_resume_exactly_and_wrap_around(shards):
     resumed = mixed.from_step(17)
     for k in range(17, 30):
         assert np.array_equal(next(resumed), straight[k])
+
+
+def test_the_fused_loss_leaves_padding_out_as_cross_entropy_ignores_it():
+    """Padding targets (train.loop.IGNORE) count in neither the mean nor the gradient."""
+    from train.loop import IGNORE
+    from train.model import linear_cross_entropy
+
+    torch.manual_seed(0)
+    h = torch.randn(37, 16, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (37,))
+    targets[30:] = IGNORE
+    ours = linear_cross_entropy(h, w, targets, chunk=8)
+    ours.backward()
+    grads = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    theirs = torch.nn.functional.cross_entropy(h @ w.t(), targets, ignore_index=IGNORE)
+    theirs.backward()
+    torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(grads[0], h.grad)
+    torch.testing.assert_close(grads[1], w.grad)
+    assert grads[0][30:].abs().sum() == 0
+
+
+def test_padded_rows_are_masked_by_their_pad_value():
+    import numpy as np
+
+    from strata.dataset import pad_value
+    from train.loop import IGNORE, to_xy
+
+    rows = np.array([[5, 6, 7, 8, 9], [1, 2, 3, pad_value("uint16"), pad_value("uint16")]], dtype=np.uint16)
+    x, y = to_xy(rows, torch.device("cpu"))
+    assert y.tolist() == [[6, 7, 8, 9], [2, 3, IGNORE, IGNORE]]
+    assert x.tolist() == [[5, 6, 7, 8], [1, 2, 3, 0]]

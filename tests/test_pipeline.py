@@ -31,7 +31,7 @@ def test_every_document_is_accounted_for(dataset, corpus):
         sum(corpus[k].values()) for k in ("rejected", "filtered", "duplicate"))
     assert dataset["reasons"] == {**{f"{kind}:{k}": v for kind in ("rejected", "filtered", "duplicate")
                                      for k, v in corpus[kind].items()},
-                                  **({"unpacked:tail": d["unpacked"]} if d["unpacked"] else {})}
+                                  **({"unpacked:carried": d["unpacked"]} if d["unpacked"] else {})}
     assert dataset["stats"]["duplicate"] == corpus["duplicate"]
 
 
@@ -61,7 +61,7 @@ def test_version_is_committed_with_a_complete_manifest(dataset, corpus):
     with open(v.file(m.rejects)) as f:
         rejects = json.load(f)
     assert rejects["counts"] == dataset["reasons"]
-    assert set(rejects["samples"]) == set(dataset["reasons"]) - {"unpacked:tail"}  # every reject has samples
+    assert set(rejects["samples"]) == set(dataset["reasons"]) - {"unpacked:carried"}  # every reject has samples
     assert all(s["doc_id"].startswith(corpus["path"]) for v_ in rejects["samples"].values() for s in v_)
 
 
@@ -431,3 +431,10 @@ def test_decontamination_index_scales_to_a_million_ngrams(tmp_path):
     ws = text.split()
     assert rule.match("intro " + " ".join(ws[500_000:500_013]) + " outro") == str(tmp_path / "big.txt")
     assert rule.match(" ".join(ws[500_000:500_012])) is None  # 12 words are not an n-gram of 13
+
+
+def test_the_memory_figure_counts_the_dedup_index_actors(dataset):
+    """The index actors hold every key of every version: their peak is in the run's memory figure."""
+    stats = dataset["stats"]
+    assert stats["peak_index_rss_mb"] > 0
+    assert stats["peak_worker_rss_mb"] >= stats["peak_index_rss_mb"]

@@ -1,6 +1,7 @@
 """cluster.yaml and platform/, checked offline: Ray's own validation, KubeRay's CRD schemas
 (strict: an unknown or misspelt field is an error), and the rules strata relies on."""
 
+import copy
 import os
 import re
 import subprocess
@@ -165,6 +166,7 @@ def test_the_kuberay_cluster_matches_cluster_yaml(cluster, manifests):
     assert spec["authOptions"]["mode"] == "token"
     assert spec["rayVersion"] == "2.60.0"
     assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    assert spec["headGroupSpec"]["rayStartParams"]["dashboard-host"] == "127.0.0.1"  # the job API on loopback
     assert spec["headGroupSpec"].get("serviceType", "ClusterIP") == "ClusterIP"
     types = cluster["available_node_types"]
     assert spec["headGroupSpec"]["labels"] == types[cluster["head_node_type"]]["labels"]
@@ -210,7 +212,6 @@ def test_jobs_and_schedules_run_real_commands_on_the_strata_cluster(manifests):
     import shlex
 
     helps: dict = {}
-    name = manifests["raycluster.yaml"]["metadata"]["name"]
     secret = manifests["raycluster.yaml"]["spec"]["authOptions"]["secretName"]
     seen = set()
     for fname, m in manifests.items():
@@ -220,7 +221,12 @@ def test_jobs_and_schedules_run_real_commands_on_the_strata_cluster(manifests):
             job = m["spec"]["jobTemplate"]
         else:
             continue
-        assert job["clusterSelector"] == {"ray.io/cluster": name}, fname
+        # Its own cluster, the strata cluster's spec; the submitter beside the head, on its loopback: the token
+        # never crosses the pod network.
+        assert job["submissionMode"] == "SidecarMode" and "clusterSelector" not in job, fname
+        cluster_spec = copy.deepcopy(job["rayClusterSpec"])
+        assert cluster_spec["headGroupSpec"]["template"]["spec"].pop("restartPolicy") == "Never", fname
+        assert cluster_spec == manifests["raycluster.yaml"]["spec"], f"{fname}: not raycluster.yaml's cluster"
         assert "jobId" not in job, f"{fname}: a fixed jobId makes the second run fail"
         seen.add(_check_command(shlex.split(job["entrypoint"]), helps))
         assert "STRATA_STORAGE" in yaml.safe_load(job["runtimeEnvYAML"])["env_vars"], fname

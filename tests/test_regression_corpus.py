@@ -146,7 +146,7 @@ def test_every_good_document_is_in_the_shards_once_and_every_bad_record_is_count
     out = run(debug("regress", read={"inputs": (str(root),), "split_bytes": 64 << 10, "max_record_bytes": CAP},
                     pack={"seq_len": 2 * (DOC_BYTES + 1) - 1}), Storage.from_env())
     d = out["documents"]
-    assert {k: v for k, v in out["reasons"].items() if k != "unpacked:tail"} == dict(c.reasons)
+    assert {k: v for k, v in out["reasons"].items() if k != "unpacked:carried"} == dict(c.reasons)
     assert d["read"] == c.records
     assert d["kept"] + d["unpacked"] == len(c.variants)
 

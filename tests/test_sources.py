@@ -351,9 +351,88 @@ def test_symbolic_link_loops_are_followed_once(tmp_path):
     os.symlink(tmp_path / "elsewhere", tmp_path / "in" / "linked")  # a linked directory is read
     os.symlink(tmp_path / "in" / "a" / "one.jsonl", tmp_path / "in" / "again.jsonl")  # a second path to one file
     os.symlink(tmp_path / "nowhere", tmp_path / "in" / "dangling.jsonl")
-    found = [f["path"] for f in list_inputs([str(tmp_path / "in")])]
+    skipped = []
+    found = [f["path"] for f in list_inputs([str(tmp_path / "in")], skipped=skipped)]
     real = sorted(os.path.realpath(p) for p in found)  # each file once, by whichever path came first
+    assert real == [str(tmp_path / "in" / "a" / "one.jsonl")], found  # the link out of the folder is not read
+    assert sorted(skipped) == [str(tmp_path / "in" / n) for n in ("dangling.jsonl", "linked")]
+    found = [f["path"] for f in list_inputs([str(tmp_path / "in")], follow_links=True)]
+    real = sorted(os.path.realpath(p) for p in found)
     assert real == [str(tmp_path / "elsewhere" / "two.jsonl"), str(tmp_path / "in" / "a" / "one.jsonl")], found
+
+
+def test_links_and_globs_never_reach_the_storage_root_or_a_secret(tmp_path):
+    """The red team's inputs: a folder with links into the storage root and to a credentials file, and globs
+    and URIs that spell the root another way."""
+    root = tmp_path / "store"
+    (root / "datasets" / "web" / "v0001").mkdir(parents=True)
+    (root / "datasets" / "web" / "v0001" / "manifest.json").write_text('{"text": "a manifest, not input"}')
+    (tmp_path / "home" / ".aws").mkdir(parents=True)
+    (tmp_path / "home" / ".aws" / "credentials.txt").write_text("aws_secret_access_key = hunter2hunter2")
+    inp = tmp_path / "in"
+    inp.mkdir()
+    (inp / "good.txt").write_text("a document")
+    os.symlink(root / "datasets", inp / "datasets")
+    os.symlink(tmp_path / "home" / ".aws" / "credentials.txt", inp / "notes.txt")
+    skipped = []
+    files = list_inputs([str(inp)], skipped=skipped)
+    assert [os.path.basename(f["path"]) for f in files] == ["good.txt"]
+    assert sorted(os.path.basename(p) for p in skipped) == ["datasets", "notes.txt"]
+    followed = list_inputs([str(inp)], follow_links=True)
+    with pytest.raises(ValueError, match="inside the storage root"):
+        check_outside([str(inp)], str(root), followed)  # even when asked to follow links, never the root
+    for spelling in (f"{root}/dat[a]/**", f"{tmp_path}/stor?", f"file://{root}/datasets", f"{root}/../store/*"):
+        with pytest.raises(ValueError, match="storage root"):
+            check_outside([spelling], str(root))
+    check_outside([str(inp)], str(root), files)
+
+
+def test_rejected_binary_bytes_are_summarised_never_copied(tmp_path):
+    key = bytes(range(256)) * 4 + b"\x00PRIVATE"
+    (tmp_path / "id_key.txt").write_bytes(key)
+    (tmp_path / "latin.txt").write_bytes("caf\xe9 secret 12345".encode("latin-1"))
+    (tmp_path / "lines.jsonl").write_text('{"text": "ok"}\n{broken json line\n')
+    rows = {os.path.basename(r["doc_id"].rsplit(":", 1)[0]): r for p in ("id_key.txt", "latin.txt", "lines.jsonl")
+            for r in records(tmp_path / p) if r["status"] == "rejected"}
+    assert rows["id_key.txt"]["reason"] == "binary" and "PRIVATE" not in rows["id_key.txt"]["sample"]
+    assert rows["id_key.txt"]["sample"].startswith(f"<{len(key):,} bytes, sha256 ")
+    assert "secret" not in rows["latin.txt"]["sample"]
+    assert rows["lines.jsonl"]["sample"] == "{broken json line"  # text stays readable
+
+
+def test_deep_json_nesting_is_a_malformed_line_not_a_crash(tmp_path):
+    (tmp_path / "deep.jsonl").write_text('{"text": "before"}\n' + "[" * 100_000 + "\n" + '{"text": "after"}\n')
+    (tmp_path / "deep.json").write_text("[" * 100_000)
+    assert statuses(records(tmp_path / "deep.jsonl")) == [("ok", ""), ("rejected", "malformed-json"), ("ok", "")]
+    assert statuses(records(tmp_path / "deep.json")) == [("rejected", "malformed-json")]
+
+
+def test_dictionary_encoded_text_is_read(tmp_path):
+    texts = ["the same text", "another one", "the same text"]
+    pq.write_table(pa.table({"text": pa.array(texts).dictionary_encode()}), tmp_path / "dict.parquet")
+    pq.write_table(pa.table({"text": pa.array(texts, pa.large_string()).dictionary_encode()}), tmp_path / "big.parquet")
+    for name in ("dict.parquet", "big.parquet"):
+        assert [r["text"] for r in records(tmp_path / name)] == texts
+
+
+def test_a_corrupt_parquet_costs_its_damaged_row_groups_and_is_never_retried(tmp_path):
+    """Flipped bytes in a page, or a broken footer, are the file's own damage: counted corrupt-file, the rest
+    of the file (and its other row groups) kept, and no I/O retry (which would fail the run)."""
+    texts = [f"doc {i} " + "word " * 40 for i in range(4000)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "good.parquet", row_group_size=1000, compression="snappy")
+    data = bytearray((tmp_path / "good.parquet").read_bytes())
+    meta = pq.ParquetFile(tmp_path / "good.parquet").metadata
+    second = meta.row_group(1).column(0)
+    for i in range(second.data_page_offset, second.data_page_offset + 16):
+        data[i] ^= 0x5A  # the second row group's first page header
+    (tmp_path / "page.parquet").write_bytes(bytes(data))
+    (tmp_path / "footer.parquet").write_bytes(bytes(data[:-12]) + b"\xff" * 8 + b"PAR1")
+    rows = records(tmp_path / "page.parquet", read_retries=0)  # an I/O error would raise at once
+    good = [r["text"] for r in rows if r["status"] == "ok"]
+    assert good == texts[:1000] + texts[2000:]
+    assert statuses([r for r in rows if r["status"] != "ok"]) == [("rejected", "corrupt-file")]
+    assert "row group 1 (1,000 rows)" in next(r["sample"] for r in rows if r["status"] != "ok")
+    assert statuses(records(tmp_path / "footer.parquet", read_retries=0)) == [("rejected", "corrupt-file")]
 
 
 def test_an_input_that_overlaps_the_storage_root_is_refused(tmp_path):

@@ -79,9 +79,34 @@ def test_ddp_run_checkpoints_and_a_rerun_continues(local_ray, dataset, capfd):
     from strata.report import _train_metrics, html_page, plots
 
     record = find_record(storage, "train/ddp")
-    rows, launches = _train_metrics(record)
+    rows, launches = _train_metrics(record, storage.root)
     assert launches == [0, 6, 8] and {1, 6, 10, 12} <= {r["step"] for r in rows}
     assert "Loss, all 3 launches" in html_page(record, plots(record, storage))
+
+    # The red team's repro: a pickle that would run code, written over the start of a shard. Continuing the run
+    # refuses the checkpoint, naming the file, and the pickle never runs.
+    import pickle
+
+    from strata.signing import Untrusted
+
+    marker = os.path.join(third["path"], "pwned")
+    payload = pickle.dumps(_Payload(marker))
+    shard = os.path.join(third["checkpoint"], "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.write(payload)
+    with pytest.raises(Untrusted, match="__0_0.distcp does not match its signed SHA-256"):
+        run(model, _cfg(14), dataset=ref, run_name="ddp", storage=storage, workers=2, use_gpu=False, max_failures=0)
+    assert not os.path.exists(marker), "the planted pickle ran"
+
+
+class _Payload:
+    """Unpickled, it creates `marker`."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
 
 
 @pytest.mark.slow
@@ -262,3 +287,60 @@ def test_bf16_fsdp2_runs_on_cpu(local_ray, dataset):
     assert out["strategy"] == "fsdp" and out["steps"] == 3 and math.isfinite(out["last_loss"])
     start = next(r for r in read_jsonl(os.path.join(out["path"], "metrics.jsonl")) if r.get("event") == "start")
     assert start["bf16"] is True and start["strategy"] == "fsdp"
+
+
+def test_a_continued_run_keeps_its_learning_rate_schedule_unless_rescheduled():
+    """Continuing with a longer --max-steps once stretched the cosine under the run (the rate jumped from
+    0.00287 to 0.00197 at step 76); now it keeps the schedule it started with, unless --reschedule."""
+    from dataclasses import asdict
+
+    from train.loop import lr_at
+    from train.trainer import _check_continuation
+
+    model = preset("debug", n_layer=1, n_embd=32, n_head=2)
+    first = _cfg(100, warmup_steps=10)
+    before = {"train": asdict(first)}
+    longer = _check_continuation(before, "r", model, _cfg(200, warmup_steps=10), "hash", False)
+    assert longer.schedule_steps == 100 and longer.max_steps == 200
+    assert [lr_at(s, longer) for s in range(100)] == [lr_at(s, first) for s in range(100)]
+    assert lr_at(150, longer) == pytest.approx(first.lr * first.min_lr_ratio)
+    again = _check_continuation({"train": asdict(longer)}, "r", model, _cfg(300, warmup_steps=10), "hash", False)
+    assert again.schedule_steps == 100  # the third launch still keeps the first one's schedule
+    stretched = _check_continuation(before, "r", model, _cfg(200, warmup_steps=10), "hash", False, reschedule=True)
+    assert stretched.schedule_steps == 0 and lr_at(76, stretched) > lr_at(76, first)
+
+
+@pytest.mark.slow
+def test_a_run_that_lost_its_lease_commits_no_more_checkpoints(local_ray, dataset, monkeypatch):
+    """Another writer takes the run's lease while it trains (its holder stalled past the ttl): the workers see
+    it before their next checkpoint commit, and the run fails saying so, with nothing more committed."""
+    import time
+
+    from strata.lease import LeaseLost, _generations, _path
+    from strata.storage import create_exclusive
+
+    monkeypatch.setenv("STRATA_LEASE_TTL_S", "4")
+    storage = Storage.from_env()
+    run_dir = storage.run("usurped")
+    model = preset("debug", n_layer=1, n_embd=32, n_head=2)
+    outcome = {}
+
+    def train():
+        try:
+            outcome["summary"] = run(model, _cfg(400, checkpoint_every=2, log_every=1), dataset=dataset["ref"],
+                                     run_name="usurped", storage=storage, use_gpu=False, max_failures=0)
+        except BaseException as e:  # noqa: BLE001 - looked at below
+            outcome["error"] = e
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    wait_for(lambda: committed_checkpoints(run_dir), "a first checkpoint", timeout=300)
+    gen = _generations(run_dir)[-1]
+    taker = {"owner": "another host pid 1", "host": "elsewhere", "pid": 1, "acquired_at": time.time(),
+             "renewed_at": time.time(), "expires_at": time.time() + 600, "released": False}
+    assert create_exclusive(_path(run_dir, gen + 1), json.dumps(taker).encode())
+    taken_at = max(int(os.path.basename(c).split("-")[1]) for c in committed_checkpoints(run_dir))
+    thread.join(timeout=300)
+    assert isinstance(outcome.get("error"), LeaseLost), outcome
+    committed = [int(os.path.basename(c).split("-")[1]) for c in committed_checkpoints(run_dir)]
+    assert max(committed) <= taken_at + 2, (committed, taken_at)  # at most the one already handed over

@@ -66,6 +66,8 @@ def _main(cmd: Command) -> dict:
     parser.add_argument("--max-failures", type=int, default=2, help="worker-group restarts from checkpoint")
     parser.add_argument("--allow-change", action="store_true", help="continue a run on another dataset or "
                         f"with another data order ({', '.join(DATA_ORDER)})")
+    parser.add_argument("--reschedule", action="store_true", help="continuing with another --max-steps: decay the "
+                        "learning rate over the new length (by default a run keeps the schedule it started with)")
     parser.add_argument("--verbose", action="store_true", help="also show Ray's own logs (its workers', its "
                         "controller's); by default the driver prints one line per log point")
     add_config_arguments(parser, GPTConfig)
@@ -126,7 +128,7 @@ def _main(cmd: Command) -> dict:
                       workers=args.workers, use_gpu=args.use_gpu, cpus_per_worker=args.cpus_per_worker,
                       max_failures=args.max_failures, allow_change=args.allow_change,
                       allow_mixed_gpus=args.allow_mixed_gpus, gpu_wait_s=args.gpu_wait_s, init=init,
-                      verbose=args.verbose)
+                      verbose=args.verbose, reschedule=args.reschedule)
     except LeaseBusy as e:
         sys.exit(f"error: {e}: wait for it to end, or use another --run")
     except (DatasetError, ValueError, FileNotFoundError, PlacementError) as e:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.cli import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, check_fields
+from strata.lease import check_held
 from strata.storage import JsonlWriter
 from train.cadence import Cadence, Clock
 from train.checkpoint import AsyncCheckpointer
@@ -44,6 +45,9 @@ DDP_BYTES_PER_PARAM = 16 * 1.25
 class TrainConfig:
     max_steps: int = 200
     """Optimizer steps in total, counted across restarts."""
+    schedule_steps: int = 0
+    """Steps the learning rate decays over (0: max_steps). A continued run with another --max-steps keeps the
+    schedule it started with (then lr * min_lr_ratio) unless --reschedule."""
     batch_size: int = 0
     """Rows per worker per micro-batch; 0: sized for the device (`micro_batch_for`), kept across restarts."""
     grad_accum: int = 1
@@ -97,7 +101,7 @@ class TrainConfig:
             **dict.fromkeys(("max_steps", "grad_accum", "eval_every", "eval_batches", "log_every",
                              "keep_checkpoints"), AT_LEAST_ONE),
             "lr": POSITIVE, "min_lr_ratio": FRACTION,
-            **dict.fromkeys(("batch_size", "warmup_steps", "weight_decay", "grad_clip", "max_repeat",
+            **dict.fromkeys(("batch_size", "schedule_steps", "warmup_steps", "weight_decay", "grad_clip", "max_repeat",
                              "checkpoint_every", "checkpoint_every_s", "report_every_s", "drain_check_every_s",
                              "seed"), NON_NEGATIVE)})
 
@@ -172,10 +176,11 @@ def with_hyperparameters(config: dict, model: GPTConfig, train: TrainConfig) -> 
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup, then cosine decay to lr * min_lr_ratio at max_steps."""
+    """Linear warmup, then cosine decay to lr * min_lr_ratio at schedule_steps (or max_steps), then flat."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    total = cfg.schedule_steps or cfg.max_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -241,13 +246,22 @@ def grad_sync(model: torch.nn.Module, enabled: bool):
         yield
 
 
+IGNORE = -1  # a target the loss leaves out: the padding of a dataset's last row (`--final`)
+
+
 def to_xy(batch: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T+1) packed rows to inputs and next-token targets, each (B, T)."""
+    """(B, T+1) packed rows to inputs and next-token targets, each (B, T). The pad value of the rows' type
+    (strata.dataset.pad_value), which fills the end of a padded row, is never a target (IGNORE) and as an
+    input reads as id 0 (after the row's last token: causal attention keeps it out of every real target)."""
     t = torch.from_numpy(batch.astype(np.int64))
     if device.type == "cuda":
         t = t.pin_memory()
     t = t.to(device, non_blocking=True)
-    return t[:, :-1], t[:, 1:]
+    x, y = t[:, :-1], t[:, 1:]
+    if batch.dtype.kind == "u":
+        pad = int(np.iinfo(batch.dtype).max)
+        x, y = x.masked_fill(x == pad, 0), y.masked_fill(y == pad, IGNORE)
+    return x, y
 
 
 def train_step(model, optimizer, micro_batches: list[np.ndarray], lr: float, cfg: TrainConfig, device,
@@ -296,9 +310,10 @@ def evaluate(model: torch.nn.Module, batches: list[np.ndarray], device, bf16: bo
             # Per-target losses, a few rows at a time: at most ~2^26 logits (256 MB in fp32) alive at once.
             rows = max(1, (1 << 26) // (x.shape[1] * model.cfg.vocab_size))
             nll = torch.cat([F.cross_entropy(model(x[i:i + rows]).float().flatten(0, 1), y[i:i + rows].flatten(),
-                                             reduction="none") for i in range(0, len(x), rows)])
-            size = token_bytes[y.flatten()]
-            losses.append(nll.mean().item())
+                                             reduction="none", ignore_index=IGNORE) for i in range(0, len(x), rows)])
+            valid = y.flatten() != IGNORE
+            size = token_bytes[y.flatten().clamp(min=0)] * valid
+            losses.append((nll.sum() / valid.sum().clamp(min=1)).item())
             nats += (nll * (size > 0)).sum().item()
             nbytes += int(size.sum().item())
     model.train()
@@ -564,6 +579,8 @@ def _checkpoint(checkpointer: AsyncCheckpointer, decision, done: int, metrics: d
                                   "tokenizer_definition": config.get("tokenizer_definition")})
         if decision.reason in ("end", "preemption"):  # must be registered before the run ends or the node goes
             handover.append((*checkpointer.take(), True))
+    if handover and config.get("lease"):  # every rank, so all of them stop together: report is a barrier
+        check_held(config["run_dir"], config["lease"]["gen"], config["lease"]["what"])
     return handover
 
 

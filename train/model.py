@@ -201,7 +201,8 @@ LOSS_CHUNK_ROWS = 4096  # rows of logits materialized at a time by linear_cross_
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          chunk: int = LOSS_CHUNK_ROWS) -> torch.Tensor:
-    """Mean cross-entropy of the logits `h @ weight.T` (h: (N, C), weight: (V, C)) against targets (N,)."""
+    """Mean cross-entropy of the logits `h @ weight.T` (h: (N, C), weight: (V, C)) against targets (N,);
+    a negative target (train.loop.IGNORE: padding) is left out of the mean and gets no gradient."""
     return _LinearCrossEntropy.apply(h, weight, targets, chunk)
 
 
@@ -213,21 +214,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, targets, chunk):
-        n = h.size(0)
         device = h.device.type
         mm = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
         w = weight.to(mm)
+        n = (targets >= 0).sum().clamp(min=1).float()  # the targets that count: a tensor (no device sync)
         loss = torch.zeros((), device=h.device, dtype=torch.float32)
         grad_h = torch.empty(h.shape, device=h.device, dtype=h.dtype)
         grad_w = torch.zeros(weight.shape, device=h.device, dtype=torch.float32)
-        for i in range(0, n, chunk):
+        for i in range(0, h.size(0), chunk):
             hc, tc = h[i:i + chunk].to(mm), targets[i:i + chunk]
+            valid = (tc >= 0)[:, None]  # (c, 1)
+            tc = tc.clamp(min=0)
             logits = (hc @ w.t()).float()  # (c, V)
             lse = torch.logsumexp(logits, dim=-1)
-            loss += (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
+            loss += ((lse - logits.gather(1, tc[:, None]).squeeze(1)) * valid.squeeze(1)).sum()
             g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
             g[torch.arange(len(tc), device=g.device), tc] -= 1.0
-            g = (g / n).to(mm)  # d(mean loss)/d(logits)
+            g = (g * valid / n).to(mm)  # d(mean loss)/d(logits); none for an ignored target
             grad_h[i:i + chunk] = (g @ w).to(h.dtype)
             grad_w += (g.t() @ hc).float()
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))

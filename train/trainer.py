@@ -17,6 +17,7 @@ from strata.dataset import DatasetError, check_compatible
 from strata.lease import Lease
 from strata.records import write_record
 from strata.runinfo import run_info
+from strata.shell import StrataError
 from strata.storage import (
     Storage,
     basename,
@@ -30,7 +31,7 @@ from strata.storage import (
 )
 from strata.tokenizer import from_info
 from train import mixture
-from train.checkpoint import check_tied, committed_checkpoints, forget_missing, read_meta
+from train.checkpoint import check_checkpoint, committed_checkpoints, forget_missing, read_meta
 from train.loop import (
     TrainConfig,
     train_loop_per_worker,
@@ -48,7 +49,8 @@ def read_metrics(run_dir: str) -> list[dict]:
 def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name: str, storage: Storage,
         workers: int | None = None, use_gpu: bool | None = None, cpus_per_worker: float = 1,
         max_failures: int = 2, allow_change: bool = False, allow_mixed_gpus: bool = False,
-        gpu_wait_s: float = 900.0, init: tuple[str, dict] | None = None, verbose: bool = False) -> dict:
+        gpu_wait_s: float = 900.0, init: tuple[str, dict] | None = None, verbose: bool = False,
+        reschedule: bool = False) -> dict:
     """Train (or continue) run `run_name`, holding the run's lease: one writer per run. `init` is
     (source, weights) to start from (train.pretrained) when the run has no checkpoint yet."""
     run_dir = storage.run(run_name)
@@ -58,15 +60,17 @@ def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name:
             check_compatible(v, vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
         if train_cfg.max_repeat and train_cfg.batch_size and workers:
             _check_repeats(sources, train_cfg, workers)
-    with Lease(run_dir, f"training run {run_name}", purpose="train").acquire(wait=False):
-        return _run_leased(model_cfg, train_cfg, dataset=dataset, run_name=run_name, run_dir=run_dir,
+    with Lease(run_dir, f"training run {run_name}", purpose="train").acquire(wait=False) as lease:
+        return _run_leased(model_cfg, train_cfg, dataset=dataset, run_name=run_name, run_dir=run_dir, lease=lease,
                            storage=storage, workers=workers, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker,
                            max_failures=max_failures, allow_change=allow_change,
-                           allow_mixed_gpus=allow_mixed_gpus, gpu_wait_s=gpu_wait_s, init=init, verbose=verbose)
+                           allow_mixed_gpus=allow_mixed_gpus, gpu_wait_s=gpu_wait_s, init=init, verbose=verbose,
+                           reschedule=reschedule)
 
 
-def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, workers, use_gpu, cpus_per_worker,
-                max_failures, allow_change, allow_mixed_gpus, gpu_wait_s, init, verbose) -> dict:
+def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, lease, storage, workers, use_gpu,
+                cpus_per_worker, max_failures, allow_change, allow_mixed_gpus, gpu_wait_s, init, verbose,
+                reschedule) -> dict:
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -87,13 +91,13 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, wo
     m = version.manifest
     if launches:
         train_cfg = _check_continuation(launches[-1]["config"], run_name, model_cfg, train_cfg, m.tokenizer.hash,
-                                        allow_change)
+                                        allow_change, reschedule)
     if train_cfg.max_repeat and train_cfg.batch_size:
         _check_repeats(sources, train_cfg, workers)
     size = describe(model_cfg)
     resume_from = _newest_intact(run_dir)
     if resume_from:
-        check_tied(resume_from)
+        check_checkpoint(resume_from)
         what = f"continuing run {run_name} from step {read_meta(resume_from)['step']} ({resume_from})"
     else:
         what = f"{'restarting' if launches else 'starting'} run {run_name} (no checkpoint yet)"
@@ -111,6 +115,7 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, wo
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"model": asdict(model_cfg), "train": asdict(train_cfg), "run_dir": run_dir,
+                           "lease": {"what": f"training run {run_name}", "gen": lease.gen},
                            "sources": [_source(v, w) for v, w in sources],
                            "tokenizer": asdict(m.tokenizer), "tokenizer_definition": version.tokenizer_definition(),
                            "token_bytes": from_info(m.tokenizer, version.tokenizer_definition()).token_bytes().tolist(),
@@ -127,7 +132,12 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, storage, wo
     )
     started = time.time()
     with UsageMonitor() as usage:
-        result = fit(trainer, Progress(run_dir, train_cfg.max_steps, since=started))
+        try:
+            result = fit(trainer, Progress(run_dir, train_cfg.max_steps, since=started))
+        except ray.train.TrainingFailedError as e:
+            if refusal := _worker_refusal(e):
+                raise refusal from e
+            raise
     rows = read_jsonl(join(run_dir, "metrics.jsonl"))
     history = [r for r in rows if "loss" in r]
     mine = [h for h in history if h["time"] >= started]
@@ -182,6 +192,18 @@ def fit(trainer, progress: Progress):
     if "error" in box:
         raise box["error"]
     return box["result"]
+
+
+def _worker_refusal(e) -> Exception | None:
+    """What a worker refused, for a reason meant for the user (a checkpoint that fails its signatures, a
+    lease lost), as the one line it is."""
+    for failure in (getattr(e, "worker_failures", None) or {}).values():
+        cause = failure
+        while cause is not None and not isinstance(cause, StrataError):
+            cause = getattr(cause, "cause", None) or cause.__cause__
+        if cause is not None:
+            return type(cause)(str(cause).splitlines()[0])
+    return None
 
 
 def _source(version, weight: float) -> dict:
@@ -271,9 +293,10 @@ def _continued_dataset(before: dict, dataset: str, run_name: str, allow_change: 
 
 
 def _check_continuation(before: dict, run_name: str, model_cfg: GPTConfig, train_cfg: TrainConfig,
-                        tokenizer_hash: str, allow_change: bool) -> TrainConfig:
+                        tokenizer_hash: str, allow_change: bool, reschedule: bool = False) -> TrainConfig:
     """A run continues only with the model and tokenizer it started with, and, unless asked,
-    with the same data order; returns `train_cfg`, with the run's batch size when none is given."""
+    with the same data order and learning-rate schedule; returns `train_cfg`, with the run's batch size
+    when none is given and its schedule when --max-steps changed."""
     if before.get("model") and before["model"] != asdict(model_cfg):
         changed = sorted(k for k, v in asdict(model_cfg).items() if before["model"].get(k) != v)
         raise ValueError(f"run {run_name} was started with another model ({', '.join(changed)} differ): "
@@ -289,7 +312,25 @@ def _check_continuation(before: dict, run_name: str, model_cfg: GPTConfig, train
     if changed and not allow_change:
         raise ValueError(f"run {run_name} would continue with another data order ({', '.join(changed)}): "
                          "pass --allow-change to continue anyway, or start a new --run")
-    return train_cfg
+    return _schedule(before.get("train", {}), run_name, train_cfg, reschedule)
+
+
+def _schedule(before: dict, run_name: str, train_cfg: TrainConfig, reschedule: bool) -> TrainConfig:
+    """The learning-rate schedule a continued run goes on with: the one it started with (the decay ends
+    where it ended, then the rate stays at its floor), so a longer --max-steps never moves the rate under
+    the run; --reschedule stretches the decay to the new --max-steps instead."""
+    if train_cfg.schedule_steps or "max_steps" not in before:
+        return train_cfg
+    started = before.get("schedule_steps") or before["max_steps"]
+    if reschedule or started == train_cfg.max_steps:
+        if reschedule and started != train_cfg.max_steps:
+            print(f"[train] run {run_name}: the learning rate now decays over {train_cfg.max_steps} steps, not "
+                  f"{started} (--reschedule)", file=sys.stderr)
+        return train_cfg
+    print(f"[train] run {run_name} keeps its learning-rate schedule: decay over its first {started} steps, then "
+          f"lr x min_lr_ratio to step {train_cfg.max_steps} (--reschedule decays over {train_cfg.max_steps})",
+          file=sys.stderr)
+    return replace(train_cfg, schedule_steps=started)
 
 
 def _newest_intact(run_dir: str) -> str | None:
