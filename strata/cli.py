@@ -44,7 +44,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple
             continue
         flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
         hint = hints[f.name]
-        kwargs: dict = {"dest": f.name, "default": argparse.SUPPRESS, "help": docs.get(f.name, "")}
+        kwargs: dict = {"dest": f.name, "default": argparse.SUPPRESS,
+                        "help": docs.get(f.name, "").replace("%", "%%")}  # argparse formats help with %
         if hint is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(hint) is tuple:

@@ -237,13 +237,13 @@ def test_a_huge_line_is_skipped_without_holding_it(tmp_path):
 
 
 def test_a_long_line_is_read_once_not_by_every_range_it_covers(tmp_path, monkeypatch):
-    """A 24 MB line cut into 2 MiB ranges: each range stops at its own end, the one where the line
+    """A 40 MB line cut into 2 MiB ranges: each range stops at its own end, the one where the line
     begins too, so the file is read about once (it used to be read 7 times: every range the line
     covered scanned to its end)."""
     from pipelines import sources
 
     with open(tmp_path / "a.jsonl", "wb") as f:
-        f.write(b'{"text": "before"}\n{"text": "' + b"y" * (24 << 20) + b'"}\n{"text": "after"}\n')
+        f.write(b'{"text": "before"}\n{"text": "' + b"y" * (40 << 20) + b'"}\n{"text": "after"}\n')
     size = os.path.getsize(tmp_path / "a.jsonl")
     read = []
     original = sources._Raw.readinto
