@@ -72,9 +72,16 @@ class CleanConfig:
     language_chars: int = 1000
     """With --languages: the characters of each document the detector reads (from its start)."""
     decontaminate: tuple[str, ...] = ()
-    """Evaluation files (text, JSONL, parquet): a document sharing an n-gram with any is filtered: contaminated."""
+    """Evaluation files (JSONL, JSON, parquet: every string of every record; text: the whole file): a document
+    sharing an n-gram with any is filtered: contaminated."""
     decontaminate_n: int = 13
     """With --decontaminate: words per n-gram (normalised: lowercase letters and digits)."""
+    decontaminate_fields: str = ""
+    """With --decontaminate: only these fields of the evaluation records, comma-separated; a dotted path names a
+    nested one (choices.text). Default: every string a record holds."""
+    decontaminate_min_words: int = 8
+    """With --decontaminate: an evaluation item shorter than an n-gram is matched whole when it has at least this
+    many words (a multiple-choice answer); shorter ones are too common to judge."""
 
     def __post_init__(self):
         fractions = [f.name for f in fields(self) if f.name.endswith(("_fraction", "_ratio", "_score"))]
@@ -83,6 +90,7 @@ class CleanConfig:
                                              "max_mean_word_length"), NON_NEGATIVE)})
         if self.decontaminate_n < 1:
             raise ValueError(f"decontaminate_n must be at least 1, not {self.decontaminate_n}")
+        check_fields(self, {"decontaminate_min_words": AT_LEAST_ONE})
         if self.languages not in (None, "*") and not all(c.strip().isalpha() for c in self.languages.split(",")):
             raise ValueError(f"languages must be comma-separated ISO 639 codes such as en,de, not {self.languages!r}")
         if self.normalization not in ("NFC", "NFKC", "none"):
@@ -91,6 +99,9 @@ class CleanConfig:
             raise ValueError("whitespace must be trim or collapse")
         if self.min_chars < 0 or self.max_chars < self.min_chars:
             raise ValueError("need 0 <= min_chars <= max_chars")
+
+    def evaluation_fields(self) -> tuple[str, ...]:
+        return tuple(f.strip() for f in self.decontaminate_fields.split(",") if f.strip())
 
 
 WEB = dict(whitespace="collapse", min_words=50, max_words=100_000, min_mean_word_length=3.0, max_mean_word_length=10.0,
@@ -211,7 +222,8 @@ def build_rules(cfg: CleanConfig, contamination: dict | None = None) -> list[Rul
         from pipelines.decontam import ContaminationRule, build
 
         rules.append(Rule("contaminated", ContaminationRule(
-            contamination or build(list(cfg.decontaminate), cfg.decontaminate_n))))
+            contamination or build(list(cfg.decontaminate), cfg.decontaminate_n, cfg.evaluation_fields(),
+                                   cfg.decontaminate_min_words))))
     if cfg.languages:  # last: the costliest, and only for what the other rules keep
         rules.append(Rule("language", LanguageRule(cfg)))
     return rules

@@ -150,6 +150,17 @@ def _build(dataset: str, stages: dict, **preset: dict) -> PreprocessConfig:
     return PreprocessConfig(dataset=dataset, **made)
 
 
+def _evaluation_index(cfg: PreprocessConfig) -> dict | None:
+    """The decontamination index (pipelines/decontam.py), built once on the driver, or None."""
+    if not cfg.clean.decontaminate:
+        return None
+    c = cfg.clean
+    built = decontam.build(list(c.decontaminate), c.decontaminate_n, c.evaluation_fields(), c.decontaminate_min_words)
+    _log(f"decontamination: {decontam.size(built):,} n-grams of {len(built['names'])} evaluation file(s): "
+         + "; ".join(f"{basename(p)} {f['records']:,} records, {f['ngrams']:,} n-grams" for p, f in built["files"].items()))
+    return built
+
+
 def _tier_cpus() -> float:
     import ray
 
@@ -248,7 +259,9 @@ def _run_leased(cfg: PreprocessConfig, storage: Storage, run_id: str, lease: Lea
     if not files:
         _log("nothing new: no version created")
         return _empty_summary(cfg, started, "nothing new")
-    _log(connect(dashboard=dashboard, preload=WORKER_MODULES, quiet=True))
+    evaluation = _evaluation_index(cfg)  # read and checked before Ray starts: a file that checks nothing fails here
+    # Ray's own worker logs stay in its log files (a worker's error reaches here as the run's error).
+    _log(connect(dashboard=dashboard, preload=WORKER_MODULES, quiet=True, log_to_driver=False))
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.label_selector = tiers.selector(tiers.Tier.CPU)  # every task and actor, shuffles too
     # A unit whose file stays unreadable runs again; then its error reaches run() as itself, not wrapped.
@@ -270,7 +283,7 @@ def _run_leased(cfg: PreprocessConfig, storage: Storage, run_id: str, lease: Lea
     try:
         with UsageMonitor() as usage:
             passes = _run_passes(cfg, ray, units, work, staging, cpus, _prior_state(earlier, cfg), parent, started,
-                                 lease)
+                                 lease, evaluation)
         delete_dir(work)
         for path, why in passes.deferred.items():
             _log(f"WARNING: {path} left out of this version (--unreadable defer), to be read by a later run: {why}")
@@ -319,6 +332,8 @@ class PassResults:
     """With --languages: documents the language rule scored, by detected language, most first."""
     contaminated_by: dict[str, int]
     """With --decontaminate: documents filtered as contaminated, by the evaluation file that caught them."""
+    evaluation_files: dict[str, dict]
+    """With --decontaminate: each evaluation file's records, n-grams and whole short items."""
     """Per input source: documents dedup looked at, how many it removed, and the share."""
     dedup_audit: dict
     """Written beside the version (`AUDIT_FILE`): see `_dedup_audit`."""
@@ -331,7 +346,8 @@ class PassResults:
     """Wall seconds of each step on the critical path, in order."""
 
 
-def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent, started: float, lease) -> PassResults:
+def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent, started: float, lease,
+                evaluation: dict | None) -> PassResults:
     from pipelines.dedup import DedupIndex
     from pipelines.pack import DedupTokenizePack, read_clean_sign, write_shard
 
@@ -349,13 +365,7 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent, started: fl
         lease.check()
 
     cpu, daemons = Counter(), ray_daemon_cpu()
-    contamination = None
-    if cfg.clean.decontaminate:  # built once here; every worker reads the node's shared copy
-        built = decontam.build(list(cfg.clean.decontaminate), cfg.clean.decontaminate_n)
-        _log(f"decontamination: {len(built['ngrams']):,} {built['n']}-grams of {len(built['names'])} evaluation "
-             "file(s)")
-        contamination = {"ref": ray.put(built)}
-        step("decontamination index")
+    contamination = {"ref": ray.put(evaluation)} if evaluation else None  # every worker reads the node's copy
     if not fused:
         # Pass 1: read, clean, filter, sign; one work file of documents and their dedup keys per unit.
         _log("pass 1/3: read, clean, filter, sign")
@@ -466,6 +476,7 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent, started: fl
         pass2_utilization=round(sum(r["busy_s"] for r in p2) / max(pass2_wall * min(cpus, len(p2) or 1), 1e-9), 3),
         dedup_by_source=by_source, dedup_audit=audit, deferred=deferred,
         languages=_tally(counts, LANGUAGE), contaminated_by=_tally(counts, CONTAMINATED_BY),
+        evaluation_files=evaluation["files"] if evaluation else {},
         cpu_s={k: round(v, 1) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])}, wall_s=walls)
 
 
@@ -629,6 +640,9 @@ def _table(passes: PassResults | None, started: float, cpus: float, total_bytes:
         # With --languages: the documents the language rule scored, by detected language (kept or not).
         "documents_by_language": passes.languages if passes else {},
         "contaminated_by_file": passes.contaminated_by if passes else {},
+        # Per evaluation file: its records, n-grams (whole short items among them) and the documents it caught.
+        "decontamination": {path: {**f, "documents": passes.contaminated_by.get(path, 0)}
+                            for path, f in passes.evaluation_files.items()} if passes else {},
         "documents_by_tokenizer_engine": {k.split(":", 1)[1]: v for k, v in packed.items() if k.startswith("encoded_by:")},
         "tokenizer_checked": packed.get("tokenizer_checked", 0),
         "seconds": round(seconds, 2), "cpus": cpus,
@@ -700,9 +714,10 @@ def format_table(stats: dict) -> str:
     lines += [f"{'  unpacked (carried on)':<28}{d.get('unpacked', 0):>14,}"]
     if stats.get("documents_by_language"):
         lines += ["documents by language"] + [f"{'  ' + k:<28}{v:>14,}" for k, v in stats["documents_by_language"].items()]
-    if stats.get("contaminated_by_file"):
-        lines += ["contaminated, by evaluation file"] + [f"{'  ' + basename(k):<28}{v:>14,}"
-                                                         for k, v in stats["contaminated_by_file"].items()]
+    if stats.get("decontamination"):
+        lines += ["evaluation files: records, n-grams, documents caught"] + [
+            f"{'  ' + basename(k):<28}{f['records']:>10,} {f['ngrams']:>10,} {f['documents']:>8,}"
+            for k, f in stats["decontamination"].items()]
     lines += [f"{'input MB':<28}{stats['bytes'] / 1e6:>14,.1f}", f"{'tokens':<28}{stats['tokens']:>14,}",
               f"{'rows (train / validation)':<28}{stats['rows']['train']:>7,} / {stats['rows']['validation']:,}",
               f"{'shards':<28}{stats['shards']:>14,}", f"{'seconds':<28}{stats['seconds']:>14,.1f}",

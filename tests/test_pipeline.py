@@ -427,7 +427,8 @@ def test_decontamination_index_scales_to_a_million_ngrams(tmp_path):
     text = " ".join(rng.choice(vocab) for _ in range(1_000_012))
     (tmp_path / "big.txt").write_text(text)
     index = build([str(tmp_path / "big.txt")], 13)
-    assert len(index["ngrams"]) == 1_000_000 and index["ngrams"].nbytes + index["file"].nbytes == 10_000_000
+    ngrams, owner = index["grams"][13]
+    assert len(ngrams) == 1_000_000 and ngrams.nbytes + owner.nbytes == 10_000_000
     rule = ContaminationRule(index)
     ws = text.split()
     assert rule.match("intro " + " ".join(ws[500_000:500_013]) + " outro") == str(tmp_path / "big.txt")
