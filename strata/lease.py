@@ -169,11 +169,11 @@ class Lease:
                     return
                 write_json_atomic(_path(self.directory, self.gen), self._state())
                 self.valid_until = time.time() + self.ttl_s
-                wait = self.ttl_s / 4
+                self.error, wait = "", self.ttl_s / 4
             except Exception as e:  # noqa: BLE001 - any storage error: the lease is kept while time is left
+                self.error = f"{type(e).__name__}: {e}"  # the why, whichever check finds the lease ran out
                 if time.time() >= self.valid_until:
                     self.lost = True
-                    self.error = f"{type(e).__name__}: {e}"
                     return
                 wait = min(wait / 2, max(0.05, (self.valid_until - time.time()) / 4))  # sooner, before it runs out
 
