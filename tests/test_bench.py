@@ -30,9 +30,12 @@ def test_the_gpu_check_runs_on_cpu_as_a_smoke_test():
     assert all(r["preset"] == "debug" and r["steps"] >= 3 and r["tokens_per_s"] > 0 for r in result["runs"])
     fsdp = result["fsdp"]
     assert fsdp["restored_step"] == 1 and fsdp["weights_match"]  # the sharded checkpoint loads back
+    loss = result["loss"]  # the loss's share of a step, timed against the step and a plain cross_entropy
+    assert 0 < loss["share"] < 1 and loss["vs_plain"] > 0 and loss["batch_size"] == CPU_MICRO_BATCH
     shares = result["profile"]["shares"]
     assert set(shares) == {"matmul", "attention", "loss", "optimizer", "other", "idle"}
-    assert sum(shares.values()) == pytest.approx(1) and shares["matmul"] > 0
+    assert sum(shares.values()) == pytest.approx(1)
+    assert all(shares[k] > 0 for k in ("matmul", "attention", "loss", "optimizer"))  # each found where it runs
     assert result["environment"]["torch"] and lines[0].startswith("environment: ")
     assert lines[-1].startswith("ratio lowest MFU/target")
 
@@ -42,9 +45,10 @@ def test_gpu_benchmark_on_a_gpu():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    lines = _run("bench.train.gpu", "--presets", "debug", "--seconds", "2", "--json")
-    [result] = json.loads(lines[-2])
-    assert result["bf16"] and result["tokens_per_s"] > 0
+    lines = _run("bench.train.gpu", "--presets", "debug", "--fsdp-preset", "debug", "--seconds", "2", "--json")
+    result = json.loads(lines[-2])
+    assert all(r["bf16"] and r["tokens_per_s"] > 0 for r in result["runs"])
+    assert result["fsdp"]["weights_match"] and result["fsdp"]["fused_adamw"]  # training's optimizer
 
 
 @pytest.mark.slow

@@ -127,7 +127,8 @@ def test_reports_to_ray_never_throttle_the_loop(local_ray, dataset):
     assert 1 in reported and 60 in reported
     assert len(reported) <= 2 + out["loop_s"] / interval, (reported, out["loop_s"])
     # Throughput is over the loop's wall time, reports and checkpoints included; the shares add up.
-    tokens = 60 * cfg.batch_size * cfg.grad_accum * model.seq_len
+    assert out["grad_accum"] == 1  # no --grad-accum and no recipe (tokens_per_step) for the debug preset
+    tokens = 60 * cfg.batch_size * out["grad_accum"] * model.seq_len
     assert out["tokens_per_s"] == pytest.approx(tokens / out["loop_s"], rel=1e-3)
     for r in rows:
         shares = [r[f"share_{k}"] for k in ("data", "eval", "checkpoint", "report", "compute")]
@@ -278,15 +279,23 @@ def test_the_model_is_shaped_for_the_dataset_and_by_flags(local_ray, corpus, mon
 
 
 @pytest.mark.slow
-def test_bf16_fsdp2_runs_on_cpu(local_ray, dataset):
-    """The path the >=700M presets take on GPU (FSDP2, bf16 mixed precision, unfused AdamW), exercised
-    on CPU workers over gloo before any GPU sees it."""
+def test_bf16_fsdp2_runs_on_cpu_accumulating_to_its_tokens_per_step(local_ray, dataset, capfd):
+    """The path the >=700M presets take on GPU (FSDP2, bf16 mixed precision), exercised on CPU workers
+    over gloo before any GPU sees it; with a tokens-per-step target the run accumulates micro-batches to
+    reach it, says so at start, and keeps the count in its checkpoints."""
     model = preset("debug", n_layer=2, n_embd=32, n_head=2)
-    out = run(model, _cfg(3, strategy="fsdp", precision="bf16", log_every=1), dataset=dataset["ref"],
-              run_name="bf16-fsdp", storage=Storage.from_env(), workers=2, use_gpu=False)
+    target = 4 * model.seq_len * 2 * 2  # micro-batch 4, 2 workers: 2 micro-batches a step
+    out = run(model, _cfg(3, strategy="fsdp", precision="bf16", log_every=1, tokens_per_step=target),
+              dataset=dataset["ref"], run_name="bf16-fsdp", storage=Storage.from_env(), workers=2, use_gpu=False)
     assert out["strategy"] == "fsdp" and out["steps"] == 3 and math.isfinite(out["last_loss"])
     start = next(r for r in read_jsonl(os.path.join(out["path"], "metrics.jsonl")) if r.get("event") == "start")
     assert start["bf16"] is True and start["strategy"] == "fsdp"
+    assert (out["grad_accum"], out["tokens_per_step"]) == (2, target)
+    assert f"{target:,} tokens per step: micro-batch 4 x {model.seq_len} tokens x 2 accumulated x 2 workers" \
+        in capfd.readouterr().err
+    assert out["tokens_per_s"] == pytest.approx(3 * target / out["loop_s"], rel=1e-3)
+    with open(os.path.join(out["checkpoint"], "meta.json")) as f:
+        assert json.load(f)["grad_accum"] == 2
 
 
 def test_a_continued_run_keeps_its_learning_rate_schedule_unless_rescheduled():

@@ -14,6 +14,7 @@ import contextlib
 import math
 import os
 import queue
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+from torch.profiler import record_function
 
 from strata.cli import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, check_fields
 from strata.lease import check_held
@@ -50,8 +51,12 @@ class TrainConfig:
     schedule it started with (then lr * min_lr_ratio) unless --reschedule."""
     batch_size: int = 0
     """Rows per worker per micro-batch; 0: sized for the device (`micro_batch_for`), kept across restarts."""
-    grad_accum: int = 1
-    """Micro-batches per optimizer step (gradient accumulation)."""
+    grad_accum: int = 0
+    """Micro-batches per optimizer step (gradient accumulation); 0: as many as bring a step closest to
+    tokens_per_step on this run's world size and micro-batch (1 when tokens_per_step is 0)."""
+    tokens_per_step: int = 0
+    """The tokens per optimizer step the learning rate was chosen for: the presets take their recipe's
+    (GPT-3's table 2.1, which GPT-2's reproductions use: 0.5M, 1M for 1.3B). 0: no target."""
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
@@ -98,12 +103,22 @@ class TrainConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
         check_fields(self, {
-            **dict.fromkeys(("max_steps", "grad_accum", "eval_every", "eval_batches", "log_every",
+            **dict.fromkeys(("max_steps", "eval_every", "eval_batches", "log_every",
                              "keep_checkpoints"), AT_LEAST_ONE),
             "lr": POSITIVE, "min_lr_ratio": FRACTION,
-            **dict.fromkeys(("batch_size", "schedule_steps", "warmup_steps", "weight_decay", "grad_clip", "max_repeat",
+            **dict.fromkeys(("batch_size", "grad_accum", "tokens_per_step", "schedule_steps", "warmup_steps", "weight_decay", "grad_clip", "max_repeat",
                              "checkpoint_every", "checkpoint_every_s", "report_every_s", "drain_check_every_s",
                              "seed"), NON_NEGATIVE)})
+
+
+def accumulation(cfg: TrainConfig, micro_batch: int, world: int, seq_len: int) -> int:
+    """Micro-batches per optimizer step: --grad-accum when given, else the count whose tokens per step
+    (micro-batch x seq_len x world x it) come closest to cfg.tokens_per_step."""
+    if cfg.grad_accum:
+        return cfg.grad_accum
+    if not cfg.tokens_per_step:
+        return 1
+    return max(1, round(cfg.tokens_per_step / (micro_batch * seq_len * world)))
 
 
 def strategy_for(cfg: TrainConfig, params: int, device_memory: int) -> str:
@@ -153,10 +168,10 @@ def device_memory(device: torch.device, local_world: int) -> int:
 # Train-loop defaults per model preset; flags override them.
 TRAIN_PRESETS = {
     "debug": TrainConfig(max_steps=200, batch_size=16, lr=3e-3, warmup_steps=20),
-    "gpt2-124m": TrainConfig(max_steps=5000, lr=6e-4, warmup_steps=500, eval_every=250),
-    "gpt2-350m": TrainConfig(max_steps=5000, lr=3e-4, warmup_steps=500, eval_every=250),
-    "gpt2-774m": TrainConfig(max_steps=5000, lr=2.5e-4, warmup_steps=500, eval_every=250),
-    "1.3b": TrainConfig(max_steps=5000, lr=2e-4, warmup_steps=500, eval_every=250),
+    "gpt2-124m": TrainConfig(max_steps=5000, lr=6e-4, warmup_steps=500, eval_every=250, tokens_per_step=1 << 19),
+    "gpt2-350m": TrainConfig(max_steps=5000, lr=3e-4, warmup_steps=500, eval_every=250, tokens_per_step=1 << 19),
+    "gpt2-774m": TrainConfig(max_steps=5000, lr=2.5e-4, warmup_steps=500, eval_every=250, tokens_per_step=1 << 19),
+    "1.3b": TrainConfig(max_steps=5000, lr=2e-4, warmup_steps=500, eval_every=250, tokens_per_step=1 << 20),
 }
 
 
@@ -205,16 +220,21 @@ def parallelize(model: GPT, strategy: str, device: torch.device, bf16: bool, wor
     if compile_blocks:
         for block in model.blocks:
             block.compile()
+        model.compiled = True  # the loss's chunks and evaluation compile too (train/model.py)
     if strategy == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        # bf16: the blocks' weights are gathered in bf16 (half the bytes), but their inputs are not cast, so
+        # the residual stream stays fp32 as under DDP's autocast, and the norms follow their fp32 input
+        # (train.model.LayerNorm); the embeddings, the final norm and the head (the root) stay fp32.
+        # Gradients are reduced in fp32. (bf16 inputs and norms were 5-7x further from fp32's gradients.)
+        block_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                        cast_forward_inputs=False)
         # Within one node the all-gather is cheap next to memory traffic: keep blocks unsharded from
         # forward to backward (ZeRO-2-like) instead of gathering them twice.
-        kwargs = {"reshard_after_forward": not one_node, **({"mp_policy": mp} if mp else {})}
         for block in model.blocks:
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
+            fully_shard(block, reshard_after_forward=not one_node, **({"mp_policy": block_mp} if bf16 else {}))
+        fully_shard(model, reshard_after_forward=not one_node)
         return model
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
@@ -246,6 +266,7 @@ def grad_sync(model: torch.nn.Module, enabled: bool):
         yield
 
 
+OPTIMIZER_RANGE = "strata::optimizer"  # the profiler range around clipping and the optimizer's step
 IGNORE = -1  # a target the loss leaves out: the padding of a dataset's last row (`--final`)
 
 
@@ -277,10 +298,11 @@ def train_step(model, optimizer, micro_batches: list[np.ndarray], lr: float, cfg
             _, loss = model(x, y)
             (loss / len(micro_batches)).backward()
         total += loss.detach().float()
-    if cfg.grad_clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    with record_function(OPTIMIZER_RANGE):
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return total / len(micro_batches)
 
 
@@ -296,28 +318,38 @@ def autocast(device: torch.device, bf16: bool):
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: list[np.ndarray], device, bf16: bool = False,
              token_bytes: torch.Tensor | None = None) -> tuple[float, float | None]:
-    """(mean loss, bits per byte) over `batches`. Bits per byte divide the loss on targets that stand for
-    text by the UTF-8 bytes of that text (`token_bytes` per id; special tokens count 0 and are left out),
-    so they compare across tokenizers."""
+    """(mean loss, bits per byte) over `batches`: one forward per batch (the validation batches are
+    micro-batches), the logits made a chunk at a time, and one host sync at the end. Bits per byte divide
+    the loss on targets that stand for text by the UTF-8 bytes of that text (`token_bytes` per id; special
+    tokens count 0 and are left out), so they compare across tokenizers."""
     model.eval()
-    losses, nats, nbytes = [], 0.0, 0
-    with autocast(device, bf16):
-        for b in batches:
-            x, y = to_xy(b, device)
-            if token_bytes is None:
-                losses.append(model(x, y)[1].item())
-                continue
-            # Per-target losses, a few rows at a time: at most ~2^26 logits (256 MB in fp32) alive at once.
-            rows = max(1, (1 << 26) // (x.shape[1] * model.cfg.vocab_size))
-            nll = torch.cat([F.cross_entropy(model(x[i:i + rows]).float().flatten(0, 1), y[i:i + rows].flatten(),
-                                             reduction="none", ignore_index=IGNORE) for i in range(0, len(x), rows)])
-            valid = y.flatten() != IGNORE
-            size = token_bytes[y.flatten().clamp(min=0)] * valid
-            losses.append((nll.sum() / valid.sum().clamp(min=1)).item())
-            nats += (nll * (size > 0)).sum().item()
-            nbytes += int(size.sum().item())
-    model.train()
-    return float(np.mean(losses)), (nats / math.log(2) / nbytes if nbytes else None)
+    try:
+        losses, nats, nbytes = [], torch.zeros((), device=device), torch.zeros((), device=device)
+        with autocast(device, bf16):
+            for b in batches:
+                x, y = to_xy(b, device)
+                _, nll = model(x, y, per_token=True)  # (B*T,), 0 at padding
+                valid = y.flatten() != IGNORE
+                losses.append(nll.sum() / valid.sum().clamp(min=1))
+                if token_bytes is not None:
+                    size = token_bytes[y.flatten().clamp(min=0)] * valid
+                    nats += (nll * (size > 0)).sum()
+                    nbytes += size.sum()
+        mean, nats, nbytes = torch.stack([torch.stack(losses).mean(), nats, nbytes.float()]).tolist()
+    finally:
+        model.train()
+        reshard(model)
+    return mean, (nats / math.log(2) / nbytes if nbytes else None)
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free FSDP2's gathered weights: a forward that no backward follows (evaluation) leaves them whole
+    when blocks are not resharded after forward (within a node); nothing to do otherwise."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def validation_batches(shards: list[dict], cfg: TrainConfig) -> list[np.ndarray]:
@@ -470,7 +502,7 @@ def _start(config: dict) -> _Worker:
     mcfg, tcfg = GPTConfig(**config["model"]), TrainConfig(**config["train"])
     bf16 = use_bf16(tcfg, device)
     memory = _min_over_ranks(device_memory(device, local_world), device, world)
-    raw, model, strategy = _build(mcfg, tcfg, device, bf16, world, local_world, memory)
+    raw, model, strategy, params, compiled = _build(mcfg, tcfg, device, bf16, world, local_world, memory)
     optimizer = make_optimizer(model, tcfg)
     # Checkpoints travel on a gloo group of their own: the background write's collectives
     # must not interleave with training's.
@@ -485,10 +517,12 @@ def _start(config: dict) -> _Worker:
         from train.pretrained import apply
 
         apply(model, ray.get(config["init_weights"]))
-    # The micro-batch is part of the data order: a run keeps the one it started with.
+    # The micro-batch and the accumulation are part of the data order: a run keeps those it started with.
     batch = tcfg.batch_size or meta.get("micro_batch") or micro_batch_for(
-        mcfg, raw.num_params(), strategy, world, memory, bf16, device.type)
-    tcfg = replace(tcfg, batch_size=batch)
+        mcfg, params, strategy, world, memory, bf16, device.type)
+    tcfg = replace(tcfg, batch_size=batch,
+                   grad_accum=tcfg.grad_accum or meta.get("grad_accum") or accumulation(tcfg, batch, world,
+                                                                                           mcfg.seq_len))
     sources = config["sources"]
     streams = [TokenBatches([ShardRef(**s) for s in src["shards"]], batch_size=1 if len(sources) > 1 else batch,
                             rank=rank, world_size=world, seed=tcfg.seed) for src in sources]
@@ -505,7 +539,9 @@ def _start(config: dict) -> _Worker:
     log = _Log(config["run_dir"], rank)
     log.event({"event": "start", "start_step": start_step, "resumed_from": resumed_from, "world_size": world,
                "strategy": strategy, "bf16": bf16, "device": device_name(device), "peak_flops": meter.peak,
-               "flops_per_token": meter.flops_per_token, "micro_batch": batch})
+               "flops_per_token": meter.flops_per_token, "micro_batch": batch, "grad_accum": tcfg.grad_accum,
+               "tokens_per_step": meter.tokens_per_step, "tokens_per_step_target": tcfg.tokens_per_step,
+               "compiled": compiled})
     val_sets = [(s["name"], s["weight"], v) for s in sources if (v := validation_batches(s["val_shards"], tcfg))]
     token_bytes = torch.tensor(config["token_bytes"], device=device) if config.get("token_bytes") else None
     return _Worker(rank, world, device, bf16, tcfg, raw, model, optimizer, checkpointer, start_step,
@@ -544,15 +580,34 @@ def _worker(config: dict) -> tuple[int, int, int, torch.device]:
 
 
 def _build(mcfg: GPTConfig, tcfg: TrainConfig, device: torch.device, bf16: bool, world: int,
-           local_world: int, memory: int) -> tuple[GPT, torch.nn.Module, str]:
+           local_world: int, memory: int) -> tuple[GPT, torch.nn.Module, str, int, str]:
     """The model made on the meta device, materialized on `device`, initialized, and wrapped;
-    returns (the plain model, the wrapped one, the strategy chosen)."""
+    returns (the plain model, the wrapped one, the strategy chosen, the parameters it was chosen by,
+    whether the blocks compiled: "on", "off", or why not)."""
     torch.manual_seed(tcfg.seed)
     raw = build(mcfg, device)
-    strategy = strategy_for(tcfg, raw.num_params(), memory)
+    params = raw.num_params()  # the tied embedding counts once (train.model.build ties it)
+    strategy = strategy_for(tcfg, params, memory)
+    compiled = "on" if tcfg.compile == "on" or (tcfg.compile == "auto" and device.type == "cuda") else "off"
+    if compiled == "on" and not code_compiler(device):
+        compiled = f"off: no {compiler_kind(device)} on {os.uname().nodename}, so torch.compile cannot build kernels"
     model = parallelize(raw, strategy, device, bf16, world, one_node=local_world == world,
-                        compile_blocks=tcfg.compile == "on" or (tcfg.compile == "auto" and device.type == "cuda"))
-    return raw, model, strategy
+                        compile_blocks=compiled == "on")
+    return raw, model, strategy, params, compiled
+
+
+def compiler_kind(device: torch.device) -> str:
+    return "C compiler" if device.type == "cuda" else "C++ compiler"
+
+
+def code_compiler(device: torch.device) -> str | None:
+    """The compiler torch.compile's generated code needs on `device` (Triton builds its GPU launchers with a
+    C compiler, Inductor's CPU kernels need C++), or None when there is none."""
+    names = ("CC", "cc", "gcc", "clang") if device.type == "cuda" else ("CXX", "c++", "g++", "clang++")
+    for name in (os.environ.get(names[0]), *names[1:]):
+        if name and (path := shutil.which(name)):
+            return path
+    return None
 
 
 def _min_over_ranks(value: int, device: torch.device, world: int) -> int:
@@ -574,7 +629,7 @@ def _checkpoint(checkpointer: AsyncCheckpointer, decision, done: int, metrics: d
         checkpointer.start(done, {"loss": metrics["loss"], "reason": decision.reason,
                                   "data_position": done * tcfg.grad_accum, "world_size": world,
                                   "model_config": config["model"], "train_config": config["train"],
-                                  "micro_batch": tcfg.batch_size,
+                                  "micro_batch": tcfg.batch_size, "grad_accum": tcfg.grad_accum,
                                   "tokenizer": config["tokenizer"],
                                   "tokenizer_definition": config.get("tokenizer_definition")})
         if decision.reason in ("end", "preemption"):  # must be registered before the run ends or the node goes

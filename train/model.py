@@ -11,12 +11,14 @@ takes the flash kernels on GPU.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from strata.cli import AT_LEAST_ONE, BELOW_ONE, check_fields
 
@@ -86,10 +88,19 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm in the dtype of its input, whatever its weights' (the same parameters as nn.LayerNorm):
+    under FSDP2 a block's weights arrive in bf16 while the residual stream it normalises stays fp32, and
+    the norm stays fp32 with it, as it does under autocast (train.loop.parallelize)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(cfg.n_embd), nn.LayerNorm(cfg.n_embd)
+        self.ln1, self.ln2 = LayerNorm(cfg.n_embd), LayerNorm(cfg.n_embd)
         self.attn = Attention(cfg)
         self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias), nn.GELU(approximate="tanh"),
                                  nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias))
@@ -101,13 +112,17 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    compiled = False
+    """Set by train.loop.parallelize when it compiles the blocks: the loss's chunks and evaluation's
+    forward are compiled too."""
+
     def __init__(self, cfg: GPTConfig, init: bool = True):
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.ln_f = LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.tie_weights()
         if init:
@@ -157,17 +172,31 @@ class GPT(nn.Module):
         c = self.cfg
         return 6 * (self.num_params() - self.wpe.weight.numel()) + 12 * c.n_layer * c.n_embd * c.seq_len
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, per_token: bool = False):
+        """Logits (B, T, V) without targets. With targets (B, T): (None, the mean loss), or with
+        `per_token` (None, each target's loss (B*T,), 0 where the target is IGNORE), for evaluation
+        under no_grad. Call the model, not a method of it: FSDP2 gathers the weights in its hooks."""
         B, T = idx.shape
         pos = torch.arange(T, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
+        if self.compiled and not torch.is_grad_enabled():
+            # Evaluation runs the blocks through a compiled function of its own (any batch size, no grad,
+            # eval mode), so it never recompiles (or evicts) the graph that training compiled.
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+            for block in self.blocks:
+                x = _eval_blocks()(block, x)
+        else:
+            for block in self.blocks:
+                x = block(x)
         h = self.ln_f(x)  # (B, T, C)
         if targets is None:
             return self.head(h)  # (B, T, V)
-        # With targets only the loss comes back: the (B*T, V) logits are never all alive at once.
-        return None, linear_cross_entropy(h.view(B * T, -1), self.head.weight, targets.reshape(-1))
+        with record_function(LOSS_RANGE):  # the profile (bench/train/gpu.py) counts what runs in here as loss
+            if per_token:
+                return None, token_losses(h.view(B * T, -1), self.head.weight, targets.reshape(-1))
+            # With targets only the loss comes back: the (B*T, V) logits are never all alive at once.
+            return None, linear_cross_entropy(h.view(B * T, -1), self.head.weight, targets.reshape(-1),
+                                              compiled=self.compiled)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8,
@@ -197,13 +226,58 @@ def build(cfg: GPTConfig, device: torch.device | str) -> GPT:
 
 
 LOSS_CHUNK_ROWS = 4096  # rows of logits materialized at a time by linear_cross_entropy
+LOSS_RANGE = "strata::loss"  # the profiler range around the classifier and its loss
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         chunk: int = LOSS_CHUNK_ROWS) -> torch.Tensor:
+                         chunk: int = LOSS_CHUNK_ROWS, compiled: bool = False) -> torch.Tensor:
     """Mean cross-entropy of the logits `h @ weight.T` (h: (N, C), weight: (V, C)) against targets (N,);
-    a negative target (train.loop.IGNORE: padding) is left out of the mean and gets no gradient."""
-    return _LinearCrossEntropy.apply(h, weight, targets, chunk)
+    a negative target (train.loop.IGNORE: padding) is left out of the mean and gets no gradient.
+    `compiled`: each chunk's softmax and gradient run as compiled (fused) kernels."""
+    return _LinearCrossEntropy.apply(h, weight, targets, chunk, compiled)
+
+
+def _loss_chunk(hc: torch.Tensor, w: torch.Tensor, tc: torch.Tensor, n: torch.Tensor):
+    """One chunk of rows, eagerly: (its summed loss, d(mean loss)/d(hc), the chunk's d(mean loss)/d(w)).
+    The softmax is made in place of the logits: no (c, V) tensor is allocated beyond them and the cast."""
+    valid = (tc >= 0)[:, None]  # (c, 1)
+    tc = tc.clamp(min=0)
+    logits = (hc @ w.t()).float()  # (c, V)
+    lse = torch.logsumexp(logits, dim=-1)
+    loss = ((lse - logits.gather(1, tc[:, None]).squeeze(1)) * valid.squeeze(1)).sum()
+    g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+    g[torch.arange(len(tc), device=g.device), tc] -= 1.0
+    g = (g * valid / n).to(hc.dtype)  # d(mean loss)/d(logits); none for an ignored target
+    return loss, g @ w, g.t() @ hc
+
+
+def _fused_loss_chunk(hc: torch.Tensor, w: torch.Tensor, tc: torch.Tensor, n: torch.Tensor):
+    """`_loss_chunk` written for torch.compile: the one-hot is a comparison and nothing is in place, so the
+    fp32 upcast, the log-sum-exp and the gradient fuse into one reduction and one pointwise pass over
+    the (c, V) logits (eager, the same takes about eight)."""
+    valid = tc >= 0
+    tc = tc.clamp(min=0)
+    logits = (hc @ w.t()).float()  # (c, V)
+    lse = torch.logsumexp(logits, dim=-1)
+    loss = ((lse - logits.gather(1, tc[:, None]).squeeze(1)) * valid).sum()
+    onehot = torch.arange(logits.size(1), device=logits.device)[None, :] == tc[:, None]
+    g = ((torch.exp(logits - lse[:, None]) - onehot.float()) * (valid[:, None] / n)).to(hc.dtype)
+    return loss, g @ w, g.t() @ hc
+
+
+@functools.cache
+def _compiled_loss_chunk():
+    return torch.compile(_fused_loss_chunk)
+
+
+@functools.cache
+def _eval_blocks():
+    """A block's forward for evaluation, compiled apart from training's (GPT.forward)."""
+
+    def eval_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return block._call_impl(x)  # the hooks (FSDP2's) and forward, without the block's own compiled call
+
+    return torch.compile(eval_block)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -213,33 +287,45 @@ class _LinearCrossEntropy(torch.autograd.Function):
     of the plain head (2NCV forward, 4NCV backward)."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk):
+    def forward(ctx, h, weight, targets, chunk, compiled):
         device = h.device.type
         mm = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
         w = weight.to(mm)
         n = (targets >= 0).sum().clamp(min=1).float()  # the targets that count: a tensor (no device sync)
+        step = _compiled_loss_chunk() if compiled else _loss_chunk
         loss = torch.zeros((), device=h.device, dtype=torch.float32)
         grad_h = torch.empty(h.shape, device=h.device, dtype=h.dtype)
         grad_w = torch.zeros(weight.shape, device=h.device, dtype=torch.float32)
-        for i in range(0, h.size(0), chunk):
-            hc, tc = h[i:i + chunk].to(mm), targets[i:i + chunk]
-            valid = (tc >= 0)[:, None]  # (c, 1)
-            tc = tc.clamp(min=0)
-            logits = (hc @ w.t()).float()  # (c, V)
-            lse = torch.logsumexp(logits, dim=-1)
-            loss += ((lse - logits.gather(1, tc[:, None]).squeeze(1)) * valid.squeeze(1)).sum()
-            g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-            g[torch.arange(len(tc), device=g.device), tc] -= 1.0
-            g = (g * valid / n).to(mm)  # d(mean loss)/d(logits); none for an ignored target
-            grad_h[i:i + chunk] = (g @ w).to(h.dtype)
-            grad_w += (g.t() @ hc).float()
+        with torch.autocast(device, enabled=False):  # the dtypes are chosen here
+            for i in range(0, h.size(0), chunk):
+                part, gh, gw = step(h[i:i + chunk].to(mm), w, targets[i:i + chunk], n)
+                loss += part
+                grad_h[i:i + chunk] = gh
+                grad_w += gw
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
         return loss / n
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_out, grad_w * grad_out, None, None
+        return grad_h * grad_out, grad_w * grad_out, None, None, None
+
+
+@torch.no_grad()
+def token_losses(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                 chunk: int = LOSS_CHUNK_ROWS) -> torch.Tensor:
+    """Each target's cross-entropy (N,) in fp32, 0 where the target is negative (IGNORE); the logits are
+    made a chunk of rows at a time."""
+    device = h.device.type
+    mm = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+    w, out = weight.to(mm), torch.empty(targets.shape, device=h.device, dtype=torch.float32)
+    with torch.autocast(device, enabled=False):
+        for i in range(0, h.size(0), chunk):
+            tc = targets[i:i + chunk]
+            logits = (h[i:i + chunk].to(mm) @ w.t()).float()
+            nll = torch.logsumexp(logits, dim=-1) - logits.gather(1, tc.clamp(min=0)[:, None]).squeeze(1)
+            out[i:i + chunk] = nll * (tc >= 0)
+    return out
 
 
 def describe(cfg: GPTConfig) -> dict:

@@ -26,12 +26,26 @@ def rate(tokens_per_s: float) -> str:
     return f"{tokens_per_s / 1e6:.1f}M" if tokens_per_s >= 1e6 else f"{tokens_per_s / 1e3:.1f}k"
 
 
+def step_size(start: dict) -> str:
+    """What one optimizer step trains on, from a worker's start event, and whether the blocks compiled."""
+    mb, accum, world, tokens = start["micro_batch"], start["grad_accum"], start["world_size"], start["tokens_per_step"]
+    seq = tokens // (mb * accum * world)
+    line = (f"{tokens:,} tokens per step: micro-batch {mb} x {seq} tokens x {accum} accumulated x {world} "
+            f"worker{'s' if world > 1 else ''}")
+    if target := start.get("tokens_per_step_target"):
+        line += f" (recipe {target:,}{'' if target == tokens else ', as near as this micro-batch and world come'})"
+    if start.get("compiled", "").startswith("off:"):
+        line += f"; compile {start['compiled']} (eager instead)"
+    return line
+
+
 class Progress:
     """Follows a run's metrics.jsonl from `since` (this launch's start) and says how far it is."""
 
-    def __init__(self, run_dir: str, max_steps: int, since: float, out=sys.stderr, every_s: float = 5.0,
+    def __init__(self, run_dir: str, max_steps: int, since: float, out=None, every_s: float = 5.0,
                  tag: str = "[train]"):
         self.tail = JsonlTail(join(run_dir, "metrics.jsonl"))
+        out = out or sys.stderr  # the stderr of now, not of import time
         self.max_steps, self.since, self.out, self.every_s, self.tag = max_steps, since, out, every_s, tag
         self.first: tuple[float, int] | None = None  # (time, step) of this launch's first log point
         self.last: dict | None = None  # the newest log point read
@@ -47,6 +61,7 @@ class Progress:
         for r in rows:
             if r.get("event") == "start":
                 self.first = (r["time"], r["start_step"])
+                self._say(step_size(r))
                 if self.bar is not None:
                     self.bar.n = r["start_step"]
             elif r.get("event") == "preempted":

@@ -32,10 +32,7 @@ from strata.storage import (
 from strata.tokenizer import from_info
 from train import mixture
 from train.checkpoint import check_checkpoint, committed_checkpoints, forget_missing, read_meta
-from train.loop import (
-    TrainConfig,
-    train_loop_per_worker,
-)
+from train.loop import TrainConfig, accumulation, train_loop_per_worker
 from train.mixture import resolve_all
 from train.model import GPTConfig, describe
 from train.placement import place
@@ -59,7 +56,7 @@ def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name:
         for v, _ in sources:
             check_compatible(v, vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
         if train_cfg.max_repeat and train_cfg.batch_size and workers:
-            _check_repeats(sources, train_cfg, workers)
+            _check_repeats(sources, train_cfg, workers, model_cfg.seq_len)
     with Lease(run_dir, f"training run {run_name}", purpose="train").acquire(wait=False) as lease:
         return _run_leased(model_cfg, train_cfg, dataset=dataset, run_name=run_name, run_dir=run_dir, lease=lease,
                            storage=storage, workers=workers, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker,
@@ -93,7 +90,7 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, lease, stor
         train_cfg = _check_continuation(launches[-1]["config"], run_name, model_cfg, train_cfg, m.tokenizer.hash,
                                         allow_change, reschedule)
     if train_cfg.max_repeat and train_cfg.batch_size:
-        _check_repeats(sources, train_cfg, workers)
+        _check_repeats(sources, train_cfg, workers, model_cfg.seq_len)
     size = describe(model_cfg)
     resume_from = _newest_intact(run_dir)
     if resume_from:
@@ -151,6 +148,7 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, lease, stor
         "run": run_name, "path": run_dir, "dataset": dataset,
         "strategy": start.get("strategy", train_cfg.strategy),
         "micro_batch": start.get("micro_batch", train_cfg.batch_size),
+        "grad_accum": start.get("grad_accum"), "tokens_per_step": start.get("tokens_per_step"),
         "workers": workers, "use_gpu": use_gpu, **size,
         "start_step": start_step, "steps": (last["step"] - start_step) if mine else 0,
         "first_loss": mine[0]["loss"] if mine else None, "last_loss": last.get("loss"),
@@ -212,9 +210,10 @@ def _source(version, weight: float) -> dict:
                for key, split in (("shards", "train"), ("val_shards", "validation"))}}
 
 
-def _check_repeats(sources, train_cfg: TrainConfig, workers: int) -> None:
+def _check_repeats(sources, train_cfg: TrainConfig, workers: int, seq_len: int) -> None:
     """Refuse a run that would pass over a dataset more than --max-repeat times."""
-    rows = train_cfg.max_steps * train_cfg.grad_accum * train_cfg.batch_size * workers
+    accum = accumulation(train_cfg, train_cfg.batch_size, workers, seq_len)
+    rows = train_cfg.max_steps * accum * train_cfg.batch_size * workers
     over = {ref: r for ref, r in mixture.expected_repeats(sources, rows, workers).items() if r > train_cfg.max_repeat}
     if over:
         raise DatasetError(f"{train_cfg.max_steps} steps would repeat " + ", ".join(
@@ -296,7 +295,7 @@ def _check_continuation(before: dict, run_name: str, model_cfg: GPTConfig, train
                         tokenizer_hash: str, allow_change: bool, reschedule: bool = False) -> TrainConfig:
     """A run continues only with the model and tokenizer it started with, and, unless asked,
     with the same data order and learning-rate schedule; returns `train_cfg`, with the run's batch size
-    when none is given and its schedule when --max-steps changed."""
+    and accumulation when none is given and its schedule when --max-steps changed."""
     if before.get("model") and before["model"] != asdict(model_cfg):
         changed = sorted(k for k, v in asdict(model_cfg).items() if before["model"].get(k) != v)
         raise ValueError(f"run {run_name} was started with another model ({', '.join(changed)} differ): "
@@ -305,8 +304,9 @@ def _check_continuation(before: dict, run_name: str, model_cfg: GPTConfig, train
     if old and old != tokenizer_hash:
         raise DatasetError(f"run {run_name} was trained with tokenizer {old}; this dataset's is {tokenizer_hash}: "
                            "the token ids would mean different things")
-    if not train_cfg.batch_size:  # none given: the run's (sized for its device when that was none too)
-        train_cfg = replace(train_cfg, batch_size=before.get("train", {}).get("batch_size", 0))
+    for key in ("batch_size", "grad_accum"):  # none given: the run's (sized by its workers when that was none too)
+        if not getattr(train_cfg, key):
+            train_cfg = replace(train_cfg, **{key: before.get("train", {}).get(key, 0)})
     changed = [f"{k} {before['train'][k]} -> {getattr(train_cfg, k)}" for k in DATA_ORDER
                if k in before.get("train", {}) and before["train"][k] != getattr(train_cfg, k)]
     if changed and not allow_change:

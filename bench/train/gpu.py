@@ -8,17 +8,24 @@ time goes. Plain PyTorch on one device, synthetic tokens: no Ray, no dataset, no
 
 For each preset, at its default micro-batch (train/loop.py's `micro_batch_for`:
 what the loop picks on this device) and at twice it where that is estimated to fit
-(else half of it): the model built
-as the training loop builds it (meta device, `parallelize` with each block
-compiled), train/loop.py's `train_step` (bf16 autocast, fused AdamW, the fused
-loss); warm-up steps compile, after which a recompile is an error; then as
-many steps as fit in `--seconds`, timed between device synchronizations.
-MFU = FLOPs per token x tokens/s / the device's peak (train/hardware.py;
-STRATA_PEAK_TFLOPS overrides). Then one FSDP2 bf16 step of `--fsdp-preset`
-(gpt2-774m) with unfused AdamW, a sharded checkpoint saved and loaded back
-(train/checkpoint.py), and a 5-step profile split into matmul, attention,
-loss, optimizer, other kernels and idle. The last line is the lowest MFU
-over its target (gpt2-124m 0.45, gpt2-350m 0.50): >= 1 meets every target.
+(else half of it): the model built as the training loop builds it (meta device,
+tied, `parallelize` with each block compiled), train/loop.py's `train_step` (bf16
+autocast, fused AdamW, the fused loss, compiled); warm-up steps compile, after
+which a recompile is an error; then as many steps as fit in `--seconds`, timed
+between device synchronizations. MFU = FLOPs per token (6N + 12·L·d·T, the tied
+embedding counted once) x tokens/s / the device's peak (train/hardware.py;
+STRATA_PEAK_TFLOPS overrides). Then the loss's share of a step: the fused loss
+alone (forward and backward) timed against the whole step and against a plain
+`cross_entropy` over the full logits. Then one FSDP2 bf16 step of `--fsdp-preset`
+(gpt2-774m) with training's fused AdamW, a sharded checkpoint saved and loaded
+back (train/checkpoint.py; the process group is `cpu:gloo,cuda:nccl` and the
+checkpoint has a gloo group of its own, as in training), and a 5-step profile
+whose device time is split by what launched it: the loss and the optimizer by
+the profiler ranges training opens around them, attention and matmul by the
+aten op that launched the kernel (on Hopper cuBLAS kernels are `nvjet_*`), the
+rest other, and idle. The last line is the lowest MFU over its target
+(gpt2-124m 0.45, gpt2-350m 0.50): >= 1 meets every target. Without a C
+compiler (Triton needs one) the check runs eager and says so.
 """
 
 from __future__ import annotations
@@ -30,11 +37,14 @@ import tempfile
 import time
 
 TARGET_MFU = {"gpt2-124m": 0.45, "gpt2-350m": 0.50}
-# Kernel or op name fragments -> the share they count in (first match wins; the rest is "other").
-KINDS = [("attention", ("flash", "fmha", "attention", "sdpa", "scaled_dot")),
-         ("loss", ("logsumexp", "softmax", "cross_entropy", "nll", "linearcrossentropy")),
-         ("optimizer", ("adam", "foreach", "multi_tensor", "clip_grad")),
-         ("matmul", ("gemm", "matmul", "aten::mm", "aten::addmm", "aten::bmm", "cutlass", "xmma", "cublas"))]
+KINDS = ("matmul", "attention", "loss", "optimizer", "other")
+# What launched a kernel, by the profiler events around it (innermost first): training's ranges first
+# (train/model.py's LOSS_RANGE, train/loop.py's OPTIMIZER_RANGE, the fused loss's backward node), then
+# the aten op. Kernel names are not used: they change with the GPU and the library (nvjet_* on Hopper).
+ATTENTION_OPS = ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product", "aten::_flash_attention",
+                 "aten::_efficient_attention", "aten::_cudnn_attention")
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
+              "aten::_scaled_mm", "aten::addmv", "aten::mv")
 
 
 def environment(device) -> dict:
@@ -64,8 +74,9 @@ def environment(device) -> dict:
     return env
 
 
-def build(name: str, device, batch_size: int, compile_model: bool, strategy: str = "ddp", fused: bool = True):
-    """Model, optimizer and config, made the way the training loop makes them."""
+def build(name: str, device, batch_size: int, compile_model: bool, strategy: str = "ddp"):
+    """Model, optimizer and config, made the way the training loop makes them (fused AdamW on GPU, also
+    on FSDP2's sharded parameters)."""
     import torch
 
     from train.loop import TrainConfig, make_optimizer, parallelize, use_bf16
@@ -74,16 +85,12 @@ def build(name: str, device, batch_size: int, compile_model: bool, strategy: str
 
     cfg = preset(name)
     tcfg = TrainConfig(batch_size=batch_size, precision="auto", compile="on" if compile_model else "off",
-                       strategy=strategy)
+                       strategy=strategy, grad_accum=1)
     bf16 = use_bf16(tcfg, device) or strategy == "fsdp"
     torch.manual_seed(0)
     raw = build_model(cfg, device)  # tied, as training builds it
     model = parallelize(raw, strategy, device, bf16, 1, compile_blocks=compile_model)
-    optimizer = make_optimizer(model, tcfg)
-    if not fused:  # the path of the FSDP2 presets: FSDP2's DTensor parameters take the unfused AdamW
-        for group in optimizer.param_groups:
-            group["fused"] = False
-    return raw, model, optimizer, cfg, tcfg, bf16
+    return raw, model, make_optimizer(model, tcfg), cfg, tcfg, bf16
 
 
 def micro_batches(name: str, device) -> tuple[int, int]:
@@ -152,8 +159,67 @@ def measure(name: str, device, seconds: float, compile_model: bool, batch_size: 
     return out
 
 
-def fsdp_step_and_checkpoint(name: str, device, compile_model: bool) -> dict:
-    """One FSDP2 bf16 step with unfused AdamW, then a sharded checkpoint saved and loaded back."""
+def loss_share(name: str, device, compile_model: bool, reps: int = 10) -> dict:
+    """The fused loss's share of a training step, timed on the same shapes: the step (train_step at the
+    default micro-batch), the loss alone (forward and backward of `linear_cross_entropy` on the step's
+    (rows, width) hidden states), and a plain `cross_entropy` over the whole logits (None where it does
+    not fit in memory)."""
+    import torch
+    import torch.nn.functional as F
+
+    from train.loop import autocast, train_step
+    from train.model import linear_cross_entropy
+
+    raw, model, optimizer, cfg, tcfg, bf16 = build(name, device, micro_batches(name, device)[0], compile_model)
+    batches = _batches(cfg, tcfg.batch_size)
+    rows = tcfg.batch_size * cfg.seq_len
+    h = torch.randn(rows, cfg.n_embd, device=device, requires_grad=True)
+    w = raw.head.weight.detach().clone().requires_grad_(True)
+    targets = torch.from_numpy(batches[0][:, 1:].reshape(-1)).to(device)
+
+    def step():
+        train_step(model, optimizer, [batches[0]], 1e-4, tcfg, device, bf16)
+
+    def fused():
+        with autocast(device, bf16):
+            loss = linear_cross_entropy(h, w, targets, compiled=compile_model)
+        loss.backward()
+
+    def plain():
+        with autocast(device, bf16):
+            loss = F.cross_entropy((h @ w.t()).float(), targets)
+        loss.backward()
+
+    out = {"preset": name, "batch_size": tcfg.batch_size}
+    for key, fn in (("step_ms", step), ("loss_ms", fused), ("plain_ms", plain)):
+        try:
+            out[key] = _timed(fn, device, reps)
+        except torch.OutOfMemoryError:
+            out[key] = None
+        h.grad = w.grad = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out["share"] = out["loss_ms"] / out["step_ms"]
+    out["vs_plain"] = out["loss_ms"] / out["plain_ms"] if out["plain_ms"] else None
+    return out
+
+
+def _timed(fn, device, reps: int) -> float:
+    """Milliseconds per call of `fn`, after two untimed calls (compilation), between device syncs."""
+    for _ in range(2):
+        fn()
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    _sync(device)
+    return 1e3 * (time.perf_counter() - t) / reps
+
+
+def fsdp_step_and_checkpoint(name: str, device, compile_model: bool, backend: str | None = None) -> dict:
+    """One FSDP2 bf16 step with training's optimizer, then a sharded checkpoint saved and loaded back.
+    The process group is made with `backend` (default: gloo for CPU tensors, NCCL for CUDA ones); the
+    checkpoint gets a gloo group of its own, as training's does, so it works on any default group."""
     import torch
     import torch.distributed as dist
 
@@ -162,15 +228,16 @@ def fsdp_step_and_checkpoint(name: str, device, compile_model: bool) -> dict:
 
     if not dist.is_initialized():
         store = dist.FileStore(tempfile.mktemp(prefix="strata-gpu-check-"), 1)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
-    raw, model, optimizer, cfg, tcfg, bf16 = build(name, device, 4, compile_model,
-                                                   strategy="fsdp", fused=False)
+        dist.init_process_group(backend or ("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"),
+                                store=store, rank=0, world_size=1)
+    ckpt_pg = dist.new_group(backend="gloo")
+    raw, model, optimizer, cfg, tcfg, bf16 = build(name, device, 4, compile_model, strategy="fsdp")
     batch = _batches(cfg, tcfg.batch_size)[0]
     t = time.perf_counter()
     loss = train_step(model, optimizer, [batch], 1e-4, tcfg, device, bf16).item()
     _sync(device)
     step_s = time.perf_counter() - t
-    ckpt = AsyncCheckpointer(model, optimizer, 0)
+    ckpt = AsyncCheckpointer(model, optimizer, 0, ckpt_pg)
     t = time.perf_counter()
     ckpt.start(1, {"loss": loss})
     _, local = ckpt.take()
@@ -180,12 +247,13 @@ def fsdp_step_and_checkpoint(name: str, device, compile_model: bool) -> dict:
         for p in model.parameters():
             p.add_(1.0)
     t = time.perf_counter()
-    meta = load(local, model, optimizer, 0)
+    meta = load(local, model, optimizer, 0, ckpt_pg)
     load_s = time.perf_counter() - t
     loaded = [p.full_tensor().float().sum().item() for p in list(model.parameters())[:3]]
     shutil.rmtree(local, ignore_errors=True)
     out = {"preset": name, "loss": loss, "step_s": step_s, "save_s": save_s, "load_s": load_s,
-           "restored_step": meta["step"], "weights_match": saved == loaded}
+           "restored_step": meta["step"], "weights_match": saved == loaded,
+           "fused_adamw": all(g.get("fused") for g in optimizer.param_groups)}
     del raw, model, optimizer
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -205,25 +273,62 @@ def profile(name: str, device, compile_model: bool, steps: int = 5) -> dict:
         train_step(model, optimizer, [batches[i]], 1e-4, tcfg, device, bf16).item()
     _sync(device)
     gpu = device.type == "cuda"
-    activities = [ProfilerActivity.CUDA] if gpu else [ProfilerActivity.CPU]
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if gpu else [ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities) as prof:
         t = time.perf_counter()
         for i in range(steps):
             train_step(model, optimizer, [batches[i % 8]], 1e-4, tcfg, device, bf16)
         _sync(device)
         wall_us = (time.perf_counter() - t) * 1e6
-    spent = dict.fromkeys([k for k, _ in KINDS] + ["other"], 0.0)
-    for e in prof.key_averages():
-        us = e.self_device_time_total if gpu else e.self_cpu_time_total
-        if us <= 0 or (not gpu and not e.key.startswith("aten::")):
-            continue  # on CPU only aten ops count (the rest is the profiler's own and Python frames)
-        key = e.key.lower()
-        kind = next((k for k, frags in KINDS if any(f in key for f in frags)), "other")
-        spent[kind] += us
+    spent = shares_of(prof.events(), gpu)
     busy = sum(spent.values())
     shares = {k: v / max(wall_us, busy) for k, v in spent.items()}
     shares["idle"] = max(0.0, 1.0 - sum(shares.values()))
     return {"preset": name, "steps": steps, "wall_ms": wall_us / 1e3, "shares": shares}
+
+
+def shares_of(events, gpu: bool) -> dict:
+    """Microseconds of device time (of CPU time, without a GPU) by kind (KINDS): each CPU event's own time
+    (its kernels', on a GPU) goes to the kind of what launched it (`kind_of`); kernels no event claims
+    are other."""
+    from torch.autograd import DeviceType
+
+    spent = dict.fromkeys(KINDS, 0.0)
+    claimed = 0.0
+    for e in events:
+        if e.device_type != DeviceType.CPU or e.is_async:
+            continue
+        us = e.self_device_time_total if gpu else e.self_cpu_time_total
+        if us > 0:
+            spent[kind_of(e)] += us
+            claimed += us
+    if gpu:
+        kernels = sum(e.device_time_total for e in events if e.device_type == DeviceType.CUDA)
+        spent["other"] += max(0.0, kernels - claimed)
+    return spent
+
+
+def kind_of(event) -> str:
+    """The kind of an event's work, by the events around it (itself, then its parents outward): inside
+    training's loss or optimizer range (or the fused loss's backward) it is that; else attention or
+    matmul by the aten op that launched it; else other."""
+    from train.loop import OPTIMIZER_RANGE
+    from train.model import LOSS_RANGE
+
+    names = []
+    while event is not None:
+        names.append(event.name)
+        event = event.cpu_parent
+    for n in names:
+        if n == LOSS_RANGE or "LinearCrossEntropy" in n:
+            return "loss"
+        if n == OPTIMIZER_RANGE:
+            return "optimizer"
+    if any(n.startswith(ATTENTION_OPS) or "ScaledDotProduct" in n for n in names):
+        return "attention"
+    if any(n in MATMUL_OPS for n in names):
+        return "matmul"
+    return "other"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -240,12 +345,18 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
+    from train.loop import code_compiler, compiler_kind
+
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: use --device cpu for a smoke test")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     env = environment(device)
     print("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), flush=True)
+    if args.compile and not code_compiler(device):  # Triton builds its launchers with one at run time
+        args.compile = False
+        print(f"compile: off, no {compiler_kind(device)} (set CC, or install gcc or clang): the steps run eager",
+              flush=True)
     results = []
     for name in args.presets:
         for batch_size in (args.batch_size, 2 * args.batch_size) if args.batch_size else micro_batches(name, device):
@@ -254,17 +365,24 @@ def main(argv: list[str] | None = None) -> None:
             mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (unknown peak)"
             print(f"{name:10} {r['device']}: batch {r['batch_size']} x {r['seq_len']}, {r['step_ms']:.1f} ms/step, "
                   f"{r['tokens_per_s']:,.0f} tokens/s, MFU {mfu} (warm-up {r['warmup_s']:.0f} s)", flush=True)
+    share = loss_share(args.presets[0], device, args.compile)
+    print(f"loss of {share['preset']} batch {share['batch_size']}: {share['loss_ms']:.1f} ms of a "
+          f"{share['step_ms']:.1f} ms step ({share['share']:.1%}); a plain cross_entropy "
+          + (f"{share['plain_ms']:.1f} ms (fused/plain {share['vs_plain']:.2f})" if share["plain_ms"]
+             else "does not fit in memory"), flush=True)
     fsdp = None
     if args.fsdp_preset != "none":
         fsdp = fsdp_step_and_checkpoint(args.fsdp_preset, device, compile_model=False)  # one step: no compile
         print(f"fsdp2 bf16 {fsdp['preset']}: step {fsdp['step_s']:.2f} s, loss {fsdp['loss']:.3f}; checkpoint save "
               f"{fsdp['save_s']:.2f} s, load {fsdp['load_s']:.2f} s, step {fsdp['restored_step']} restored, "
-              f"weights {'match' if fsdp['weights_match'] else 'DIFFER'}", flush=True)
+              f"weights {'match' if fsdp['weights_match'] else 'DIFFER'}; "
+              f"{'fused' if fsdp['fused_adamw'] else 'unfused'} AdamW", flush=True)
     prof = profile(args.presets[0], device, args.compile)
     print(f"profile of {prof['steps']} {prof['preset']} steps ({prof['wall_ms']:.0f} ms): "
           + ", ".join(f"{k} {v:.0%}" for k, v in prof["shares"].items()), flush=True)
     if args.json:
-        print(json.dumps({"environment": env, "runs": results, "fsdp": fsdp, "profile": prof}))
+        print(json.dumps({"environment": env, "compiled": args.compile, "runs": results, "loss": share,
+                          "fsdp": fsdp, "profile": prof}))
     scored = [(r["mfu"] / TARGET_MFU[r["preset"]], r) for r in results
               if r["mfu"] is not None and r["preset"] in TARGET_MFU]
     if scored:
