@@ -31,6 +31,8 @@ import sysconfig
 import tempfile
 import time
 
+from strata.procs import processes, tree
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEER_PYTHON = os.path.join(REPO, ".venv-peer", "bin", "python")
 VOCAB, SEQ_LEN = 32768, 1024
@@ -93,22 +95,9 @@ LARGEST = {"mb": 0.0}  # the largest resident set of any process of the last tim
 
 
 def _tree_rss_mb(root: int) -> float:
-    """The largest resident set (MB) of `root` and its descendants now (Linux /proc)."""
-    parents, rss = {}, {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-            parents[int(pid)] = int(fields["PPid"])
-            rss[int(pid)] = int(fields.get("VmRSS", "0 kB").split()[0]) / 1024
-        except (OSError, ValueError, KeyError):
-            continue
-    tree, grew = {root}, True
-    while grew:
-        more = {p for p, pp in parents.items() if pp in tree} - tree
-        tree |= more
-        grew = bool(more)
-    return max((rss.get(p, 0.0) for p in tree), default=0.0)
+    """The largest resident set (MB) of `root` and its descendants now."""
+    procs = processes()
+    return max((procs[p].rss_mb for p in tree(root, procs)), default=0.0)
 
 
 def timed(cmd: list[str], env: dict | None = None) -> tuple[float, str]:
@@ -118,8 +107,7 @@ def timed(cmd: list[str], env: dict | None = None) -> tuple[float, str]:
         proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=out, stderr=err, text=True)
         LARGEST["mb"] = 0.0
         while proc.poll() is None:
-            if os.path.isdir("/proc"):
-                LARGEST["mb"] = max(LARGEST["mb"], _tree_rss_mb(proc.pid))
+            LARGEST["mb"] = max(LARGEST["mb"], _tree_rss_mb(proc.pid))
             time.sleep(0.25)
         seconds = time.perf_counter() - t0
         out.seek(0)

@@ -29,6 +29,8 @@ from multiprocessing import Pool
 
 import numpy as np
 
+from strata.procs import processes, tree
+
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per process or actor, in both systems
 
@@ -63,7 +65,7 @@ def generate(root: str, mb: int, seed: int = 0) -> list[str]:
 
 
 class CpuSampler:
-    """CPU seconds used by this process and all its descendants, by role (Linux /proc, sampled every 0.2 s).
+    """CPU seconds used by this process and all its descendants, by role (psutil, sampled every 0.2 s).
 
     Ray's own processes (raylet, GCS, dashboard, Ray Data's stats and
     autoscaling actors) share the cores with the work; this shows how much.
@@ -76,39 +78,21 @@ class CpuSampler:
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
-    @staticmethod
-    def _procs() -> dict[int, tuple[int, str, float]]:
-        out, tick = {}, os.sysconf("SC_CLK_TCK")
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    stat = f.read()
-                with open(f"/proc/{pid}/cmdline") as f:
-                    cmd = f.read().replace("\0", " ")
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()
-            out[int(pid)] = (int(fields[1]), cmd, (int(fields[11]) + int(fields[12])) / tick)
-        return out
-
     def _sample(self) -> None:
-        procs, mine = self._procs(), {os.getpid()}
-        for _ in range(8):  # descendants, a few levels deep
-            mine |= {pid for pid, (ppid, _, _) in procs.items() if ppid in mine}
-        for pid in mine:
-            _, cmd, cpu = procs[pid]
-            self.start.setdefault(pid, cpu if pid == os.getpid() or pid in self.seen else 0.0)
-            self.seen[pid] = (cmd, cpu)
+        procs = processes()
+        for pid in tree(os.getpid(), procs):
+            p = procs[pid]
+            self.start.setdefault(pid, p.cpu_s if pid == os.getpid() or pid in self.seen else 0.0)
+            self.seen[pid] = (p.cmdline, p.cpu_s)
 
     def _loop(self) -> None:
         while not self.stop_event.wait(0.2):
             self._sample()
 
     def __enter__(self):
-        if os.path.isdir("/proc/self"):
-            self._sample()
-            self.start = {pid: cpu for pid, (_, cpu) in self.seen.items()}
-            self.thread.start()
+        self._sample()
+        self.start = {pid: cpu for pid, (_, cpu) in self.seen.items()}
+        self.thread.start()
         return self
 
     def __exit__(self, *exc):

@@ -223,9 +223,9 @@ class DedupIndex:
 
     def peak_rss_mb(self) -> float:
         """The most memory this actor's process has held (its index is held in memory, whole)."""
-        import resource
+        from strata.procs import peak_rss_mb
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return peak_rss_mb()
 
     def winners(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(doc key, from an earlier version) of the winner of each key; a (key, doc) of this run lost
@@ -285,7 +285,7 @@ def size_histogram(sizes) -> dict[str, int]:
     return bins
 
 
-def audit_pairs(docs_paths: list[str], pairs: list[dict], winners: list[int], cfg: dict) -> dict:
+def audit_pairs(docs_paths: list[str], pairs: list[dict], winners: list[int], cfg: DedupConfig) -> dict:
     """The texts behind sampled duplicate pairs, from pass 1's work files (a cpu-tier task).
 
     `pairs` are {removed, kept, kind} by doc key; returns them with their doc ids, the Jaccard
@@ -309,7 +309,7 @@ def audit_pairs(docs_paths: list[str], pairs: list[dict], winners: list[int], cf
             for doc, doc_id, text in zip(*(t.column(c).to_pylist() for c in ("doc", "doc_id", "text")), strict=True):
                 if doc in wanted:
                     texts[doc], ids[doc] = text, doc_id
-    hasher = MinHasher(DedupConfig(**cfg))
+    hasher = MinHasher(cfg)
     out = []
     for pair in pairs:
         a, b = texts.get(pair["removed"]), texts.get(pair["kept"])

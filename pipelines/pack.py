@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import resource
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -38,6 +37,7 @@ from pipelines.dedup import DedupConfig, MinHasher, exact_key, hash64, shard_of
 from pipelines.sources import ReadConfig, read_file, with_deferral
 from strata.connect import fetch_once
 from strata.dataset import arrow_schema, token_dtype
+from strata.procs import peak_rss_mb
 from strata.storage import filesystem, join
 
 SPLIT_IDS = {"train": 0, "validation": 1}
@@ -156,15 +156,11 @@ def profiled(fn):
     return wrapper
 
 
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 @profiled
-def read_clean_sign(batch: dict, *, read: dict, clean: dict, dedup: dict, work_dir: str,
+def read_clean_sign(batch: dict, *, read: ReadConfig, clean: CleanConfig, dedup: DedupConfig, work_dir: str,
                     contamination: dict | None = None) -> dict:
-    """Pass 1 over one work unit (Ray Data `map_batches`, batch_size=1)."""
-    rcfg, ccfg, dcfg = ReadConfig(**read), CleanConfig(**clean), DedupConfig(**dedup)
+    """Pass 1 over one work unit (Ray Data `map_batches`, batch_size=1); the configs travel typed."""
+    rcfg, ccfg, dcfg = read, clean, dedup
     unit = json.loads(batch["unit"][0])
     name = f"docs-{digest(unit)}.parquet"
     return with_deferral(unit, rcfg, lambda files: _read_clean_sign(files, rcfg, ccfg, dcfg, work_dir, name,
@@ -211,7 +207,7 @@ def _read_clean_sign(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, dcfg
     clock.lap("write")
     return {"counts": [json.dumps(counts)], "samples": [json.dumps(samples)], "docs_file": [name],
             "docs": [kept], "kept_by_path": [json.dumps(kept_by_path)], "node": [_node()],
-            "peak_rss_mb": [_peak_rss_mb()], "cpu_s": [clock.dumps()]}
+            "peak_rss_mb": [peak_rss_mb()], "cpu_s": [clock.dumps()]}
 
 
 def doc_path(doc_id: str) -> str:
@@ -227,19 +223,18 @@ class DedupTokenizePack:
 
     def __init__(self, *, tokenizer: str, eot_token: str, definition: str | None, seq_len: int,
                  tokenizer_engine: str = "auto",
-                 validation_fraction: float, seed: int, split_seed: int, dedup: dict, work_dir: str, index: list,
-                 removed_dir: str = "", read: dict | None = None, clean: dict | None = None,
+                 validation_fraction: float, seed: int, split_seed: int, dedup: DedupConfig, work_dir: str,
+                 index: list, removed_dir: str = "", read: ReadConfig | None = None, clean: CleanConfig | None = None,
                  contamination: dict | None = None):
         from strata.tokenizer import HFTokenizer, load_tokenizer
 
         self.tok = (HFTokenizer(definition, eot_token, tokenizer_engine) if definition
                     else load_tokenizer(tokenizer, eot_token, tokenizer_engine))
         self.row_len, self.fraction, self.seed, self.split_seed = seq_len + 1, validation_fraction, seed, split_seed
-        self.dedup, self.work_dir, self.index = DedupConfig(**dedup), work_dir, index
+        self.dedup, self.work_dir, self.index = dedup, work_dir, index
         self.removed_dir = removed_dir
         # Fused mode (no dedup, so no global decision between reading and packing): read units directly.
-        self.read = ReadConfig(**read) if read else None
-        self.clean = CleanConfig(**clean) if clean else None
+        self.read, self.clean = read, clean
         self.contamination = contamination
         self.schema = packed_schema(seq_len, token_dtype(self.tok.vocab_size))
 
@@ -373,7 +368,7 @@ class DedupTokenizePack:
                 "cpu_s": [clock.dumps()],
                 "removed_by_path": [json.dumps(removed_by_path)], "clusters": [json.dumps(clusters)],
                 "pairs": [json.dumps(pairs)], "packed_file": [out_name], "node": [_node()],
-                "peak_rss_mb": [_peak_rss_mb()], "busy_s": [time.perf_counter() - started]}
+                "peak_rss_mb": [peak_rss_mb()], "busy_s": [time.perf_counter() - started]}
 
 
 AUDIT_PAIRS = 8  # sampled duplicate pairs per kind in a version's dedup audit

@@ -60,6 +60,7 @@ from strata.lease import Lease, LeaseBusy
 from strata.records import write_record
 from strata.runinfo import run_info
 from strata.shell import Command
+from strata.shell import log as _logger
 from strata.storage import (
     Storage,
     basename,
@@ -73,6 +74,8 @@ from strata.storage import (
     write_json_atomic,
 )
 from strata.tokenizer import ENGINES, TOKENIZER_FILE, TokenizerMismatch, check_spec
+
+_say = _logger("preprocess").info
 
 # What tier 1's workers import, loaded by an embedded Ray's idle workers while the driver starts
 # (about 1 s sooner to the first unit on 2 cores).
@@ -156,7 +159,7 @@ def _evaluation_index(cfg: PreprocessConfig) -> dict | None:
         return None
     c = cfg.clean
     built = decontam.build(list(c.decontaminate), c.decontaminate_n, c.evaluation_fields(), c.decontaminate_min_words)
-    _log(f"decontamination: {decontam.size(built):,} n-grams of {len(built['names'])} evaluation file(s): "
+    _say(f"decontamination: {decontam.size(built):,} n-grams of {len(built['names'])} evaluation file(s): "
          + "; ".join(f"{basename(p)} {f['records']:,} records, {f['ngrams']:,} n-grams" for p, f in built["files"].items()))
     return built
 
@@ -181,7 +184,7 @@ def _prior_state(earlier: list, cfg: PreprocessConfig) -> dict[str, list[str]]:
         state = v.manifest.dedup
         for table in files:
             if table == "band" and state.get("params") != cfg.dedup.params():
-                _log(f"near-dedup against {v.ref} skipped: its MinHash/LSH parameters {state.get('params')} "
+                _say(f"near-dedup against {v.ref} skipped: its MinHash/LSH parameters {state.get('params')} "
                      f"differ from this run's {cfg.dedup.params()} (pass --bands/--rows/--num-perm to match)")
                 continue  # different shingles/bands: signatures are not comparable
             files[table] += [v.file(p) for p in state.get("files", {}).get(table, [])]
@@ -215,14 +218,14 @@ def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "", *, wait: bool
     files = list_inputs(list(cfg.read.inputs), cfg.read.allow_empty, cfg.read.follow_links, skipped)
     check_outside([], storage.root, files)
     if skipped:
-        _log(f"{len(skipped)} symbolic link(s) lead out of their input folder and were not followed "
+        _say(f"{len(skipped)} symbolic link(s) lead out of their input folder and were not followed "
              f"(--follow-links reads them): {', '.join(skipped[:3])}{' ...' if len(skipped) > 3 else ''}")
     lease = Lease(storage.dataset(cfg.dataset), f"dataset {cfg.dataset}",
                   purpose=f"preprocess{f' run {run_id}' if run_id else ''}")
-    lease.acquire(wait=wait, log=_log)
+    lease.acquire(wait=wait, log=_say)
     try:
         for leftover in abandoned_run_files(storage, cfg.dataset, lease.gen):
-            _log(f"deleting {leftover}: files of a run that ended before its commit")
+            _say(f"deleting {leftover}: files of a run that ended before its commit")
             delete_dir(leftover)
         return _run_leased(cfg, storage, run_id, lease, files, started, dashboard)
     except Exception as e:
@@ -244,7 +247,7 @@ def _run_leased(cfg: PreprocessConfig, storage: Storage, run_id: str, lease: Lea
 
     earlier = _earlier(storage, cfg)
     if run_id and (done := next((v for v in earlier if v.manifest.run_id == run_id), None)):
-        _log(f"run {run_id!r} already produced {done.ref}: nothing to do")
+        _say(f"run {run_id!r} already produced {done.ref}: nothing to do")
         return {**_summary(done), "already_existed": True}
     parent = earlier[-1] if earlier else None
     if parent and not cfg.pack.tokenizer.startswith("train:"):
@@ -254,14 +257,14 @@ def _run_leased(cfg: PreprocessConfig, storage: Storage, run_id: str, lease: Lea
         consumed = {_identity(f) for v in earlier for f in v.manifest.inputs if "mtime_ns" in f}
         new = [f for f in files if _identity(f) not in consumed]
         if len(new) < len(files):
-            _log(f"{len(files) - len(new)} of {len(files)} input files were consumed by earlier versions: skipped")
+            _say(f"{len(files) - len(new)} of {len(files)} input files were consumed by earlier versions: skipped")
         files = new
     if not files:
-        _log("nothing new: no version created")
+        _say("nothing new: no version created")
         return _empty_summary(cfg, started, "nothing new")
     evaluation = _evaluation_index(cfg)  # read and checked before Ray starts: a file that checks nothing fails here
     # Ray's own worker logs stay in its log files (a worker's error reaches here as the run's error).
-    _log(connect(dashboard=dashboard, preload=WORKER_MODULES, quiet=True, log_to_driver=False))
+    _say(connect(dashboard=dashboard, preload=WORKER_MODULES, quiet=True, log_to_driver=False))
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.label_selector = tiers.selector(tiers.Tier.CPU)  # every task and actor, shuffles too
     # A unit whose file stays unreadable runs again; then its error reaches run() as itself, not wrapped.
@@ -272,7 +275,7 @@ def _run_leased(cfg: PreprocessConfig, storage: Storage, run_id: str, lease: Lea
         raise DatasetError(f"no alive node serves the cpu tier (label {tiers.label_key(tiers.Tier.CPU)}=true)")
     units = plan_units(files, cfg.read)
     total_bytes = sum(f["size"] for f in files)
-    _log(f"{len(files)} input files, {total_bytes / 1e6:.1f} MB in {len(units)} work units")
+    _say(f"{len(files)} input files, {total_bytes / 1e6:.1f} MB in {len(units)} work units")
 
     staging = storage.run_files(cfg.dataset, f"g{lease.gen:08d}-{uuid.uuid4().hex[:8]}")
     work = join(staging, "_work")
@@ -286,12 +289,12 @@ def _run_leased(cfg: PreprocessConfig, storage: Storage, run_id: str, lease: Lea
                                  lease, evaluation)
         delete_dir(work)
         for path, why in passes.deferred.items():
-            _log(f"WARNING: {path} left out of this version (--unreadable defer), to be read by a later run: {why}")
+            _say(f"WARNING: {path} left out of this version (--unreadable defer), to be read by a later run: {why}")
         files = [f for f in files if f["path"] not in passes.deferred]  # not consumed: the next run reads it
         _check_dedup_share(passes.dedup_by_source, cfg.dedup.max_duplicate_fraction)
         if not passes.shards:
             delete_dir(staging)
-            _log("no document survived: no version created")
+            _say("no document survived: no version created")
             return _empty_summary(cfg, started, "no rows", passes)
         version = _commit(cfg, storage, staging, files, record, passes, started, cpus, total_bytes, run_id, lease,
                           parent)
@@ -368,10 +371,10 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent, started: fl
     contamination = {"ref": ray.put(evaluation)} if evaluation else None  # every worker reads the node's copy
     if not fused:
         # Pass 1: read, clean, filter, sign; one work file of documents and their dedup keys per unit.
-        _log("pass 1/3: read, clean, filter, sign")
+        _say("pass 1/3: read, clean, filter, sign")
         p1 = ray.data.from_items([{"unit": json.dumps(u)} for u in units], override_num_blocks=len(units)) \
             .map_batches(read_clean_sign, batch_size=1, label_selector=on_cpu,
-                         fn_kwargs=dict(read=asdict(cfg.read), clean=asdict(cfg.clean), dedup=asdict(cfg.dedup),
+                         fn_kwargs=dict(read=cfg.read, clean=cfg.clean, dedup=cfg.dedup,
                                         work_dir=work, contamination=contamination)).take_all()
         p1, deferred = without_deferred(p1)
         step("pass 1: read, clean, sign")
@@ -393,7 +396,7 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent, started: fl
             step("tokenizer training")
 
         # Pass 2: drop duplicates, tokenize, pack; one work file of rows per document file.
-        _log("pass 2/3: read, clean, tokenize, pack (fused)" if fused else "pass 2/3: deduplicate, tokenize, pack")
+        _say("pass 2/3: read, clean, tokenize, pack (fused)" if fused else "pass 2/3: deduplicate, tokenize, pack")
         inputs = [{"unit": json.dumps(u)} for u in units] if fused else [{"docs_file": f} for f in docs_files]
         pass2_started = time.time()
         p2 = []
@@ -408,9 +411,9 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent, started: fl
                     tokenizer=cfg.pack.tokenizer, eot_token=cfg.pack.eot_token, definition=definition,
                     tokenizer_engine=cfg.pack.tokenizer_engine,
                     seq_len=cfg.pack.seq_len, validation_fraction=cfg.pack.validation_fraction,
-                    seed=cfg.pack.seed, split_seed=cfg.pack.split_seed, dedup=asdict(cfg.dedup), work_dir=work,
-                    index=index, removed_dir=join(staging, REMOVED_DIR), read=asdict(cfg.read) if fused else None,
-                    clean=asdict(cfg.clean) if fused else None, contamination=contamination)).take_all()
+                    seed=cfg.pack.seed, split_seed=cfg.pack.split_seed, dedup=cfg.dedup, work_dir=work,
+                    index=index, removed_dir=join(staging, REMOVED_DIR), read=cfg.read if fused else None,
+                    clean=cfg.clean if fused else None, contamination=contamination)).take_all()
         if fused:
             p2, deferred = without_deferred(p2)
         packed = Counter()
@@ -438,7 +441,7 @@ def _run_passes(cfg, ray, units, work, staging, cpus, prior, parent, started: fl
             ray.kill(i)
 
     # Pass 3: a global, seeded shuffle of rows into shards of about shard_bytes.
-    _log("pass 3/3: shuffle rows into shards")
+    _say("pass 3/3: shuffle rows into shards")
     row_bytes = (cfg.pack.seq_len + 1) * {"uint8": 1, "uint16": 2, "uint32": 4}[token_dtype(tok.vocab_size)]
     per_shard = max(1, cfg.pack.shard_bytes // row_bytes)
     shards_per_split = {sid: max(1, math.ceil(packed.get(f"rows:{split}", 0) / per_shard))
@@ -499,7 +502,7 @@ def _dedup_audit(cfg, ray, docs_paths: list[str], p2: list[dict], by_source: dic
         pairs = audit_sample(pairs + json.loads(row["pairs"]))
     largest = clusters.most_common(LARGEST_CLUSTERS)
     found = ray.get(ray.remote(audit_pairs).options(label_selector=on_cpu).remote(
-        docs_paths, pairs, [w for w, _ in largest], asdict(cfg.dedup))) if clusters else {"pairs": [], "winner_ids": {}}
+        docs_paths, pairs, [w for w, _ in largest], cfg.dedup)) if clusters else {"pairs": [], "winner_ids": {}}
     audit = {
         "by_source": by_source,
         "cluster_sizes": size_histogram(n + 1 for n in clusters.values()),
@@ -510,7 +513,7 @@ def _dedup_audit(cfg, ray, docs_paths: list[str], p2: list[dict], by_source: dic
         "threshold": cfg.dedup.threshold, "lsh": dict(zip(("bands", "rows"), cfg.dedup.lsh(), strict=True)),
     }
     if clusters:
-        _log(f"dedup: {sum(clusters.values()):,} removed in {len(clusters):,} clusters; sizes "
+        _say(f"dedup: {sum(clusters.values()):,} removed in {len(clusters):,} clusters; sizes "
              + ", ".join(f"{k}: {v:,}" for k, v in audit["cluster_sizes"].items())
              + f"; largest {audit['largest_clusters'][0]['size']:,}")
     return audit
@@ -535,10 +538,10 @@ def _add_samples(samples: dict, row: dict) -> None:
 
 def _tokenizer_definition(cfg, ray, work, docs_files, on_cpu, parent=None) -> str | None:
     if cfg.pack.tokenizer.startswith("train:") and parent is not None:
-        _log(f"reusing the tokenizer of {parent.ref}: a version extends the previous one")
+        _say(f"reusing the tokenizer of {parent.ref}: a version extends the previous one")
         return parent.tokenizer_definition()
     if cfg.pack.tokenizer.startswith("train:"):
-        _log(f"training a byte-level BPE tokenizer ({cfg.pack.tokenizer})")
+        _say(f"training a byte-level BPE tokenizer ({cfg.pack.tokenizer})")
         return ray.get(ray.remote(_train_tokenizer).options(label_selector=on_cpu).remote(
             [join(work, "docs", f) for f in docs_files], int(cfg.pack.tokenizer.partition(":")[2]),
             cfg.pack.tokenizer_sample_bytes))
@@ -745,10 +748,6 @@ def _worker_error(e: BaseException, kinds):
     return None
 
 
-def _log(msg: str) -> None:
-    print(f"[preprocess] {msg}", file=sys.stderr, flush=True)
-
-
 def main(argv: list[str] | None = None) -> dict:
     return Command("python -m pipelines.preprocess", argv).run(_main)
 
@@ -783,12 +782,12 @@ def _main(cmd: Command) -> dict:
     except (FileNotFoundError, DatasetError, ValueError) as e:
         sys.exit(f"error: {e}")
     if summary["already_existed"]:
-        _log(f"run {args.run_id!r} already exists as {summary['dataset']}@{summary['version']}")
+        _say(f"run {args.run_id!r} already exists as {summary['dataset']}@{summary['version']}")
     elif summary["version"] is None:
-        _log(f"no version created ({summary['note']}): {summary['documents']['kept']} documents kept")
+        _say(f"no version created ({summary['note']}): {summary['documents']['kept']} documents kept")
     else:
-        _log(f"committed {summary['dataset']}@{summary['version']} at {summary['path']}")
-    _log("\n" + format_table(summary["stats"]))
+        _say(f"committed {summary['dataset']}@{summary['version']} at {summary['path']}")
+    _say("\n" + format_table(summary["stats"]))
     return finish(summary, args.json)
 
 

@@ -175,20 +175,11 @@ RAY_DAEMONS = ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py",
 
 def ray_daemon_cpu(since: dict[int, float] | None = None):
     """CPU seconds of Ray's own processes on this node (raylet, GCS, dashboard, agents): per pid now, or,
-    given an earlier snapshot, the seconds used since it (Linux /proc; {} or 0.0 elsewhere)."""
-    now: dict[int, float] = {}
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    for pid in (p for p in os.listdir("/proc") if p.isdigit()) if os.path.isdir("/proc") else ():
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-            if not any(d in cmd for d in RAY_DAEMONS) or "ray::" in cmd or "default_worker" in cmd:
-                continue
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            now[int(pid)] = (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, IndexError, ValueError):
-            continue
+    given an earlier snapshot, the seconds used since it."""
+    from strata.procs import processes
+
+    now = {p.pid: p.cpu_s for p in processes().values()
+           if any(d in p.cmdline for d in RAY_DAEMONS) and "ray::" not in p.cmdline and "default_worker" not in p.cmdline}
     if since is None:
         return now
     return round(sum(v - since.get(pid, 0.0) for pid, v in now.items()), 1)

@@ -18,12 +18,12 @@ import json
 import os
 import re
 import socket
-import sys
 import threading
 import time
 import uuid
 
 from strata.shell import EXIT_BUSY, StrataError
+from strata.shell import log as _logger
 from strata.storage import create_exclusive, delete, join, list_dir, read_json, write_json_atomic
 
 DEFAULT_TTL_S = 60.0
@@ -146,7 +146,7 @@ class Lease:
         """Take the lease, waiting (and saying for whom) while somebody else holds it.
 
         `wait=False` raises LeaseBusy at once instead; so does running past `timeout_s`."""
-        log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        log = log or _logger("lease").info
         deadline = None if timeout_s is None else time.time() + timeout_s
         said = None
         while (busy := self.try_acquire()) is not None:

@@ -10,11 +10,15 @@
   command that continues (`Command.interrupted`), and exit code 130.
 - `Command.started` is when the process started, so a run's record counts the
   whole command, imports and Ray's start included.
+- What a command says goes through `logging` (`log("train").info(...)`), one line each as
+  `[train] ...` on stderr; `--quiet` keeps warnings and errors only, `--verbose` adds debug lines
+  (and, for commands that start Ray, Ray's own logs).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import shlex
 import sys
 import time
@@ -60,12 +64,60 @@ def command_started() -> float | None:
     return _ACTIVE[-1].started if _ACTIVE else None
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler that writes to whatever sys.stderr is when a line comes (a notebook or pytest swaps it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+class _Tagged(logging.Formatter):
+    """`[tag] message`, the tag the last part of the logger's name (strata.train -> train)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = f"[{record.name.rsplit('.', 1)[-1]}] {record.getMessage()}"
+        return f"{line}\n{self.formatException(record.exc_info)}" if record.exc_info else line
+
+
+def log(tag: str) -> logging.Logger:
+    """The logger a command's lines go through (`strata.TAG`); strata's loggers print to stderr at INFO
+    unless a command's --quiet or --verbose says otherwise, in a notebook or a test too."""
+    root = logging.getLogger("strata")
+    if not any(isinstance(h, _Stderr) for h in root.handlers):
+        handler = _Stderr()
+        handler.setFormatter(_Tagged())
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        root.propagate = False
+    return logging.getLogger(f"strata.{tag}")
+
+
+def set_verbosity(*, quiet: bool = False, verbose: bool = False) -> None:
+    """--quiet: warnings and errors only; --verbose: debug lines too."""
+    log("shell")
+    logging.getLogger("strata").setLevel(logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with a short failure: a mistyped flag prints one line and a hint, not the whole usage.
     Flags are never abbreviated: `--max-step` is a mistake, not `--max-steps`."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, allow_abbrev=False, **kwargs)
+        talk = self.add_mutually_exclusive_group()
+        talk.add_argument("--quiet", action="store_true", help="say only warnings and errors")
+        talk.add_argument("--verbose", action="store_true", help="say more (debug lines; Ray's own logs where "
+                          "the command starts Ray)")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        set_verbosity(quiet=parsed.quiet, verbose=parsed.verbose)
+        return parsed
 
     def error(self, message: str):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

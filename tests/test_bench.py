@@ -23,7 +23,7 @@ def test_the_gpu_check_runs_on_cpu_as_a_smoke_test():
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     result = json.loads(lines[-2])
-    from train.loop import CPU_MICRO_BATCH
+    from train.memory import CPU_MICRO_BATCH
 
     # The loop's default micro-batch on this device, and twice it.
     assert [r["batch_size"] for r in result["runs"]] == [CPU_MICRO_BATCH, 2 * CPU_MICRO_BATCH]

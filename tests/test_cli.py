@@ -125,9 +125,14 @@ def test_the_strata_command_runs_from_any_shell(tmp_path):
 
 
 def _follow(cmd: list[str], env: dict, until: str) -> tuple[subprocess.Popen, list[str]]:
-    """Start a command in its own process group and read its output until a line contains `until`."""
+    """Start a command in its own process group and read its output until a line contains `until`. Its SIGINT is
+    a terminal's (the default), even when the suite itself runs as a background job, which ignores SIGINT and
+    passes that on to every child."""
+    import signal
+
     proc = subprocess.Popen([sys.executable, "-m", *cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, env={**os.environ, **env})
+                            text=True, start_new_session=True, env={**os.environ, **env},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     for line in proc.stdout:
         lines.append(line)

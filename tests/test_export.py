@@ -180,8 +180,9 @@ def test_the_model_trained_is_the_model_sampled_and_exported(local_ray, dataset,
     import torch.nn.functional as F
 
     from strata.dataset import resolve
-    from train.loop import TrainConfig, validation_batches
-    from train.trainer import _source, run
+    from train.config import TrainConfig
+    from train.data import Source, validation_batches
+    from train.trainer import run
 
     transformers = pytest.importorskip("transformers")
     storage = Storage.from_env()
@@ -189,7 +190,7 @@ def test_the_model_trained_is_the_model_sampled_and_exported(local_ray, dataset,
                       eval_batches=2)
     out = run(preset("debug", n_layer=2, n_embd=64, n_head=4), cfg, dataset=dataset["ref"], run_name="same-model",
               storage=storage, workers=1, use_gpu=False)
-    rows = validation_batches(_source(resolve(storage, dataset["ref"]), 1.0)["val_shards"], cfg)
+    rows = validation_batches(Source.of(resolve(storage, dataset["ref"]), 1.0).val_shards, cfg)
     assert rows, "the dataset has a validation split"
 
     def loss_of(logits_of) -> float:

@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from train.loop import (
+from train.config import TRAIN_PRESETS, TrainConfig, accumulation
+from train.model import GPT, build, linear_cross_entropy, preset
+from train.step import (
     IGNORE,
-    TRAIN_PRESETS,
-    TrainConfig,
-    accumulation,
     autocast,
     code_compiler,
     evaluate,
@@ -26,7 +25,6 @@ from train.loop import (
     to_xy,
     train_step,
 )
-from train.model import GPT, build, linear_cross_entropy, preset
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = torch.device("cpu")

@@ -1,8 +1,9 @@
-"""The repository layout DESIGN.md fixes, and the import hygiene it depends on."""
+"""The repository layout the README's Architecture section states, and the import hygiene it depends on."""
 
 import ast
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -59,12 +60,53 @@ def _imports(pkg: str) -> set[str]:
     return names
 
 
-def test_imports_point_one_way():
-    """strata imports none of the others; pipelines and train never import each other; tune may import train."""
-    assert not _imports("strata") & {"pipelines", "train", "tune"}
-    assert "train" not in _imports("pipelines") and "tune" not in _imports("pipelines")
-    assert "pipelines" not in _imports("train") and "tune" not in _imports("train")
-    assert "pipelines" not in _imports("tune")
+def _architecture() -> tuple[dict[str, set[str]], dict[str, str]]:
+    """The README's Architecture section: its arrows (room -> the rooms it may import) and its tree
+    (path -> what it says the path holds)."""
+    readme = (Path(REPO) / "README.md").read_text()
+    section = readme.split("\n## Architecture\n", 1)[1].split("\n## ", 1)[0]
+    arrows_block, tree_block = re.findall(r"```text\n(.*?)```", section, re.S)[:2]
+    arrows = {}
+    for line in arrows_block.splitlines():
+        room, _, to = line.partition(" -> ")
+        arrows[room.strip()] = {t.strip() for t in to.split(",")}
+    tree = {}
+    for line in tree_block.splitlines():
+        if line and not line.startswith(" "):
+            path, _, what = line.partition(" ")
+            tree[path] = what.strip()
+    return arrows, tree
+
+
+def test_imports_point_the_way_the_readme_draws_them():
+    """Each room imports only itself and the rooms its arrow names; strata, with no arrow, none."""
+    arrows, _ = _architecture()
+    assert set(arrows) | {"strata"} == set(PACKAGES), arrows
+    for pkg in PACKAGES:
+        allowed = arrows.get(pkg, set()) | {pkg}
+        assert not (_imports(pkg) & set(PACKAGES)) - allowed, (pkg, _imports(pkg) & set(PACKAGES))
+
+
+def test_the_readme_lists_every_module_and_only_modules_that_exist():
+    _, tree = _architecture()
+    listed = {p for p in tree if p.endswith(".py")}
+    actual = {f"{pkg}/{py.name}" for pkg in PACKAGES for py in (Path(REPO) / pkg).glob("*.py")
+              if py.name != "__init__.py"}
+    assert not actual - listed, f"modules the README's Architecture section leaves out: {sorted(actual - listed)}"
+    assert not listed - actual, f"modules the README names that do not exist: {sorted(listed - actual)}"
+    missing = [p for p in tree if not (Path(REPO) / p).exists()]
+    assert not missing, f"paths the README names that do not exist: {missing}"
+    assert all(tree.values()), [p for p, what in tree.items() if not what]
+
+
+def test_each_command_main_holds_only_its_command_line():
+    """A __main__ parses flags and calls the room's driver: no class of its own, and short."""
+    for pkg in PACKAGES:
+        main = Path(REPO) / pkg / "__main__.py"
+        if not main.exists():
+            continue
+        tree = ast.parse(main.read_text())
+        assert not [n.name for n in tree.body if isinstance(n, ast.ClassDef)], main
 
 
 def test_ci_runs_make_test():

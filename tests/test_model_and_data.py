@@ -7,16 +7,10 @@ import pytest
 import torch
 
 from strata.dataset import arrow_schema
-from train.data import MixedBatches, Mixture, ShardRef, TokenBatches
-from train.loop import (
-    TrainConfig,
-    lr_at,
-    make_optimizer,
-    parallelize,
-    train_step,
-    validation_batches,
-)
+from train.config import TrainConfig, lr_at
+from train.data import MixedBatches, Mixture, ShardRef, TokenBatches, validation_batches
 from train.model import GPT, preset
+from train.step import make_optimizer, parallelize, train_step
 
 SEQ = 8
 
@@ -105,11 +99,11 @@ def test_too_small_a_dataset_is_a_clear_error(shards):
 
 
 def test_validation_works_with_a_split_smaller_than_a_batch(shards):
-    tiny = [{"path": shards[2].path, "rows": 3}]  # pretend the split holds 3 rows
+    tiny = (ShardRef(shards[2].path, 3),)  # pretend the split holds 3 rows
     batches = validation_batches(tiny, TrainConfig(batch_size=16, eval_batches=4))
     assert [len(b) for b in batches] == [3]
-    assert validation_batches([], TrainConfig()) == []
-    full = validation_batches([{"path": s.path, "rows": s.rows} for s in shards], TrainConfig(batch_size=8, eval_batches=4))
+    assert validation_batches((), TrainConfig()) == []
+    full = validation_batches(tuple(shards), TrainConfig(batch_size=8, eval_batches=4))
     assert [len(b) for b in full] == [8, 8, 8, 8]
 
 
@@ -153,7 +147,7 @@ def test_peak_flops_table_and_override(monkeypatch):
 
 
 def test_prefetch_keeps_order_counts_waiting_and_surfaces_errors():
-    from train.loop import Prefetch
+    from train.data import Prefetch
 
     def slow():
         for i in range(5):
@@ -218,7 +212,8 @@ def test_fused_loss_matches_cross_entropy_without_keeping_the_logits():
 
 
 def test_auto_strategy_is_chosen_by_device_memory_not_by_size():
-    from train.loop import DDP_BYTES_PER_PARAM, TrainConfig, strategy_for
+    from train.config import TrainConfig
+    from train.memory import DDP_BYTES_PER_PARAM, strategy_for
 
     auto, gib = TrainConfig(), 1 << 30
     assert strategy_for(auto, 1_300_000_000, 80 * gib) == "ddp"  # 1.3B with its AdamW state fits an 80 GB GPU
@@ -228,7 +223,7 @@ def test_auto_strategy_is_chosen_by_device_memory_not_by_size():
 
 
 def test_micro_batch_is_sized_for_the_devices_memory():
-    from train.loop import (
+    from train.memory import (
         CPU_MICRO_BATCH,
         MAX_MICRO_BATCH,
         activation_bytes_per_row,
@@ -287,9 +282,9 @@ def test_mixed_batches_resume_exactly_and_wrap_around(shards):
 
 
 def test_the_fused_loss_leaves_padding_out_as_cross_entropy_ignores_it():
-    """Padding targets (train.loop.IGNORE) count in neither the mean nor the gradient."""
-    from train.loop import IGNORE
+    """Padding targets (train.step.IGNORE) count in neither the mean nor the gradient."""
     from train.model import linear_cross_entropy
+    from train.step import IGNORE
 
     torch.manual_seed(0)
     h = torch.randn(37, 16, requires_grad=True)
@@ -312,7 +307,7 @@ def test_padded_rows_are_masked_by_their_pad_value():
     import numpy as np
 
     from strata.dataset import pad_value
-    from train.loop import IGNORE, to_xy
+    from train.step import IGNORE, to_xy
 
     rows = np.array([[5, 6, 7, 8, 9], [1, 2, 3, pad_value("uint16"), pad_value("uint16")]], dtype=np.uint16)
     x, y = to_xy(rows, torch.device("cpu"))

@@ -33,7 +33,7 @@ def _labels_of(node_id):
 def test_each_tier_runs_only_on_its_nodes(tiered_cluster, corpus):
     from pipelines.preprocess import debug
     from pipelines.preprocess import run as preprocess
-    from train.loop import TrainConfig
+    from train.config import TrainConfig
     from train.model import preset
     from train.trainer import run as train
     from tune.driver import run as sweep

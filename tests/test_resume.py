@@ -18,7 +18,7 @@ from conftest import simulated_cluster, wait_for
 from strata import tiers
 from strata.storage import Storage
 from train.checkpoint import committed_checkpoints, read_meta
-from train.loop import TrainConfig
+from train.config import TrainConfig
 from train.model import preset
 from train.trainer import read_metrics, run
 

@@ -19,7 +19,7 @@ from pipelines.preprocess import run as preprocess
 from strata.dataset import resolve
 from strata.records import list_records
 from strata.storage import Storage, exists, is_uri, list_files, read_jsonl
-from train.loop import TrainConfig
+from train.config import TrainConfig
 from train.model import preset
 from train.trainer import run as train
 

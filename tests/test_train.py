@@ -14,7 +14,7 @@ from strata.dataset import DatasetError, resolve
 from strata.lease import LeaseBusy, holder
 from strata.storage import Storage, read_jsonl
 from train.checkpoint import committed_checkpoints
-from train.loop import TrainConfig
+from train.config import TrainConfig
 from train.model import preset
 from train.trainer import read_launches, read_metrics, run
 
@@ -249,7 +249,7 @@ def test_a_continued_run_keeps_its_dataset_and_data_order_and_one_writer(local_r
         run(model, _cfg(400), dataset=ref, run_name="busy", storage=storage, use_gpu=False)
     long.join(timeout=600)
     assert holder(storage.run("busy")) is None
-    from train.loop import CPU_MICRO_BATCH
+    from train.memory import CPU_MICRO_BATCH
 
     start = next(r for r in read_jsonl(os.path.join(storage.run("busy"), "metrics.jsonl")) if r.get("event") == "start")
     assert start["micro_batch"] == CPU_MICRO_BATCH  # no batch size given: a new run's is sized for its device
@@ -303,7 +303,7 @@ def test_a_continued_run_keeps_its_learning_rate_schedule_unless_rescheduled():
     0.00287 to 0.00197 at step 76); now it keeps the schedule it started with, unless --reschedule."""
     from dataclasses import asdict
 
-    from train.loop import lr_at
+    from train.config import lr_at
     from train.trainer import _check_continuation
 
     model = preset("debug", n_layer=1, n_embd=32, n_head=2)

@@ -11,7 +11,7 @@ from test_security import Payload
 from strata.lease import Lease, LeaseBusy
 from strata.signing import Untrusted
 from strata.storage import Storage
-from train.loop import TrainConfig
+from train.config import TrainConfig
 from train.model import preset
 from tune.driver import run
 from tune.sweep import SPACES, SweepConfig
@@ -94,7 +94,7 @@ def test_trials_table_ranks_trials_and_counts_statuses():
 
 
 def test_search_spaces_by_name_or_file_are_checked(tmp_path):
-    from train.loop import with_hyperparameters
+    from train.config import with_hyperparameters
     from tune.sweep import SPACES, load_space
 
     assert load_space("small") == SPACES["small"]
@@ -195,21 +195,22 @@ def test_a_packed_sweep_accounts_for_every_config_and_plots_it(local_ray, datase
 
 
 def test_a_mixture_trials_batches_follow_its_normalised_weights():
-    from dataclasses import asdict
-
     import numpy as np
 
-    from tune.sweep import ModelFit, mixture_weights
+    from train.data import ShardRef, Source, open_batches
+    from tune.sweep import TrialSpec
 
-    assert mixture_weights({"mix.a": 3.0, "mix.b": 1.0, "lr": 0.1}, ["a", "b"], [0.5, 0.5]) == [0.75, 0.25]
-    assert mixture_weights({"lr": 0.1}, ["a", "b"], [0.6, 0.4]) == [0.6, 0.4]  # none swept: the sweep's own
-    rows = [np.zeros((10, 129), dtype=np.int64), np.ones((10, 129), dtype=np.int64)]
-    fit = ModelFit({"mix.a": 3.0, "mix.b": 1.0}, None, rows=rows, val_rows=rows[0][:2],
-                   model=asdict(preset("debug", n_layer=1, n_embd=32, n_head=2)),
-                   train=asdict(TrainConfig(batch_size=4)), sweep=asdict(SweepConfig()), names=["a", "b"],
-                   weights=[0.5, 0.5], token_bytes=np.ones(257, dtype=np.int64))
-    share = np.mean([fit._batch()[:, 0].mean() for _ in range(500)])  # rows from b are ones
-    assert abs(share - 0.25) < 4 * (0.25 * 0.75 / 2000) ** 0.5
+    shards = {"a.parquet": np.zeros((10, 129), dtype=np.uint16), "b.parquet": np.ones((10, 129), dtype=np.uint16)}
+    spec = TrialSpec(model=preset("debug"), train=TrainConfig(batch_size=4), sweep=SweepConfig(),
+                     sources=tuple(Source(f"{n}@v0001", 0.5, (ShardRef(f"{n}.parquet", 10),), ()) for n in "ab"),
+                     val_rows=np.zeros((0, 129)), token_bytes=np.ones(257))
+    assert [s.weight for s in spec.sources_for({"mix.a": 3.0, "mix.b": 1.0, "lr": 0.1})] == [0.75, 0.25]
+    assert [s.weight for s in spec.sources_for({"lr": 0.1})] == [0.5, 0.5]  # none swept: the sweep's own
+    data = open_batches(spec.sources_for({"mix.a": 3.0, "mix.b": 1.0}), batch_size=4, rank=0, world_size=1,
+                        seed=0, read=shards.__getitem__)
+    batches = data.from_step(0)
+    share = np.mean([next(batches)[:, 0].mean() for _ in range(500)])  # rows from b are ones
+    assert abs(share - 0.25) < 0.01  # the mixture is exact to a row per split, not a draw
 
 
 @pytest.mark.slow
@@ -241,8 +242,8 @@ def test_a_fine_tuning_sweep_starts_every_trial_from_the_same_weights(local_ray,
     import ray
     from test_export import _hf_gpt2
 
+    from strata.connect import fetch_once
     from train.pretrained import read_gpt2
-    from tune.sweep import initial_weights
 
     _hf_gpt2(tmp_path / "hf")
     cfg = SweepConfig(num_samples=4, pack=2, steps=2, report_every=2, max_rows=64, eval_rows=8, scheduler="fifo",
@@ -253,7 +254,35 @@ def test_a_fine_tuning_sweep_starts_every_trial_from_the_same_weights(local_ray,
         assert json.load(f)["init_from"] == str(tmp_path / "hf")
     # A trial actor fetches the weights once and every later config reuses its copy.
     ref = ray.put(read_gpt2(str(tmp_path / "hf")).weights)
-    assert initial_weights(ref) is initial_weights(ref)
+    assert fetch_once(ref) is fetch_once(ref)
     with pytest.raises(ValueError, match="the space cannot tune n_embd"):
         run(SweepConfig(space="small", init_from=str(tmp_path / "hf")), dataset=dataset["ref"], model_preset="debug",
             sweep_name="tuned-shape", storage=Storage.from_env())
+
+
+@pytest.mark.slow
+def test_a_trial_and_the_run_it_recommends_train_on_the_same_batches(local_ray, dataset, tmp_path):
+    """One fixed config swept for K steps, then `train --from-sweep --max-steps K`: the same loss at every
+    step, because both resolve the config, build the model and read the data through the same code."""
+    from strata.storage import read_jsonl
+    from train.__main__ import main as train_main
+    from tune.__main__ import main as tune_main
+
+    k = 6
+    space = tmp_path / "one.yaml"
+    space.write_text("lr: {choice: [0.004]}\nbatch_size: {choice: [8]}\nwarmup_steps: {choice: [4]}\n")
+    sweep = tune_main(["--dataset", dataset["ref"], "--sweep", "fixed", "--space", str(space), "--num-samples", "1",
+                       "--steps", str(k), "--report-every", "3", "--scheduler", "fifo", "--seed", "7", "--json"])
+    trials = os.path.join(sweep["path"], "trials")
+    (log,) = [os.path.join(trials, d, "metrics.jsonl") for d in os.listdir(trials)]
+    rows = read_jsonl(log)
+    assert [r["step"] for r in rows] == [3, 6] and all(r["index"] is None for r in rows)
+    swept = [x for r in rows for x in r["step_losses"]]
+
+    run = train_main(["--from-sweep", "fixed", "--max-steps", str(k), "--log-every", "1", "--workers", "1",
+                      "--no-use-gpu", "--run", "from-fixed", "--json"])
+    trained = [r for r in read_jsonl(os.path.join(run["path"], "metrics.jsonl")) if "loss" in r]
+    assert [r["step"] for r in trained] == list(range(1, k + 1))
+    losses = [x for r in trained for x in r["step_losses"]]
+    assert losses == pytest.approx(swept, abs=1e-6, rel=0)
+    assert max(losses) - min(losses) > 1e-3  # not two runs that learn nothing

@@ -18,21 +18,24 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 from strata.cli import add_config_arguments, finish, overrides
 from strata.cli import parser as cli_parser
 from strata.dataset import DatasetError
 from strata.lease import LeaseBusy
 from strata.shell import Command
+from strata.shell import log as _logger
 from strata.storage import Storage, check_name
 from train import mixture, pretrained
 from train.checkpoint import committed_checkpoints, read_meta
-from train.loop import TRAIN_PRESETS, TrainConfig, with_hyperparameters
+from train.config import TRAIN_PRESETS, TrainConfig, as_swept, with_hyperparameters
 from train.mixture import load_file
 from train.model import PRESETS, GPTConfig, fit_to_dataset, preset
 from train.placement import PlacementError
 from train.trainer import DATA_ORDER, best_of_sweep, run
+
+_log = _logger("train")
 
 SHAPE = {"vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "bias"}
 
@@ -68,8 +71,6 @@ def _main(cmd: Command) -> dict:
                         f"with another data order ({', '.join(DATA_ORDER)})")
     parser.add_argument("--reschedule", action="store_true", help="continuing with another --max-steps: decay the "
                         "learning rate over the new length (by default a run keeps the schedule it started with)")
-    parser.add_argument("--verbose", action="store_true", help="also show Ray's own logs (its workers', its "
-                        "controller's); by default the driver prints one line per log point")
     add_config_arguments(parser, GPTConfig)
     add_config_arguments(parser, TrainConfig)
     args = parser.parse_args(argv)
@@ -90,10 +91,9 @@ def _main(cmd: Command) -> dict:
         if args.mixture and args.dataset:
             raise ValueError("give --dataset or --mixture, not both")
         # A mixture sweep's best config weighs its datasets (mix.NAME): that is the mixture to train on.
-        hp = {k: v for k, v in best.get("config", {}).items() if not k.startswith("mix.")}
-        mix = {k[len("mix."):]: v for k, v in best.get("config", {}).items() if k.startswith("mix.")}
-        swept = [f"{ref}:{mix.get(ref.partition('@')[0], w)}" for ref, w in
-                 mixture.split(best["dataset"], weighted=False)] if best else []
+        hp = {k: v for k, v in best.get("config", {}).items() if not k.startswith(mixture.MIX)}
+        swept = [f"{ref}:{w!r}" for ref, w in mixture.swept(best["config"], mixture.split(best["dataset"],
+                                                                                         weighted=False))] if best else []
         parts = load_file(args.mixture) if args.mixture else args.dataset or swept
         if not parts:
             raise ValueError("give --dataset (or --mixture FILE, or --from-sweep SWEEP)")
@@ -107,51 +107,52 @@ def _main(cmd: Command) -> dict:
         model_cfg, train_cfg = with_hyperparameters(hp, preset(preset_name),
                                                     TRAIN_PRESETS[preset_name])
         given = overrides(args, GPTConfig)
-        m = mixture.resolve_all(storage, dataset)[0][0].manifest
+        sources = mixture.resolve_all(storage, dataset)  # once per launch: run() takes them as they are
+        m = sources[0][0].manifest
         init = None
         init_from = args.init_from or best.get("init_from")  # a fine-tuning sweep's best config: the same start
         if init_from:
             if shaped := sorted(set(given) & SHAPE):
                 raise ValueError(f"--init-from takes the model's shape from the weights: drop --{shaped[0]}")
             source = pretrained.load(init_from, storage)
-            print(f"[train] initialising from {pretrained.describe_source(source)}", file=sys.stderr)
+            _log.info(f"initialising from {pretrained.describe_source(source)}")
             shaped_cfg, weights = source.for_dataset(m.seq_len, m.tokenizer.hash, m.tokenizer.vocab_size)
             model_cfg = replace(shaped_cfg, dropout=model_cfg.dropout, **given)  # a swept dropout stays
             init = (source.source, weights)
         else:
             model_cfg = replace(fit_to_dataset(model_cfg, vocab=m.tokenizer.vocab_size, seq_len=m.seq_len,
                                                keep=frozenset(given)), **given)
-        train_cfg = TrainConfig(**{**asdict(train_cfg), **overrides(args, TrainConfig)})
-        if best:
-            print(f"[train] best config of sweep {args.from_sweep}: {json.dumps(best['config'])}", file=sys.stderr)
+        train_cfg = replace(train_cfg, **overrides(args, TrainConfig))
+        if best:  # the config trains as its trials did, but for what the flags give
+            train_cfg = replace(as_swept(train_cfg, seed=best.get("seed", 0)), **overrides(args, TrainConfig))
+            _log.info(f"best config of sweep {args.from_sweep}: {json.dumps(best['config'])}")
         summary = run(model_cfg, train_cfg, dataset=dataset, run_name=run_name, storage=storage,
                       workers=args.workers, use_gpu=args.use_gpu, cpus_per_worker=args.cpus_per_worker,
                       max_failures=args.max_failures, allow_change=args.allow_change,
                       allow_mixed_gpus=args.allow_mixed_gpus, gpu_wait_s=args.gpu_wait_s, init=init,
-                      verbose=args.verbose, reschedule=args.reschedule)
+                      verbose=args.verbose, reschedule=args.reschedule, sources=sources)
     except LeaseBusy as e:
         sys.exit(f"error: {e}: wait for it to end, or use another --run")
     except (DatasetError, ValueError, FileNotFoundError, PlacementError) as e:
         sys.exit(f"error: {e}")
     if summary["steps"] == 0:
-        print(f"[train] run {run_name} is already at step {summary['start_step']}: nothing to do", file=sys.stderr)
+        _log.info(f"run {run_name} is already at step {summary['start_step']}: nothing to do")
     else:
         mfu = f", MFU {summary['mfu']:.1%}" if summary["mfu"] is not None else ""
-        print(f"[train] run {run_name}: steps {summary['start_step']} -> {summary['start_step'] + summary['steps']}, "
-              f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, "
-              f"micro-batch {summary['micro_batch']}, "
-              f"{summary['tokens_per_s']:,.0f} tokens/s over {summary['loop_s']:.1f} s of loop{mfu}; of that time "
-              f"data wait {summary['data_wait']:.1%}, evaluation {summary['eval_share']:.1%}, checkpoints "
-              f"{summary['checkpoint_blocked']:.1%}, reports {summary['report_blocked']:.1%}; "
-              f"checkpoint {summary['checkpoint']}",
-              file=sys.stderr)
+        _log.info(f"run {run_name}: steps {summary['start_step']} -> {summary['start_step'] + summary['steps']}, "
+                  f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, "
+                  f"micro-batch {summary['micro_batch']}, "
+                  f"{summary['tokens_per_s']:,.0f} tokens/s over {summary['loop_s']:.1f} s of loop{mfu}; of that time "
+                  f"data wait {summary['data_wait']:.1%}, evaluation {summary['eval_share']:.1%}, checkpoints "
+                  f"{summary['checkpoint_blocked']:.1%}, reports {summary['report_blocked']:.1%}; "
+                  f"checkpoint {summary['checkpoint']}")
         if summary.get("val_loss") is not None:
-            print(f"[train] validation: {_scores(summary['val_loss'], summary.get('val_bpb'))}", file=sys.stderr)
+            _log.info(f"validation: {_scores(summary['val_loss'], summary.get('val_bpb'))}")
         for ref, tokens in (summary.get("tokens_by_source") or {}).items():
             loss = (summary.get("val_loss_by_source") or {}).get(ref)
             bpb = (summary.get("val_bpb_by_source") or {}).get(ref)
-            print(f"[train]   {ref}: {tokens:,} tokens ({summary['repeats_by_source'][ref]:.3f} passes)"
-                  f"{f', validation {_scores(loss, bpb)}' if loss is not None else ''}", file=sys.stderr)
+            _log.info(f"  {ref}: {tokens:,} tokens ({summary['repeats_by_source'][ref]:.3f} passes)"
+                      f"{f', validation {_scores(loss, bpb)}' if loss is not None else ''}")
     return finish(summary, args.json)
 
 

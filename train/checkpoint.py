@@ -391,7 +391,8 @@ def forget_missing(run_dir: str) -> list[str]:
     record, so the run continues from the newest intact one; returns the names dropped.
 
     Ray Train refuses to start a run whose record names a missing directory
-    (`_assert_checkpoints_exist`). The old record is kept beside, as `.bak-<time>`."""
+    (`_assert_checkpoints_exist`), and no public API edits the record: this rewrites Ray Train's file, whose
+    fields tests/test_ray_internals.py pins. The old record is kept beside, as `.bak-<time>`."""
     from strata.storage import join, read_bytes, write_bytes_atomic
 
     registered = registered_checkpoints(run_dir)

@@ -10,12 +10,20 @@ so a resumed run sees exactly the batches an uninterrupted one would.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from strata.dataset import read_rows
+
+if TYPE_CHECKING:
+    from train.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -24,10 +32,63 @@ class ShardRef:
     rows: int
 
 
+@dataclass(frozen=True)
+class Source:
+    """One dataset a run trains on: its ref, its weight in the mixture, its training and validation shards."""
+
+    name: str
+    weight: float
+    shards: tuple[ShardRef, ...]
+    val_shards: tuple[ShardRef, ...]
+
+    @classmethod
+    def of(cls, version, weight: float) -> Source:
+        """The source of a dataset version (strata.dataset.DatasetVersion) at `weight`."""
+        def split(name):
+            return tuple(ShardRef(version.file(s.path), s.rows) for s in version.manifest.shards if s.split == name)
+
+        return cls(version.ref, weight, split("train"), split("validation"))
+
+
+Reader = Callable[[str], np.ndarray]
+
+
+class ShardCache:
+    """`read_rows` that keeps the shards it read, up to `max_rows` rows (the oldest go first): a sweep's
+    trial process trains config after config on the same shards and reads each once."""
+
+    def __init__(self, max_rows: int):
+        self.max_rows, self.rows = max_rows, 0
+        self.shards: OrderedDict[str, np.ndarray] = OrderedDict()
+
+    def __call__(self, path: str) -> np.ndarray:
+        if (rows := self.shards.get(path)) is not None:
+            self.shards.move_to_end(path)
+            return rows
+        rows = read_rows(path)
+        while self.shards and self.rows + len(rows) > self.max_rows:
+            self.rows -= len(self.shards.popitem(last=False)[1])
+        if len(rows) <= self.max_rows:
+            self.shards[path] = rows
+            self.rows += len(rows)
+        return rows
+
+
+def open_batches(sources: list[Source], *, batch_size: int, rank: int, world_size: int, seed: int,
+                 read: Reader = read_rows) -> TokenBatches | MixedBatches:
+    """A rank's batch stream over a run's sources: the one data path of a run's workers and a sweep's trials
+    (the same sources, batch, world and seed give the same batches in the same order)."""
+    streams = [TokenBatches(list(src.shards), batch_size=1 if len(sources) > 1 else batch_size, rank=rank,
+                            world_size=world_size, seed=seed, read=read) for src in sources]
+    if len(sources) == 1:
+        return streams[0]
+    return MixedBatches(streams, [s.weight for s in sources], batch_size=batch_size)
+
+
 class TokenBatches:
     def __init__(self, shards: list[ShardRef], *, batch_size: int, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, shuffle_buffer: int = 4096):
-        self.shards, self.batch_size = shards, batch_size
+                 seed: int = 0, shuffle_buffer: int = 4096, read: Reader = read_rows):
+        self.shards, self.batch_size, self.read = shards, batch_size, read
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.shuffle_buffer = max(shuffle_buffer, batch_size)
         self.rows_per_rank = sum(s.rows for s in shards) // world_size
@@ -45,7 +106,7 @@ class TokenBatches:
             shard = self.shards[i]
             end = start + shard.rows
             if end > lo and start < hi:
-                rows = read_rows(shard.path)
+                rows = self.read(shard.path)
                 yield rows[max(lo - start, 0): min(hi, end) - start]
             start = end
 
@@ -145,3 +206,54 @@ class MixedBatches:
             rows = [next(streams[self.mixture.source(r + j)[0]]) for j in range(self.batch_size)]
             r += self.batch_size
             yield np.concatenate(rows)
+
+
+def validation_batches(shards: tuple[ShardRef, ...], cfg: TrainConfig, read: Reader = read_rows) -> list[np.ndarray]:
+    """The fixed batches validation loss is measured on; a split smaller than a batch gives one smaller batch."""
+    rows = sum(s.rows for s in shards)
+    if not rows:
+        return []
+    val = TokenBatches(list(shards), batch_size=min(cfg.batch_size, rows), seed=cfg.seed,
+                       shuffle_buffer=cfg.batch_size, read=read)
+    return [b for _, b in zip(range(min(cfg.eval_batches, val.steps_per_epoch)), val.from_step(0), strict=False)]
+
+
+class Prefetch:
+    """Reads batches ahead in a thread (parquet decoding releases the GIL); counts time spent waiting."""
+
+    def __init__(self, batches: Iterator[np.ndarray], depth: int = 4):
+        self.q: queue.Queue = queue.Queue(depth)
+        self.waited = self._taken = 0.0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._fill, args=(batches,), daemon=True)
+        self.thread.start()
+
+    def _fill(self, batches):
+        try:
+            for b in batches:
+                while not self.stop.is_set():
+                    try:
+                        self.q.put(b, timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+                if self.stop.is_set():
+                    return
+        except BaseException as e:  # surfaces in the training thread
+            self.q.put(e)
+
+    def __next__(self) -> np.ndarray:
+        t = time.perf_counter()
+        item = self.q.get()
+        self.waited += time.perf_counter() - t
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def take_waited(self) -> float:
+        """Seconds waited since the last call."""
+        waited, self._taken = self.waited - self._taken, self.waited
+        return waited
+
+    def close(self):
+        self.stop.set()

@@ -25,9 +25,12 @@ from dataclasses import asdict
 import torch
 
 from strata.cli import parser as cli_parser
+from strata.shell import log as _logger
 from strata.storage import Storage
 from train.model import GPT, GPTConfig
 from train.sample import latest_checkpoint, load
+
+_log = _logger("export")
 
 
 def gpt2_config(cfg: GPTConfig, eot_id: int) -> dict:
@@ -108,8 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
         result = export(ckpt, args.out)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         sys.exit(f"error: {e}")
-    print(f"[export] step {result['step']} of {ckpt} -> {args.out} ({', '.join(result['files'])})",
-          file=sys.stderr)
+    _log.info(f"step {result['step']} of {ckpt} -> {args.out} ({', '.join(result['files'])})")
     if args.json:
         print(json.dumps(result))
     return result

@@ -14,6 +14,15 @@ from __future__ import annotations
 from strata.dataset import DatasetError, DatasetVersion, resolve
 from strata.storage import Storage, read_bytes
 
+MIX = "mix."  # a sweep's parameter mix.NAME is dataset NAME's weight in the mixture
+
+
+def swept(config: dict, datasets: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    """The mixture a sweep's config trains on, its trials and `train --from-sweep` alike: each dataset's
+    `mix.NAME` weight where the config has one, else the sweep's, normalised and rounded as a run's spec."""
+    parts = [f"{ref}:{config.get(MIX + ref.partition('@')[0], w)}" for ref, w in datasets]
+    return split(spec(parse(parts)))
+
 
 def _part(text: str) -> tuple[str, float | None]:
     ref, sep, weight = text.strip().rpartition(":")

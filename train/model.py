@@ -91,7 +91,7 @@ class Attention(nn.Module):
 class LayerNorm(nn.LayerNorm):
     """LayerNorm in the dtype of its input, whatever its weights' (the same parameters as nn.LayerNorm):
     under FSDP2 a block's weights arrive in bf16 while the residual stream it normalises stays fp32, and
-    the norm stays fp32 with it, as it does under autocast (train.loop.parallelize)."""
+    the norm stays fp32 with it, as it does under autocast (train.step.parallelize)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
@@ -113,7 +113,7 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     compiled = False
-    """Set by train.loop.parallelize when it compiles the blocks: the loss's chunks and evaluation's
+    """Set by train.step.parallelize when it compiles the blocks: the loss's chunks and evaluation's
     forward are compiled too."""
 
     def __init__(self, cfg: GPTConfig, init: bool = True):
@@ -232,7 +232,7 @@ LOSS_RANGE = "strata::loss"  # the profiler range around the classifier and its 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          chunk: int = LOSS_CHUNK_ROWS, compiled: bool = False) -> torch.Tensor:
     """Mean cross-entropy of the logits `h @ weight.T` (h: (N, C), weight: (V, C)) against targets (N,);
-    a negative target (train.loop.IGNORE: padding) is left out of the mean and gets no gradient.
+    a negative target (train.step.IGNORE: padding) is left out of the mean and gets no gradient.
     `compiled`: each chunk's softmax and gradient run as compiled (fused) kernels."""
     return _LinearCrossEntropy.apply(h, weight, targets, chunk, compiled)
 

@@ -10,12 +10,14 @@ spans GPU models unless asked (DDP steps at the pace of the slowest GPU).
 
 from __future__ import annotations
 
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
 
 from strata import tiers
+from strata.shell import log as _logger
+
+_log = _logger("train")
 
 ACCELERATOR_PREFIX = "accelerator_type:"
 
@@ -84,7 +86,8 @@ def max_gpus() -> int | None:
 
     Ray Train asks the same of the autoscaler's config before it waits for workers
     (`WorkerGroup._check_cluster_resources_and_raise_if_insufficient`); no public API says it, so this reads
-    Ray's `ray._private.state`. tests/test_placement.py writes such a config and fails if the call goes."""
+    Ray's `ray._private.state`. tests/test_placement.py writes such a config and fails if the call goes, and
+    tests/test_ray_internals.py pins its shape."""
     from ray._private.state import state
 
     most = state.get_max_resources_from_cluster_config()
@@ -97,7 +100,7 @@ def place(*, embedded: bool, workers: int | None, use_gpu: bool | None, allow_mi
     bring them, and fails at once when nothing can."""
     import ray
 
-    log = log or (lambda msg: print(f"[train] {msg}", file=sys.stderr, flush=True))
+    log = log or (_log.info)
     started, asked, said = time.time(), False, time.time()
     while (p := plan(ray.nodes(), embedded=embedded, workers=workers, use_gpu=use_gpu,
                      allow_mixed=allow_mixed)) is None:
@@ -136,4 +139,4 @@ def _request_gpus(n: int) -> None:
     try:
         request_resources(bundles=[{"GPU": 1}] * n)
     except Exception as e:  # noqa: BLE001 - no autoscaler (a fixed cluster): waiting is all there is
-        print(f"[train] could not ask the autoscaler for GPUs ({e}); waiting for them to appear", file=sys.stderr)
+        _log.info(f"could not ask the autoscaler for GPUs ({e}); waiting for them to appear")

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 from dataclasses import asdict, replace
@@ -18,6 +17,7 @@ from strata.lease import Lease
 from strata.records import write_record
 from strata.runinfo import run_info
 from strata.shell import StrataError
+from strata.shell import log as _logger
 from strata.storage import (
     Storage,
     basename,
@@ -32,11 +32,15 @@ from strata.storage import (
 from strata.tokenizer import from_info
 from train import mixture
 from train.checkpoint import check_checkpoint, committed_checkpoints, forget_missing, read_meta
-from train.loop import TrainConfig, accumulation, train_loop_per_worker
+from train.config import TrainConfig, accumulation
+from train.data import Source
+from train.loop import train_loop_per_worker
 from train.mixture import resolve_all
 from train.model import GPTConfig, describe
 from train.placement import place
 from train.progress import Progress
+
+_log = _logger("train")
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -47,12 +51,13 @@ def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name:
         workers: int | None = None, use_gpu: bool | None = None, cpus_per_worker: float = 1,
         max_failures: int = 2, allow_change: bool = False, allow_mixed_gpus: bool = False,
         gpu_wait_s: float = 900.0, init: tuple[str, dict] | None = None, verbose: bool = False,
-        reschedule: bool = False) -> dict:
+        reschedule: bool = False, sources: list | None = None) -> dict:
     """Train (or continue) run `run_name`, holding the run's lease: one writer per run. `init` is
-    (source, weights) to start from (train.pretrained) when the run has no checkpoint yet."""
+    (source, weights) to start from (train.pretrained) when the run has no checkpoint yet. `sources`:
+    `dataset` resolved already (train.mixture.resolve_all), so a launch reads each manifest once."""
     run_dir = storage.run(run_name)
     if not read_launches(run_dir):  # a new run on a dataset it cannot train on is refused before it exists
-        sources = resolve_all(storage, dataset)
+        sources = sources or resolve_all(storage, dataset)
         for v, _ in sources:
             check_compatible(v, vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
         if train_cfg.max_repeat and train_cfg.batch_size and workers:
@@ -62,23 +67,24 @@ def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name:
                            storage=storage, workers=workers, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker,
                            max_failures=max_failures, allow_change=allow_change,
                            allow_mixed_gpus=allow_mixed_gpus, gpu_wait_s=gpu_wait_s, init=init, verbose=verbose,
-                           reschedule=reschedule)
+                           reschedule=reschedule, sources=sources)
 
 
 def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, lease, storage, workers, use_gpu,
                 cpus_per_worker, max_failures, allow_change, allow_mixed_gpus, gpu_wait_s, init, verbose,
-                reschedule) -> dict:
+                reschedule, sources) -> dict:
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     # The driver speaks for the run (train/progress.py); Ray's worker and controller logs stay in its log
     # files unless --verbose.
-    print(f"[train] {connect(log_to_driver=verbose, quiet=not verbose)}", file=sys.stderr)
+    _log.info(connect(log_to_driver=verbose, quiet=not verbose))
     launches = read_launches(run_dir)
-    if launches:
-        dataset = _continued_dataset(launches[-1]["config"], dataset, run_name, allow_change)
-    sources = resolve_all(storage, dataset)
+    if launches and (continued := _continued_dataset(launches[-1]["config"], dataset, run_name,
+                                                     allow_change)) != dataset:
+        dataset, sources = continued, None
+    sources = sources or resolve_all(storage, dataset)
     for v, _ in sources:
         check_compatible(v, vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
     version, dataset = sources[0][0], mixture.spec([(v.ref, w) for v, w in sources])  # all share its tokenizer
@@ -98,24 +104,25 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, lease, stor
         what = f"continuing run {run_name} from step {read_meta(resume_from)['step']} ({resume_from})"
     else:
         what = f"{'restarting' if launches else 'starting'} run {run_name} (no checkpoint yet)"
-    print(f"[train] {what}: {size['params'] / 1e6:.2f}M params, "
-          f"{size['flops_per_token'] / 1e6:.1f} MFLOP/token, "
-          f"{_strategy_words(train_cfg.strategy)}, dataset {dataset}; {placement.why}", file=sys.stderr)
+    _log.info(f"{what}: {size['params'] / 1e6:.2f}M params, "
+              f"{size['flops_per_token'] / 1e6:.1f} MFLOP/token, "
+              f"{_strategy_words(train_cfg.strategy)}, dataset {dataset}; {placement.why}")
     if init and not resume_from:
-        print(f"[train] run {run_name} starts from the weights of {init[0]}", file=sys.stderr)
+        _log.info(f"run {run_name} starts from the weights of {init[0]}")
     record = run_info("train", {"model": asdict(model_cfg), "train": asdict(train_cfg), "dataset": dataset,
                                 "init_from": init[0] if init else None,
                                 "tokenizer": asdict(m.tokenizer), "workers": workers, "use_gpu": use_gpu,
                                 "cpus_per_worker": cpus_per_worker, **size})
     _record_launch(run_dir, len(launches), record)
 
+    definition = version.tokenizer_definition()
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"model": asdict(model_cfg), "train": asdict(train_cfg), "run_dir": run_dir,
+        train_loop_config={"model": model_cfg, "train": train_cfg, "run_dir": run_dir,
                            "lease": {"what": f"training run {run_name}", "gen": lease.gen},
-                           "sources": [_source(v, w) for v, w in sources],
-                           "tokenizer": asdict(m.tokenizer), "tokenizer_definition": version.tokenizer_definition(),
-                           "token_bytes": from_info(m.tokenizer, version.tokenizer_definition()).token_bytes().tolist(),
+                           "sources": [Source.of(v, w) for v, w in sources],
+                           "tokenizer": asdict(m.tokenizer), "tokenizer_definition": definition,
+                           "token_bytes": from_info(m.tokenizer, definition).token_bytes().tolist(),
                            "threads": max(1, int(cpus_per_worker)),
                            # Read once by the driver; every worker takes them from the object store.
                            "init_weights": ray.put(init[1]) if init and not resume_from else None},
@@ -204,12 +211,6 @@ def _worker_refusal(e) -> Exception | None:
     return None
 
 
-def _source(version, weight: float) -> dict:
-    return {"name": version.ref, "weight": weight,
-            **{key: [{"path": version.file(s.path), "rows": s.rows} for s in version.manifest.shards if s.split == split]
-               for key, split in (("shards", "train"), ("val_shards", "validation"))}}
-
-
 def _check_repeats(sources, train_cfg: TrainConfig, workers: int, seq_len: int) -> None:
     """Refuse a run that would pass over a dataset more than --max-repeat times."""
     accum = accumulation(train_cfg, train_cfg.batch_size, workers, seq_len)
@@ -284,8 +285,8 @@ def _continued_dataset(before: dict, dataset: str, run_name: str, allow_change: 
     if dataset == old or allow_change:
         return dataset
     if mixture.spec(mixture.split(dataset)) == mixture.unpinned(old):
-        print(f"[train] run {run_name} continues on {old}, the snapshot it started on "
-              f"(--dataset {dataset}@vN --allow-change to move it to a newer one)", file=sys.stderr)
+        _log.info(f"run {run_name} continues on {old}, the snapshot it started on "
+                  f"(--dataset {dataset}@vN --allow-change to move it to a newer one)")
         return old
     raise ValueError(f"run {run_name} trains on {old}, not {dataset}: continue it with --dataset {old}, "
                      "start a new --run, or pass --allow-change")
@@ -324,12 +325,11 @@ def _schedule(before: dict, run_name: str, train_cfg: TrainConfig, reschedule: b
     started = before.get("schedule_steps") or before["max_steps"]
     if reschedule or started == train_cfg.max_steps:
         if reschedule and started != train_cfg.max_steps:
-            print(f"[train] run {run_name}: the learning rate now decays over {train_cfg.max_steps} steps, not "
-                  f"{started} (--reschedule)", file=sys.stderr)
+            _log.info(f"run {run_name}: the learning rate now decays over {train_cfg.max_steps} steps, not "
+                      f"{started} (--reschedule)")
         return train_cfg
-    print(f"[train] run {run_name} keeps its learning-rate schedule: decay over its first {started} steps, then "
-          f"lr x min_lr_ratio to step {train_cfg.max_steps} (--reschedule decays over {train_cfg.max_steps})",
-          file=sys.stderr)
+    _log.info(f"run {run_name} keeps its learning-rate schedule: decay over its first {started} steps, then "
+              f"lr x min_lr_ratio to step {train_cfg.max_steps} (--reschedule decays over {train_cfg.max_steps})")
     return replace(train_cfg, schedule_steps=started)
 
 
@@ -339,6 +339,6 @@ def _newest_intact(run_dir: str) -> str | None:
     gone = forget_missing(run_dir)
     intact = committed_checkpoints(run_dir)
     if gone:
-        print(f"[train] checkpoint(s) {', '.join(gone)} are registered but missing or incomplete: continuing "
-              f"from {basename(intact[-1]) if intact else 'step 0'}", file=sys.stderr)
+        _log.info(f"checkpoint(s) {', '.join(gone)} are registered but missing or incomplete: continuing "
+                  f"from {basename(intact[-1]) if intact else 'step 0'}")
     return intact[-1] if intact else None

@@ -19,11 +19,14 @@ from strata.cli import parser as cli_parser
 from strata.dataset import DatasetError
 from strata.lease import LeaseBusy
 from strata.shell import Command
+from strata.shell import log as _logger
 from strata.signing import Untrusted
 from strata.storage import Storage, check_name
 from train import mixture
 from tune.driver import run
 from tune.sweep import SweepConfig
+
+_log = _logger("tune")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -57,8 +60,8 @@ def _main(cmd: Command) -> dict:
     except (DatasetError, ValueError, Untrusted) as e:
         sys.exit(f"error: {e}")
     b = summary["best"]
-    print(f"[tune] sweep {name}: {outcome(summary)}, {summary['iterations']} iterations; best {b['metric_name']} "
-          f"{b['metric']:.4f} with {b['config']}", file=sys.stderr)
+    _log.info(f"sweep {name}: {outcome(summary)}, {summary['iterations']} iterations; best {b['metric_name']} "
+              f"{b['metric']:.4f} with {b['config']}")
     return finish(summary, args.json)
 
 

@@ -21,6 +21,7 @@ from strata.dataset import DatasetError, check_compatible
 from strata.lease import Lease
 from strata.records import write_record
 from strata.runinfo import run_info
+from strata.shell import log as _logger
 from strata.storage import (
     Storage,
     exists,
@@ -31,7 +32,8 @@ from strata.storage import (
 )
 from strata.tokenizer import from_info
 from train import mixture, pretrained
-from train.loop import TRAIN_PRESETS
+from train.config import TRAIN_PRESETS
+from train.data import Source
 from train.model import fit_to_dataset, preset
 from tune.plots import write_plots
 from tune.sweep import (
@@ -39,6 +41,7 @@ from tune.sweep import (
     MIX,
     REDUCTION,
     SweepConfig,
+    TrialSpec,
     load_rows,
     load_space,
     sample,
@@ -46,6 +49,8 @@ from tune.sweep import (
     trial,
 )
 from tune.trust import SignTuneState, check_tune_state, sign_tuner
+
+_log = _logger("tune")
 
 MODE = "min"  # both metrics (val_loss, val_bpb) fall as the model gets better
 
@@ -79,36 +84,35 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
         if shaped := sorted(set(space) & {"n_layer", "n_head", "n_embd"}):
             raise ValueError(f"--init-from takes the model's shape from the weights: the space cannot tune {shaped[0]}")
         source = pretrained.load(cfg.init_from, storage)
-        print(f"[tune] every trial starts from {pretrained.describe_source(source)}", file=sys.stderr)
+        _log.info(f"every trial starts from {pretrained.describe_source(source)}")
         model_cfg, init = source.for_dataset(m.seq_len, m.tokenizer.hash, m.tokenizer.vocab_size)
     else:
         # The preset shaped for the dataset, as `python -m train --preset` shapes it (so --from-sweep matches).
         model_cfg = fit_to_dataset(model_cfg, vocab=m.tokenizer.vocab_size, seq_len=m.seq_len)
-    rows, val_rows = [], []
+    val_rows = []
     for v, _ in sources:
         check_compatible(v, vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
-        train_rows, held = load_rows(v, "train", cfg.max_rows), load_rows(v, "validation", cfg.eval_rows)
-        if len(held) == 0:  # no validation split: hold out the last training rows
-            train_rows, held = train_rows[: -cfg.eval_rows], train_rows[-cfg.eval_rows:]
-        if len(train_rows) == 0:
-            raise DatasetError(f"dataset {v.ref} has too few rows to sweep on")
-        rows.append(train_rows)
+        if not v.manifest.rows("train"):
+            raise DatasetError(f"dataset {v.ref} has no training rows to sweep on")
+        held = load_rows(v, "validation", cfg.eval_rows)
+        if len(held) == 0:  # no validation split: score on the last training rows (which trials also see)
+            held = load_rows(v, "train", cfg.eval_rows, last=True)
         val_rows.append(held)
     # Everything above is read and checked before Ray starts: a mistake costs no start-up.
-    print(f"[tune] {connect(quiet=True)}", file=sys.stderr)
+    _log.info(f"{connect(quiet=True)}")
     check_driver_node()
-    data = {"rows": rows, "val_rows": np.concatenate(val_rows), "names": names, "weights": [w for _, w in sources],
-            "token_bytes": from_info(m.tokenizer, version.tokenizer_definition()).token_bytes(),
-            # Read once here; each trial actor fetches them once.
-            "init": {"weights": ray.put(init)} if init is not None else None}
+    trial_spec = TrialSpec(model=model_cfg, train=TRAIN_PRESETS[model_preset], sweep=cfg,
+                           sources=tuple(Source.of(v, w) for v, w in sources), val_rows=np.concatenate(val_rows),
+                           token_bytes=from_info(m.tokenizer, version.tokenizer_definition()).token_bytes(),
+                           # Read once here; each trial process fetches them once.
+                           init=ray.put(init) if init is not None else None, out=storage.sweep(sweep_name))
     spec = mixture.spec([(v.ref, w) for v, w in sources])
     # One driver per sweep: a resume while the first driver is alive would run every trial twice.
     with Lease(sweep_dir, f"sweep {sweep_name}", purpose="tune").acquire(wait=False):
-        return _run_leased(cfg, space, model_cfg, spec, data, sweep_name, sweep_dir, model_preset, storage, progress)
+        return _run_leased(cfg, space, spec, trial_spec, sweep_name, sweep_dir, model_preset, storage, progress)
 
 
-def _run_leased(cfg, space, model_cfg, dataset, data, sweep_name, sweep_dir, model_preset, storage,
-                progress) -> dict:
+def _run_leased(cfg, space, dataset, trial_spec, sweep_name, sweep_dir, model_preset, storage, progress) -> dict:
     from ray import tune
 
     what = {"sweep": asdict(cfg), "dataset": dataset, "preset": model_preset}
@@ -122,14 +126,12 @@ def _run_leased(cfg, space, model_cfg, dataset, data, sweep_name, sweep_dir, mod
         info = run_info("sweep", what)
         write_json_atomic(join(sweep_dir, "sweep.json"), info)
     packed = cfg.pack_size > 1
-    print(f"[tune] {'resuming' if resuming else 'starting'} sweep {sweep_name}: {cfg.num_samples} trials"
-          f"{f' in {cfg.packs} packs of {cfg.pack_size}' if packed else ''} on "
-          f"{sum(len(r) for r in data['rows'])} rows of {dataset}",
-          file=sys.stderr)
+    _log.info(f"{'resuming' if resuming else 'starting'} sweep {sweep_name}: {cfg.num_samples} trials"
+              f"{f' in {cfg.packs} packs of {cfg.pack_size}' if packed else ''} on "
+              f"{sum(src.rows for s in trial_spec.sources for src in s.shards):,} rows of {dataset}")
 
     # Data goes into the object store once; every trial reads the same copy.
-    trainable = tune.with_parameters(trial, **data, model=asdict(model_cfg),
-                                     train=asdict(TRAIN_PRESETS[model_preset]), sweep=asdict(cfg), space=space)
+    trainable = tune.with_parameters(trial, spec=trial_spec, space=space)
     tuner = make_tuner(trainable, cfg, space, sweep_dir, progress=progress, resume=resuming)
     started = time.time()
     with UsageMonitor() as usage:
@@ -144,7 +146,7 @@ def _run_leased(cfg, space, model_cfg, dataset, data, sweep_name, sweep_dir, mod
                                                      "metric": cfg.metric, "init_from": cfg.init_from,
                                                      "trial": best["trial"], "preset": model_preset,
                                                      "dataset": dataset, "space": cfg.space,
-                                                     "search": cfg.search})
+                                                     "search": cfg.search, "seed": cfg.seed})
     write_json_atomic(join(sweep_dir, "trials.json"), {"trials": trials})
     write_bytes_atomic(join(sweep_dir, "trials.csv"), trials_csv(trials, cfg.metric).encode())
     plots = write_plots(trials, space, cfg, sweep_dir)

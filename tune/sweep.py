@@ -1,8 +1,9 @@
-"""A sweep: many short trials of train's step function on a shared slice of a dataset.
+"""A sweep: many short trials of train's own loop, each config trained as a run of it would be.
 
 Trials are plain function trainables (a `TorchTrainer` per trial costs seconds
-of start-up each), placed on spot-tier nodes by label selector. The rows they
-train on are read once by the driver and shared through the object store.
+of start-up each), placed on spot-tier nodes by label selector. A trial builds
+its model, optimizer, schedule and batches through train's code (`ModelFit`):
+a config's trial and `python -m train --from-sweep` see the same batches.
 
 Scale: Ray Tune pays about 0.2-0.6 s of driver and raylet work per trial and
 holds each trial's state on the driver. A large sweep therefore runs its
@@ -31,18 +32,22 @@ import torch
 from strata.cli import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, check_fields
 from strata.connect import fetch_once
 from strata.dataset import DatasetVersion, read_rows
-from train.loop import (
-    CPU_MICRO_BATCH,
+from strata.storage import JsonlWriter, join
+from train.config import (
     MODEL_KEYS,
     TRAIN_KEYS,
     TrainConfig,
-    evaluate,
+    accumulation,
+    as_swept,
     lr_at,
-    make_optimizer,
-    train_step,
     with_hyperparameters,
 )
-from train.model import GPT, GPTConfig
+from train.data import ShardCache, Source, open_batches
+from train.memory import CPU_MICRO_BATCH
+from train.mixture import MIX, swept
+from train.model import GPTConfig, build
+from train.pretrained import apply
+from train.step import evaluate, make_optimizer, train_step
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,8 +66,9 @@ class SweepConfig:
     """`random` (seeded random sampling) or `optuna` (Optuna's TPE; needs the optuna package)."""
     space: str = "lr-batch"
     """Search space: a name (lr-batch, small) or a .json/.yaml file of {param: {distribution: args}}."""
-    max_rows: int = 4096
-    """Training rows loaded once and shared by all trials."""
+    max_rows: int = 65536
+    """Training rows each trial process keeps in memory: it reads a shard once while they fit (trials read
+    the dataset's shards as a run's workers do, in the same order)."""
     eval_rows: int = 64
     """Validation rows each report is scored on."""
     seed: int = 0
@@ -118,7 +124,6 @@ class SweepConfig:
 
 
 METRICS = ("val_loss", "val_bpb")
-MIX = "mix."  # a space parameter mix.NAME is dataset NAME's weight in a mixture sweep (normalised per trial)
 TUNE_TRIALS = 1000  # Tune trials a packed sweep aims at: few enough for the driver, enough to spread
 GRACE, REDUCTION = 2, 2  # ASHA: first rung after 2 reports, keep the best half at each rung
 
@@ -228,12 +233,13 @@ def asha_keeps(recorded: list[float], metric: float) -> bool:
     return not metric > float(np.nanpercentile(recorded, 100 / REDUCTION))
 
 
-def load_rows(version: DatasetVersion, split: str, limit: int) -> np.ndarray:
-    """Up to `limit` rows (n, seq_len + 1) of a split, in manifest order."""
+def load_rows(version: DatasetVersion, split: str, limit: int, last: bool = False) -> np.ndarray:
+    """Up to `limit` rows (n, seq_len + 1) of a split, in manifest order: its first rows, or its `last`."""
     out, n = [], 0
-    for path in version.shard_paths(split):
-        rows = read_rows(path)[: limit - n]
-        out.append(rows)
+    for path in reversed(version.shard_paths(split)) if last else version.shard_paths(split):
+        rows = read_rows(path)
+        rows = rows[len(rows) - (limit - n):] if last else rows[: limit - n]
+        out.insert(0, rows) if last else out.append(rows)
         n += len(rows)
         if n >= limit:
             break
@@ -241,91 +247,88 @@ def load_rows(version: DatasetVersion, split: str, limit: int) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros((0, width), dtype=np.uint16)
 
 
-def initial_weights(ref) -> dict[str, torch.Tensor]:
-    """The sweep's starting weights (train.pretrained), fetched from the object store once per trial actor
-    process: every config it trains after the first reuses them."""
+@dataclass(frozen=True)
+class TrialSpec:
+    """What every trial of a sweep trains from, resolved once by the driver (in the object store once)."""
 
-    def to_torch(weights):
-        out = {k: torch.from_numpy(np.array(v)) for k, v in weights.items()}
-        return {**out, "head.weight": out["wte.weight"]}  # tied
+    model: GPTConfig
+    train: TrainConfig  # the preset's
+    sweep: SweepConfig
+    sources: tuple[Source, ...]  # the sweep's datasets at its fixed weights
+    val_rows: np.ndarray  # the rows each report scores
+    token_bytes: np.ndarray
+    init: object = None  # an ObjectRef of the starting weights (train.pretrained), or None
+    out: str = ""  # the sweep's directory: trials write their training losses under it
 
-    return fetch_once(ref, to_torch)
+    def configs(self, hp: dict) -> tuple[GPTConfig, TrainConfig]:
+        """A trial's model and train configs: the preset with the config's hyperparameters, for the sweep's
+        steps and seed (train.config.as_swept, as `train --from-sweep` resolves them), on one CPU worker."""
+        mcfg, tcfg = with_hyperparameters({k: v for k, v in hp.items() if not k.startswith(MIX)},
+                                          self.model, self.train)
+        tcfg = as_swept(replace(tcfg, max_steps=self.sweep.steps, batch_size=tcfg.batch_size or CPU_MICRO_BATCH),
+                        seed=self.sweep.seed)
+        return mcfg, replace(tcfg, grad_accum=accumulation(tcfg, tcfg.batch_size, 1, mcfg.seq_len))
+
+    def sources_for(self, hp: dict) -> list[Source]:
+        """The sources at the config's mixture weights (train.mixture.swept, as a run of it weighs them)."""
+        weights = swept(hp, [(s.name, s.weight) for s in self.sources])
+        return [replace(s, weight=w) for s, (_, w) in zip(self.sources, weights, strict=True)]
 
 
-def mixture_weights(hp: dict, names: list[str], fixed: list[float]) -> list[float]:
-    """A trial's mixture: its mix.NAME parameters normalised, else the sweep's fixed weights."""
-    if not any(k.startswith(MIX) for k in hp):
-        return fixed
-    raw = [max(float(hp.get(f"{MIX}{n}", 0.0)), 0.0) for n in names]
-    total = sum(raw)
-    return [w / total for w in raw] if total > 0 else [1 / len(names)] * len(names)
+_SHARDS: dict[int, ShardCache] = {}  # per trial process: shards read once, for config after config
 
 
 class ModelFit:
-    """One config's training on the shared rows; `advance` trains to the next report and scores it.
-    A mixture sweep's rows are one array per dataset, drawn from in proportion to the trial's weights."""
+    """One config's training, with the data path, model build and step of a run's worker (train.loop): a
+    trial and `python -m train --from-sweep` with the same config and seed train on the same batches in the
+    same order and log the same losses. `advance` trains to the next report and scores it."""
 
-    def __init__(self, hp: dict, state: dict | None, *, rows: list[np.ndarray], val_rows: np.ndarray, model: dict,
-                 train: dict, sweep: dict, names: list[str], weights: list[float], token_bytes: np.ndarray,
-                 init: dict | None = None):
-        s = SweepConfig(**sweep)
-        base = TrainConfig(**train)
-        base = replace(base, max_steps=s.steps, warmup_steps=min(base.warmup_steps, s.steps // 4),
-                       batch_size=base.batch_size or CPU_MICRO_BATCH)  # trials train on CPU
-        mcfg, self.tcfg = with_hyperparameters({k: v for k, v in hp.items() if not k.startswith(MIX)},
-                                               GPTConfig(**model), base)
-        self.rows, self.every, self.steps, self.metric = rows, s.report_every, s.steps, s.metric
-        self.weights = mixture_weights(hp, names, weights)
-        self.val_batches = [val_rows[i: i + 32] for i in range(0, len(val_rows), 32)]
+    def __init__(self, hp: dict, state: dict | None, spec: TrialSpec):
+        s = spec.sweep
+        mcfg, self.tcfg = spec.configs(hp)
+        self.every, self.steps, self.metric = s.report_every, s.steps, s.metric
+        self.val_batches = [spec.val_rows[i: i + 32] for i in range(0, len(spec.val_rows), 32)]
         # A copy: the array from the object store is read-only.
-        self.token_bytes = torch.tensor(token_bytes) if s.metric == "val_bpb" else None
+        self.token_bytes = torch.tensor(spec.token_bytes) if s.metric == "val_bpb" else None
         self.device = torch.device("cpu")
-        torch.manual_seed(s.seed)
-        self.net = GPT(mcfg)
-        if init and state is None:
-            self.net.load_state_dict(initial_weights(init["weights"]))
+        torch.manual_seed(self.tcfg.seed)
+        self.net = build(mcfg, self.device)
+        if spec.init is not None and state is None:
+            apply(self.net, fetch_once(spec.init))
         self.opt = make_optimizer(self.net, self.tcfg)
-        self.rng = np.random.default_rng(s.seed)
         self.step = 0
         if state is not None:
             self.net.load_state_dict(state["model"])
             self.opt.load_state_dict(state["opt"])
-            self.rng.bit_generator.state = state["rng"]
             torch.set_rng_state(state["torch_rng"])
             self.step = state["step"]
+        read = _SHARDS.setdefault(s.max_rows, ShardCache(s.max_rows))
+        data = open_batches(spec.sources_for(hp), batch_size=self.tcfg.batch_size, rank=0, world_size=1,
+                            seed=self.tcfg.seed, read=read)
+        self.batches = data.from_step(self.step * self.tcfg.grad_accum)
 
-    def _batch(self) -> np.ndarray:
-        n = self.tcfg.batch_size
-        if len(self.rows) == 1:
-            return self.rows[0][self.rng.integers(0, len(self.rows[0]), n)]
-        src = self.rng.choice(len(self.rows), size=n, p=self.weights)
-        return np.stack([self.rows[i][self.rng.integers(0, len(self.rows[i]))] for i in src])
-
-    def advance(self) -> float:
-        end = min(self.steps, self.step + self.every)
+    def advance(self) -> tuple[float, list[float]]:
+        """Train to the next report: (the sweep's metric there, each step's training loss)."""
+        end, losses = min(self.steps, self.step + self.every), []
         while self.step < end:
-            train_step(self.net, self.opt, [self._batch()], lr_at(self.step, self.tcfg), self.tcfg, self.device)
+            losses.append(train_step(self.net, self.opt, [next(self.batches) for _ in range(self.tcfg.grad_accum)],
+                                     lr_at(self.step, self.tcfg), self.tcfg, self.device))
             self.step += 1
         loss, bpb = evaluate(self.net, self.val_batches, self.device, token_bytes=self.token_bytes)
-        return bpb if self.metric == "val_bpb" else loss
+        return (bpb if self.metric == "val_bpb" else loss), torch.stack(losses).tolist()
 
     def state(self) -> dict:
         return {"model": self.net.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
-                "rng": self.rng.bit_generator.state, "torch_rng": torch.get_rng_state()}
+                "torch_rng": torch.get_rng_state()}
 
 
-def trial(config: dict, *, rows: list[np.ndarray], val_rows: np.ndarray, model: dict, train: dict, sweep: dict,
-          space: dict, names: list[str], weights: list[float], token_bytes: np.ndarray, init: dict | None = None) -> None:
-    """The sweep's Tune trainable: one config, or a pack of them, of train's loop on the shared rows."""
-
-    def make_fit(hp, state):
-        return ModelFit(hp, state, rows=rows, val_rows=val_rows, model=model, train=train, sweep=sweep,
-                        names=names, weights=weights, token_bytes=token_bytes, init=init)
-
-    run_trial(config, sweep=sweep, space=space, make_fit=make_fit)
+def trial(config: dict, *, spec: TrialSpec, space: dict) -> None:
+    """The sweep's Tune trainable: one config, or a pack of them, of train's loop on the sweep's data."""
+    run_trial(config, sweep=spec.sweep, space=space, make_fit=lambda hp, state: ModelFit(hp, state, spec),
+              out=spec.out)
 
 
-def run_trial(config: dict, *, sweep: dict, space: dict, make_fit) -> None:
+def run_trial(config: dict, *, sweep: SweepConfig, space: dict, make_fit, out: str = "") -> None:
     """Run a Tune trial's configs, resuming from its checkpoint when it has one.
 
     A single config (`config` is the hyperparameters) reports after every
@@ -333,11 +336,15 @@ def run_trial(config: dict, *, sweep: dict, space: dict, make_fit) -> None:
     A pack (`config` is {"pack": i}) trains its configs in turn, applies ASHA's
     rule at the rungs, and checkpoints its book of finished configs at config
     boundaries every `checkpoint_every_s`, and at the end.
+
+    Each report's training losses go to `out`/trials/TRIAL/metrics.jsonl, a row per report in the form
+    of a run's metrics.jsonl (`step`, `loss`, `step_losses`) plus the config's `index` (None: a single
+    config) and `config`: one file per Tune trial, however many configs it trains.
     """
     import ray
     from ray import tune
 
-    s = SweepConfig(**sweep)
+    s = sweep
     logging.getLogger("ray.train._internal.storage").setLevel(logging.WARNING)  # a line per checkpoint otherwise
     node = ray.get_runtime_context().get_node_id()
     single = "pack" not in config
@@ -352,6 +359,7 @@ def run_trial(config: dict, *, sweep: dict, space: dict, make_fit) -> None:
     todo = [(None, config)] if single else [(i, sample(space, s.seed, i)) for i in s.pack_range(config["pack"])]
     finished = {r["index"] for r in book["done"]}
     milestones = set(rungs(s.reports)) if s.scheduler == "asha" else set()
+    log = JsonlWriter(join(out, "trials", tune.get_context().get_trial_id(), "metrics.jsonl")) if out else None
     last_checkpoint = time.monotonic()
     clock = {"started": time.monotonic(), "report_s": 0.0}  # how much of the trial's wall time reports block
     for index, hp in todo:
@@ -364,8 +372,11 @@ def run_trial(config: dict, *, sweep: dict, space: dict, make_fit) -> None:
         fit = make_fit(hp, state)
         status = "completed"
         while len(cur["curve"]) < s.reports:
-            metric = fit.advance()
+            metric, losses = fit.advance()
             cur["curve"].append(metric)
+            if log:
+                log.append({"time": time.time(), "index": index, "config": hp, "step": fit.step,
+                            "loss": sum(losses) / len(losses), "step_losses": losses, s.metric: metric})
             cur["node"] = node  # where the config last trained
             t = len(cur["curve"])
             if single:  # Tune's scheduler decides; every report is a checkpoint to resume from

@@ -82,7 +82,8 @@ class SignTuneState(Callback):
 
 def _newest_staging(name: str) -> str | None:
     """The staging directory of the snapshot being saved, before any trial has said where it is: the one
-    whose experiment state was written last (Tune has just written it)."""
+    whose experiment state was written last (Tune has just written it). Tune says where it stages only
+    through Ray Train's private storage module (pinned by tests/test_ray_internals.py)."""
     from ray.train._internal.storage import _get_ray_train_session_dir
 
     found = glob.glob(os.path.join(_get_ray_train_session_dir(), "*", name, "driver_artifacts",

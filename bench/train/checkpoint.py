@@ -41,8 +41,9 @@ def measure(name: str, repeats: int) -> dict:
     import torch
 
     from train.checkpoint import AsyncCheckpointer
-    from train.loop import TrainConfig, make_optimizer, train_step
+    from train.config import TrainConfig
     from train.model import GPT, preset
+    from train.step import make_optimizer, train_step
 
     cfg = preset(name)
     torch.manual_seed(0)
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from train.loop import TrainConfig
+    from train.config import TrainConfig
 
     interval = args.interval_s or TrainConfig().checkpoint_every_s
     torch.set_num_threads(os.cpu_count() or 1)

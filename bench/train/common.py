@@ -60,7 +60,7 @@ def debug_configs(storage_root: str, ref: str, batch_size: int, steps: int):
     """(model, train config) of the debug preset shaped for the dataset, as `python -m train` shapes it."""
     from dataclasses import replace
 
-    from train.loop import TRAIN_PRESETS
+    from train.config import TRAIN_PRESETS
     from train.model import fit_to_dataset, preset
 
     m = train_shards(storage_root, ref)[0].manifest
@@ -69,16 +69,17 @@ def debug_configs(storage_root: str, ref: str, batch_size: int, steps: int):
 
 
 def plain_loop(storage_root: str, ref: str, mcfg, tcfg, threads: int, warmup: int = 0, sync_every: int = 10):
-    """The training loop without Ray: train/loop.py's `train_step` on the dataset's train shards, read
+    """The training loop without Ray: train/step.py's `train_step` on the dataset's train shards, read
     ahead by the same `Prefetch`, the loss synced every `sync_every` steps (as the trainer syncs at
     its log points). Returns (the model, mean seconds per step after `warmup` steps)."""
     import time
 
     import torch
 
-    from train.data import TokenBatches
-    from train.loop import Prefetch, lr_at, make_optimizer, train_step
+    from train.config import lr_at
+    from train.data import Prefetch, TokenBatches
     from train.model import GPT
+    from train.step import make_optimizer, train_step
 
     torch.set_num_threads(threads)
     _, shards = train_shards(storage_root, ref)

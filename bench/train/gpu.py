@@ -6,10 +6,10 @@ time goes. Plain PyTorch on one device, synthetic tokens: no Ray, no dataset, no
     python -m bench.train.gpu [--presets gpt2-124m gpt2-350m] [--seconds 20] [--no-compile]
     python -m bench.train.gpu --device cpu --presets debug --fsdp-preset debug --seconds 0.5   # smoke test
 
-For each preset, at its default micro-batch (train/loop.py's `micro_batch_for`:
+For each preset, at its default micro-batch (train/memory.py's `micro_batch_for`:
 what the loop picks on this device) and at twice it where that is estimated to fit
 (else half of it): the model built as the training loop builds it (meta device,
-tied, `parallelize` with each block compiled), train/loop.py's `train_step` (bf16
+tied, `parallelize` with each block compiled), train/step.py's `train_step` (bf16
 autocast, fused AdamW, the fused loss, compiled); warm-up steps compile, after
 which a recompile is an error; then as many steps as fit in `--seconds`, timed
 between device synchronizations. MFU = FLOPs per token (6N + 12·L·d·T, the tied
@@ -39,7 +39,7 @@ import time
 TARGET_MFU = {"gpt2-124m": 0.45, "gpt2-350m": 0.50}
 KINDS = ("matmul", "attention", "loss", "optimizer", "other")
 # What launched a kernel, by the profiler events around it (innermost first): training's ranges first
-# (train/model.py's LOSS_RANGE, train/loop.py's OPTIMIZER_RANGE, the fused loss's backward node), then
+# (train/model.py's LOSS_RANGE, train/step.py's OPTIMIZER_RANGE, the fused loss's backward node), then
 # the aten op. Kernel names are not used: they change with the GPU and the library (nvjet_* on Hopper).
 ATTENTION_OPS = ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product", "aten::_flash_attention",
                  "aten::_efficient_attention", "aten::_cudnn_attention")
@@ -79,9 +79,10 @@ def build(name: str, device, batch_size: int, compile_model: bool, strategy: str
     on FSDP2's sharded parameters)."""
     import torch
 
-    from train.loop import TrainConfig, make_optimizer, parallelize, use_bf16
+    from train.config import TrainConfig, use_bf16
     from train.model import build as build_model
     from train.model import preset
+    from train.step import make_optimizer, parallelize
 
     cfg = preset(name)
     tcfg = TrainConfig(batch_size=batch_size, precision="auto", compile="on" if compile_model else "off",
@@ -96,7 +97,7 @@ def build(name: str, device, batch_size: int, compile_model: bool, strategy: str
 def micro_batches(name: str, device) -> tuple[int, int]:
     """(the loop's default micro-batch for `name` on `device`, a second one: twice it if that is
     estimated to fit in 80% of the device's memory, else half of it)."""
-    from train.loop import activation_bytes_per_row, device_memory, micro_batch_for
+    from train.memory import activation_bytes_per_row, device_memory, micro_batch_for
     from train.model import describe, preset
 
     cfg = preset(name)
@@ -125,7 +126,7 @@ def measure(name: str, device, seconds: float, compile_model: bool, batch_size: 
     import torch
 
     from train.hardware import device_name, peak_flops
-    from train.loop import train_step
+    from train.step import train_step
 
     raw, model, optimizer, cfg, tcfg, bf16 = build(name, device, batch_size, compile_model)
     batches = _batches(cfg, batch_size)
@@ -167,8 +168,8 @@ def loss_share(name: str, device, compile_model: bool, reps: int = 10) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from train.loop import autocast, train_step
     from train.model import linear_cross_entropy
+    from train.step import autocast, train_step
 
     raw, model, optimizer, cfg, tcfg, bf16 = build(name, device, micro_batches(name, device)[0], compile_model)
     batches = _batches(cfg, tcfg.batch_size)
@@ -224,7 +225,7 @@ def fsdp_step_and_checkpoint(name: str, device, compile_model: bool, backend: st
     import torch.distributed as dist
 
     from train.checkpoint import AsyncCheckpointer, load
-    from train.loop import train_step
+    from train.step import train_step
 
     if not dist.is_initialized():
         store = dist.FileStore(tempfile.mktemp(prefix="strata-gpu-check-"), 1)
@@ -265,7 +266,7 @@ def profile(name: str, device, compile_model: bool, steps: int = 5) -> dict:
     import torch
     from torch.profiler import ProfilerActivity
 
-    from train.loop import train_step
+    from train.step import train_step
 
     _, model, optimizer, cfg, tcfg, bf16 = build(name, device, micro_batches(name, device)[0], compile_model)
     batches = _batches(cfg, tcfg.batch_size)
@@ -312,8 +313,8 @@ def kind_of(event) -> str:
     """The kind of an event's work, by the events around it (itself, then its parents outward): inside
     training's loss or optimizer range (or the fused loss's backward) it is that; else attention or
     matmul by the aten op that launched it; else other."""
-    from train.loop import OPTIMIZER_RANGE
     from train.model import LOSS_RANGE
+    from train.step import OPTIMIZER_RANGE
 
     names = []
     while event is not None:
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from train.loop import code_compiler, compiler_kind
+    from train.step import code_compiler, compiler_kind
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

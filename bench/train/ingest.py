@@ -22,7 +22,7 @@ def delivered_tokens_per_s(storage_root: str, ref: str, batch_size: int, world_s
     import torch
 
     from train.data import TokenBatches
-    from train.loop import to_xy
+    from train.step import to_xy
 
     version, shards = common.train_shards(storage_root, ref)
     data = TokenBatches(shards, batch_size=batch_size, rank=0, world_size=world_size, seed=0)

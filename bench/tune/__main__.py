@@ -38,28 +38,20 @@ os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_
 TARGET_TRIALS = 50_000
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 class TrivialFit:
     """A config that costs nothing to train: its metric is a function of its hyperparameters."""
 
     def __init__(self, hp: dict, state: dict | None):
         self.hp = hp
 
-    def advance(self) -> float:
-        return abs(self.hp["lr"] - 3e-3) + self.hp["batch_size"] / 1000
+    def advance(self) -> tuple[float, list[float]]:
+        return abs(self.hp["lr"] - 3e-3) + self.hp["batch_size"] / 1000, []
 
     def state(self) -> dict:
         return {}
 
 
-def trivial(config: dict, *, sweep: dict, space: dict) -> None:
+def trivial(config: dict, *, sweep, space: dict) -> None:
     from tune.sweep import run_trial
 
     run_trial(config, sweep=sweep, space=space, make_fit=TrivialFit)
@@ -67,25 +59,24 @@ def trivial(config: dict, *, sweep: dict, space: dict) -> None:
 
 def overhead(trials: int, pack: int, max_concurrent: int, root: str) -> dict:
     """Trivial trials through the sweep's driver path; wall time and driver RSS growth."""
-    from dataclasses import asdict
-
     import ray
     from ray import tune
 
+    from strata.procs import rss_mb
     from tune.driver import collect, make_tuner
     from tune.sweep import SweepConfig, load_space
 
     cfg = SweepConfig(num_samples=trials, pack=pack, steps=1, report_every=1, max_concurrent=max_concurrent,
                       scheduler="fifo", cpus_per_trial=ray.cluster_resources()["CPU"] / max_concurrent)  # all at once
     space = load_space(cfg.space)
-    trainable = tune.with_parameters(trivial, sweep=asdict(cfg), space=space)
+    trainable = tune.with_parameters(trivial, sweep=cfg, space=space)
     tuner = make_tuner(trainable, cfg, space, os.path.join(root, f"overhead-{trials}-{pack}"), progress=False)
     gc.collect()
-    before, started = _rss_mb(), time.perf_counter()
+    before, started = rss_mb(), time.perf_counter()
     rows = collect(tuner.fit(), cfg, space)
     seconds = time.perf_counter() - started
     gc.collect()
-    after = _rss_mb()
+    after = rss_mb()
     if len(rows) != trials or any(r["status"] != "completed" for r in rows):
         raise RuntimeError(f"{sum(r['status'] != 'completed' for r in rows)} of {trials} trivial trials failed")
     return {"trials": trials, "pack": cfg.pack_size, "tune_trials": cfg.packs, "seconds": seconds,

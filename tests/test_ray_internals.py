@@ -1,0 +1,79 @@
+"""The private Ray internals strata relies on, each where no public API does the job (the reason is written
+beside each use). Any Ray upgrade fails here first, loudly, with the list to check again; a shape that
+moved fails with the use it breaks."""
+
+import importlib
+import inspect
+
+import pytest
+import ray
+
+RAY_SERIES = "2.60."  # pyproject pins ray==2.60.*
+
+USES = {
+    "strata.connect._use_loopback": "ray._private.ray_constants.ENABLE_RAY_CLUSTER, read at import",
+    "strata.connect.stop_monitor": "ray._private.worker._global_node.all_processes[PROCESS_TYPE_MONITOR]",
+    "train.placement.max_gpus": "ray._private.state.state.get_max_resources_from_cluster_config()",
+    "tune.trust._newest_staging": "ray.train._internal.storage._get_ray_train_session_dir()",
+    "train.checkpoint.registered_checkpoints / forget_missing": "Ray Train's checkpoint_manager_snapshot.json",
+}
+
+
+def test_ray_is_the_series_these_internals_were_checked_against():
+    listed = "\n".join(f"  {where}: {what}" for where, what in USES.items())
+    assert ray.__version__.startswith(RAY_SERIES), (
+        f"Ray {ray.__version__} is not {RAY_SERIES}x: check each private use against its source, then move "
+        f"RAY_SERIES:\n{listed}")
+
+
+@pytest.mark.parametrize(("module", "attribute"), [
+    ("ray._private.ray_constants", "ENABLE_RAY_CLUSTER"),
+    ("ray._private.ray_constants", "PROCESS_TYPE_MONITOR"),
+    ("ray._private.worker", "_global_node"),
+    ("ray._private.state", "state"),
+    ("ray.train._internal.storage", "_get_ray_train_session_dir"),
+])
+def test_each_private_name_strata_uses_is_still_there(module, attribute):
+    assert hasattr(importlib.import_module(module), attribute), f"{module}.{attribute} is gone"
+
+
+def test_the_shapes_strata_calls_are_unchanged():
+    from ray._private.node import Node
+    from ray._private.state import GlobalState
+    from ray.train._internal.storage import _get_ray_train_session_dir
+
+    assert "all_processes" in inspect.getsource(Node.__init__)
+    assert list(inspect.signature(GlobalState.get_max_resources_from_cluster_config).parameters) == ["self"]
+    assert list(inspect.signature(_get_ray_train_session_dir).parameters) == []
+
+
+def test_ray_trains_checkpoint_record_has_the_fields_strata_reads_and_rewrites():
+    from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import (
+        _CheckpointManagerState,
+        _TrainingResultState,
+    )
+
+    from train.checkpoint import SNAPSHOT
+
+    assert SNAPSHOT == CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+    assert {"checkpoint_results", "checkpoint_report_indices", "latest_checkpoint_result",
+            "validated_checkpoint_dir_names", "timed_out_validation_checkpoint_dir_names",
+            "failed_validation_checkpoint_dir_names"} <= set(_CheckpointManagerState.model_fields)
+    assert "checkpoint_dir_name" in _TrainingResultState.model_fields
+
+
+def test_the_state_api_finds_the_embedded_ray_from_inside_it(local_ray):
+    """Ray Train's placement-group cleaner asks the state API, from inside the cluster, whether the controller
+    lives; an embedded Ray is found only through RAY_API_SERVER_ADDRESS (strata.connect sets it), else each
+    ask waits out its timeout and every run's end waited 12 s."""
+
+    @local_ray.remote(num_cpus=0)
+    class Asker:
+        def state_of(self, actor_id: str) -> str:
+            from ray.util.state import get_actor
+
+            return get_actor(actor_id, timeout=5).state
+
+    asker = Asker.remote()
+    assert local_ray.get(asker.state_of.remote(asker._actor_id.hex()), timeout=60) == "ALIVE"
