@@ -160,10 +160,9 @@ def profiled(fn):
 def read_clean_sign(batch: dict, *, read: ReadConfig, clean: CleanConfig, dedup: DedupConfig, work_dir: str,
                     contamination: dict | None = None) -> dict:
     """Pass 1 over one work unit (Ray Data `map_batches`, batch_size=1); the configs travel typed."""
-    rcfg, ccfg, dcfg = read, clean, dedup
     unit = json.loads(batch["unit"][0])
     name = f"docs-{digest(unit)}.parquet"
-    return with_deferral(unit, rcfg, lambda files: _read_clean_sign(files, rcfg, ccfg, dcfg, work_dir, name,
+    return with_deferral(unit, read, lambda files: _read_clean_sign(files, read, clean, dedup, work_dir, name,
                                                                     contamination))
 
 

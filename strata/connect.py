@@ -85,26 +85,20 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
     with _start_lock(), _quiet_token_notice(quiet):
         for attempt in range(3):
             port = dashboard_port()
-            # Ray's state API, which Ray Train's placement-group cleaner calls from inside the cluster, finds
-            # an embedded Ray only through this (without it each call waits out its timeout, and every run's
-            # end took 12 s more). Set while Ray starts, so its raylet and workers inherit it; this process's
-            # own job and state clients must keep finding what they are pointed at.
-            before = os.environ.get(API_SERVER_ENV)
-            if dashboard:
-                os.environ[API_SERVER_ENV] = f"http://127.0.0.1:{port}"
             try:
-                ray.init(
-                    address="local",  # never attach to somebody else's cluster by accident
-                    num_cpus=num_cpus,
-                    labels=tiers.local_node_labels(),
-                    include_dashboard=dashboard,  # Ray Train's state queries need it
-                    dashboard_host="127.0.0.1",
-                    dashboard_port=port,
-                    log_to_driver=log_to_driver,
-                    logging_level=logging.WARNING if quiet else logging.INFO,
-                    _temp_dir=temp_dir,
-                    _system_config={"preload_python_modules": list(preload)} if preload else None,
-                )
+                with state_api_at(port if dashboard else None):
+                    ray.init(
+                        address="local",  # never attach to somebody else's cluster by accident
+                        num_cpus=num_cpus,
+                        labels=tiers.local_node_labels(),
+                        include_dashboard=dashboard,  # Ray Train's state queries need it
+                        dashboard_host="127.0.0.1",
+                        dashboard_port=port,
+                        log_to_driver=log_to_driver,
+                        logging_level=logging.WARNING if quiet else logging.INFO,
+                        _temp_dir=temp_dir,
+                        _system_config={"preload_python_modules": list(preload)} if preload else None,
+                    )
                 _STARTED.add(ray.get_runtime_context().gcs_address)
                 atexit.register(stop_monitor)  # runs before Ray's own exit handler, registered earlier
                 break
@@ -112,12 +106,28 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
                 ray.shutdown()
                 if "port" not in str(e) or attempt == 2:
                     raise
-            finally:
-                if before is None:
-                    os.environ.pop(API_SERVER_ENV, None)
-                else:
-                    os.environ[API_SERVER_ENV] = before
     return f"started embedded local Ray ({ray.cluster_resources().get('CPU', 0):.0f} CPUs, temp {temp_dir})"
+
+
+@contextlib.contextmanager
+def state_api_at(port: int | None):
+    """While Ray's processes start, name the dashboard at `port` (None: none) as where Ray's state API is.
+
+    Ray Train's placement-group cleaner asks the state API, from inside the cluster, whether the controller
+    lives, and finds a Ray started from Python (not `ray start`) only through RAY_API_SERVER_ADDRESS:
+    without it each ask waits out its timeout, and every run's end took 12 s more. The raylet and every
+    worker inherit it from the environment they start with; this process's own job and state clients keep
+    finding what they are pointed at, so it is set only while the nodes start."""
+    before = os.environ.get(API_SERVER_ENV)
+    if port is not None:
+        os.environ[API_SERVER_ENV] = f"http://127.0.0.1:{port}"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(API_SERVER_ENV, None)
+        else:
+            os.environ[API_SERVER_ENV] = before
 
 
 class _DropTokenNotice(logging.Filter):

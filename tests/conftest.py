@@ -183,14 +183,6 @@ def wait_for(predicate, what: str, timeout: float = 300) -> None:
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-def _restore(before: dict, names: tuple[str, ...]) -> None:
-    for k in names:
-        if before[k] is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = before[k]
-
-
 @contextlib.contextmanager
 def simulated_cluster(nodes: list[tuple[tuple, int]]):
     """A multi-node Ray cluster on 127.0.0.1: a head with no CPUs and no tier, plus
@@ -199,31 +191,33 @@ def simulated_cluster(nodes: list[tuple[tuple, int]]):
     from ray.cluster_utils import Cluster
 
     from strata import tiers
-    from strata.connect import API_SERVER_ENV, dashboard_port, shutdown, stop_monitor
+    from strata.connect import dashboard_port, shutdown, state_api_at, stop_monitor
 
     shutdown()  # replaces the session's local Ray; ensure_local_ray() brings it back
     temp = tempfile.mkdtemp(prefix="rayc-", dir="/tmp")
     os.makedirs(os.path.join(temp, "ray"))
-    old_env = {k: os.environ.get(k) for k in ("RAY_TMPDIR", API_SERVER_ENV)}
+    old_tmpdir = os.environ.get("RAY_TMPDIR")
     os.environ["RAY_TMPDIR"] = temp  # every node, and the cluster's address file, under our own dir
     port = dashboard_port()
-    # While the nodes start, as strata.connect does for an embedded Ray: their processes find the state API.
-    os.environ[API_SERVER_ENV] = f"http://127.0.0.1:{port}"
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "object_store_memory": 100 << 20, "include_dashboard": True, "dashboard_host": "127.0.0.1",
-        "dashboard_port": port})
+    with state_api_at(port):  # as strata.connect does for an embedded Ray
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 0, "object_store_memory": 100 << 20, "include_dashboard": True,
+            "dashboard_host": "127.0.0.1", "dashboard_port": port})
     try:
-        added = [cluster.add_node(num_cpus=cpus, labels=tiers.node_labels(*node_tiers), object_store_memory=100 << 20)
-                 for node_tiers, cpus in nodes]
+        with state_api_at(port):
+            added = [cluster.add_node(num_cpus=cpus, labels=tiers.node_labels(*node_tiers),
+                                      object_store_memory=100 << 20) for node_tiers, cpus in nodes]
         cluster.wait_for_nodes()
-        _restore(old_env, (API_SERVER_ENV,))
         ray.init(address=cluster.address)
         yield cluster, added
     finally:
         ray.shutdown()
         stop_monitor(cluster.head_node)
         cluster.shutdown()
-        _restore(old_env, tuple(old_env))
+        if old_tmpdir is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = old_tmpdir
         shutil.rmtree(temp, ignore_errors=True)
 
 

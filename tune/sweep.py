@@ -235,14 +235,16 @@ def asha_keeps(recorded: list[float], metric: float) -> bool:
 
 def load_rows(version: DatasetVersion, split: str, limit: int, last: bool = False) -> np.ndarray:
     """Up to `limit` rows (n, seq_len + 1) of a split, in manifest order: its first rows, or its `last`."""
+    paths = version.shard_paths(split)
     out, n = [], 0
-    for path in reversed(version.shard_paths(split)) if last else version.shard_paths(split):
+    for path in reversed(paths) if last else paths:
         rows = read_rows(path)
-        rows = rows[len(rows) - (limit - n):] if last else rows[: limit - n]
-        out.insert(0, rows) if last else out.append(rows)
-        n += len(rows)
+        out.append(rows[max(len(rows) - (limit - n), 0):] if last else rows[: limit - n])
+        n += len(out[-1])
         if n >= limit:
             break
+    if last:
+        out.reverse()
     width = version.manifest.seq_len + 1
     return np.concatenate(out) if out else np.zeros((0, width), dtype=np.uint16)
 
