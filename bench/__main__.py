@@ -35,6 +35,8 @@ BENCHMARKS = {
                   "PyTorch / python -m train (--log-every 1; the line above it: 10)", ">= 0.97"),
     "train.ingest": ("bench.train.ingest", [], "tokens/s delivered / consumed by the debug model", ">= 10"),
     "train.checkpoint": ("bench.train.checkpoint", [], "wall time blocked by checkpoints", "< 1%"),
+    "train.startup": ("bench.train.startup", [], "time to the first step, plain PyTorch / python -m train "
+                      "(debug preset, embedded Ray; median of 3 launches)", "first step <= 10 s"),
     "tune": ("bench.tune", ["--asha-trials", "12"], "50,000-trial sweep: overhead per trial, driver memory",
              "<= 10 ms, <= 60 MB/1,000"),
 }

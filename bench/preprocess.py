@@ -178,7 +178,8 @@ def baseline(paths: list[str], tokenizer: str, out_dir: str, cores: int) -> dict
 
 
 def pipeline(paths: list[str], tokenizer: str, storage_root: str, name: str, cores: int) -> dict:
-    from pipelines.preprocess import debug, run
+    from pipelines.config import debug
+    from pipelines.driver import run
     from strata.connect import connect
     from strata.storage import Storage
 

@@ -27,7 +27,8 @@ def run_on(shape: list[int], paths: list[str], root: str, workload: str) -> dict
     import ray
     from ray.cluster_utils import Cluster
 
-    from pipelines.preprocess import debug, run
+    from pipelines.config import debug
+    from pipelines.driver import run
     from strata import tiers
     from strata.storage import Storage
 

@@ -85,7 +85,7 @@ def _main(cmd: Command) -> None:
             print(f"this version's run: {m.documents.kept:,} documents kept of {m.documents.read:,} read, "
                   f"{len(m.inputs)} input files")
             if m.stats:
-                from pipelines.preprocess import format_table
+                from pipelines.stats import format_table
 
                 print(format_table(m.stats))
     except LeaseBusy as e:  # a run is building on the dataset: deleting under it would lose its documents

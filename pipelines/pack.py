@@ -35,13 +35,13 @@ import pyarrow.parquet as pq
 from pipelines.clean import CleanConfig, QualityFilter, normalize
 from pipelines.dedup import DedupConfig, MinHasher, exact_key, hash64, shard_of
 from pipelines.sources import ReadConfig, read_file, with_deferral
+from pipelines.stats import SAMPLES_PER_REASON, Output, Tally, audit_sample
 from strata.connect import fetch_once
 from strata.dataset import arrow_schema, token_dtype
 from strata.procs import peak_rss_mb
 from strata.storage import filesystem, join
 
 SPLIT_IDS = {"train": 0, "validation": 1}
-SAMPLES_PER_REASON = 3
 ROW_GROUP_ROWS = 1024
 
 
@@ -90,13 +90,30 @@ class StageClock:
         self.cpu[stage] += now - self.last
         self.last = now
 
-    def dumps(self) -> str:
-        return json.dumps({k: round(v, 3) for k, v in self.cpu.items()})
+    def seconds(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in self.cpu.items()}
 
 
-def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, counts: Counter,
-                  samples: dict, clock: StageClock, contamination: dict | None = None) -> Iterator[tuple[str, str]]:
-    """(doc_id, text) of the unit's kept documents; every other record is counted by reason."""
+class Outcomes:
+    """What reading and cleaning a unit's records came to: kept, or filtered or rejected with a reason
+    (with a few examples per reason), and the quality rules' own tallies."""
+
+    def __init__(self):
+        self.counts: Counter = Counter()  # (status, reason) -> records
+        self.samples: dict[str, list] = defaultdict(list)
+        self.tallies: dict[str, dict] = {}
+
+    def tally(self) -> Tally:
+        by = {status: {r: n for (s, r), n in self.counts.items() if s == status} for status in ("filtered", "rejected")}
+        return Tally(kept=self.counts[("kept", "")], filtered=by["filtered"], rejected=by["rejected"],
+                     samples={k: tuple(v) for k, v in self.samples.items()},
+                     languages=dict(self.tallies.get("language", {})),
+                     contaminated_by=dict(self.tallies.get("contaminated", {})))
+
+
+def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, seen: Outcomes, clock: StageClock,
+                  contamination: dict | None = None) -> Iterator[tuple[str, str]]:
+    """(doc_id, text) of the unit's kept documents; every other record is counted by reason in `seen`."""
     quality = QualityFilter(ccfg, evaluation_index(contamination))
     for f in unit:
         for rec in read_file(f, rcfg):
@@ -108,22 +125,14 @@ def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, counts:
                 status = "filtered" if reason else "kept"
             clock.lap("clean")
             if status == "kept":
-                counts["kept"] += 1
+                seen.counts[("kept", "")] += 1
                 yield rec["doc_id"], text
                 continue
-            key = f"{status}:{reason}"
-            counts[key] += 1
-            if len(samples[key]) < SAMPLES_PER_REASON:
-                samples[key].append({"doc_id": rec["doc_id"], "sample": rec["sample"] or rec["text"][:120]})
-    for rule, tally in quality.tallies().items():  # beside the statuses, not among them: see TALLIES
-        for key, n in tally.items():
-            counts[f"{TALLIES[rule]}{key}"] += n
+            seen.counts[(status, reason)] += 1
+            if len(examples := seen.samples[f"{status}:{reason}"]) < SAMPLES_PER_REASON:
+                examples.append({"doc_id": rec["doc_id"], "sample": rec["sample"] or rec["text"][:120]})
+    seen.tallies = quality.tallies()  # the language rule's and decontamination's, beside the statuses
 
-
-# Tallies kept in a unit's counts beside the statuses (not statuses: the accounting leaves them out).
-LANGUAGE = "language:"  # counts["language:en"]: documents the language rule scored as English
-CONTAMINATED_BY = "contaminated_by:"  # counts["contaminated_by:FILE"]: documents FILE's n-grams caught
-TALLIES = {"language": LANGUAGE, "contaminated": CONTAMINATED_BY}  # by the rule that keeps each
 
 def evaluation_index(contamination: dict | None) -> dict | None:
     """The decontamination index the driver put in the object store ({"ref": ref}), fetched once per worker
@@ -162,14 +171,13 @@ def read_clean_sign(batch: dict, *, read: ReadConfig, clean: CleanConfig, dedup:
     """Pass 1 over one work unit (Ray Data `map_batches`, batch_size=1); the configs travel typed."""
     unit = json.loads(batch["unit"][0])
     name = f"docs-{digest(unit)}.parquet"
-    return with_deferral(unit, read, lambda files: _read_clean_sign(files, read, clean, dedup, work_dir, name,
-                                                                    contamination))
+    return {"out": [with_deferral(unit, read, lambda files: _read_clean_sign(files, read, clean, dedup, work_dir,
+                                                                             name, contamination))]}
 
 
 def _read_clean_sign(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, dcfg: DedupConfig, work_dir: str,
-                     name: str, contamination: dict | None) -> dict:
-    counts: Counter = Counter()
-    samples: dict[str, list] = defaultdict(list)
+                     name: str, contamination: dict | None) -> Output:
+    seen = Outcomes()
     fs, path = filesystem(join(work_dir, "docs", name))
     hasher = MinHasher(dcfg) if dcfg.near_dedup else None
     n_bands = hasher.bands if hasher else 1  # arrow has no zero-width lists: a 0 placeholder
@@ -188,7 +196,7 @@ def _read_clean_sign(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, dcfg
 
     clock = StageClock()
     with pq.ParquetWriter(path, schema, filesystem=fs) as writer:
-        for doc_id, text in clean_records(unit, rcfg, ccfg, counts, samples, clock, contamination):
+        for doc_id, text in clean_records(unit, rcfg, ccfg, seen, clock, contamination):
             pending["doc_id"].append(doc_id)
             pending["doc"].append(hash64(doc_id))
             pending["exact"].append(exact_key(text) if dcfg.exact_dedup else 0)
@@ -204,9 +212,9 @@ def _read_clean_sign(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, dcfg
         if pending["doc"]:
             kept += flush(writer)
     clock.lap("write")
-    return {"counts": [json.dumps(counts)], "samples": [json.dumps(samples)], "docs_file": [name],
-            "docs": [kept], "kept_by_path": [json.dumps(kept_by_path)], "node": [_node()],
-            "peak_rss_mb": [peak_rss_mb()], "cpu_s": [clock.dumps()]}
+    tally = seen.tally() + Tally(looked_at=dict(kept_by_path), nodes=frozenset([_node()]),
+                                 peak_rss_mb=peak_rss_mb(), cpu_s=clock.seconds())
+    return Output(tally=tally, docs_file=name, docs=kept)
 
 
 def doc_path(doc_id: str) -> str:
@@ -270,10 +278,10 @@ class DedupTokenizePack:
             winner[owner == s], earlier[owner == s] = ray.get(ref)
         return winner, earlier
 
-    def _chunks(self, batch: dict, counts: Counter, samples: dict, clock: StageClock):
+    def _chunks(self, batch: dict, seen: Outcomes, clock: StageClock):
         """(doc ids, texts, `_duplicates` of them) per chunk of up to 1024 documents."""
         if "unit" in batch:
-            records = clean_records(json.loads(batch["unit"][0]), self.read, self.clean, counts, samples, clock,
+            records = clean_records(json.loads(batch["unit"][0]), self.read, self.clean, seen, clock,
                                     self.contamination)
             while chunk := list(islice(records, 1024)):
                 none = np.zeros(len(chunk), dtype=bool)
@@ -293,24 +301,25 @@ class DedupTokenizePack:
     @profiled
     def __call__(self, batch: dict) -> dict:
         if "docs_file" in batch:
-            return self._pack(batch, str(batch["docs_file"][0]))
+            return {"out": [self._pack(batch, str(batch["docs_file"][0]))]}
         unit = json.loads(batch["unit"][0])
         name = f"docs-{digest(unit)}"
-        return with_deferral(unit, self.read, lambda files: self._pack({"unit": [json.dumps(files)]}, name))
+        return {"out": [with_deferral(unit, self.read, lambda files: self._pack({"unit": [json.dumps(files)]}, name))]}
 
-    def _pack(self, batch: dict, name: str) -> dict:
+    def _pack(self, batch: dict, name: str) -> Output:
         started = time.perf_counter()
         out_name = name.replace("docs-", "packed-").removesuffix(".parquet") + ".parquet"
         fs, out_path = filesystem(join(self.work_dir, "packed", out_name))
-        stats, counts, removed_by_path, clusters = Counter(), Counter(), Counter(), Counter()
+        stats, removed_by_path, clusters = Counter(), Counter(), Counter()  # stats: Tally's whole-number fields
+        duplicate, split_tokens, split_rows, seen = Counter(), Counter(), Counter(), Outcomes()
+        samples = seen.samples  # duplicates' examples beside the read's (a unit is read here when fused)
         removed_rows = {"doc_id": [], "kind": [], "kept": [], "earlier": []}
-        samples: dict[str, list] = defaultdict(list)
-        pairs: list[dict] = []
+        pairs: tuple = ()
         carry = {s: np.zeros(0, dtype=np.uint32) for s in SPLIT_IDS}
         row_index = Counter()
         eot = np.array([self.tok.eot_id], dtype=np.uint32)
         tables, clock = [], StageClock()
-        for ids, texts, dup in self._chunks(batch, counts, samples, clock):
+        for ids, texts, dup in self._chunks(batch, seen, clock):
             exact, near = dup["exact"], dup["near"]
             removed = np.flatnonzero(exact | near)
             removed_by_path.update(doc_path(ids[i]) for i in removed)
@@ -321,26 +330,25 @@ class DedupTokenizePack:
                 removed_rows["earlier"] += dup["earlier"][removed].tolist()
                 clusters.update(dup["winner"][removed].tolist())
                 stats["removed_by_earlier_version"] += int(dup["earlier"][removed].sum())
-                pairs = audit_sample(pairs + [
+                pairs = audit_sample(pairs + tuple(
                     {"removed": int(dup["doc"][i]), "kept": int(dup["winner"][i]),
-                     "kind": "exact" if exact[i] else "near"} for i in removed if not dup["earlier"][i]])
+                     "kind": "exact" if exact[i] else "near"} for i in removed if not dup["earlier"][i]))
             for kind, mask in (("exact", exact), ("near", near)):
-                stats[f"duplicate:{kind}"] += int(mask.sum())
+                duplicate[kind] += int(mask.sum())
                 for i in np.flatnonzero(mask)[: SAMPLES_PER_REASON - len(samples[f"duplicate:{kind}"])]:
                     samples[f"duplicate:{kind}"].append({"doc_id": ids[i], "sample": texts[i][:120]})
             keep = np.flatnonzero(~(exact | near))
-            stats["kept"] += len(keep)
+            stats["packed"] += len(keep)
             streams = {s: [carry[s]] for s in SPLIT_IDS}
             clock.lap("dedup")
             checked = getattr(self.tok, "checked", 0)
             encoded = self.tok.encode_batch([texts[i] for i in keep])
-            stats[f"encoded_by:{self.tok.engine}"] += len(keep)
             stats["tokenizer_checked"] += getattr(self.tok, "checked", 0) - checked
             clock.lap("tokenize")
             for i, tokens in zip(keep, encoded, strict=True):
                 split = "validation" if validation_split(ids[i], self.split_seed, self.fraction) else "train"
                 streams[split] += [tokens, eot]
-                stats[f"tokens:{split}"] += len(tokens) + 1
+                split_tokens[split] += len(tokens) + 1
             for split, parts in streams.items():
                 flat = np.concatenate(parts)
                 n = len(flat) // self.row_len
@@ -349,10 +357,9 @@ class DedupTokenizePack:
                     tables.append(packed_rows(self.schema, self.seed, out_name, split, row_index[split],
                                               flat[: n * self.row_len]))
                     row_index[split] += n
-                    stats[f"rows:{split}"] += n
+                    split_rows[split] += n
             clock.lap("pack")
         # What is left of each split is shorter than a row: it is packed with the other units' in `pack_tails`.
-        stats["tail_tokens"] = sum(len(c) for c in carry.values())
         write_tails(join(self.work_dir, "tails", out_name), carry)
         # Sorted by (split, key) in small row groups, so each shard reads just its key range.
         table = pa.concat_tables(tables) if tables else self.schema.empty_table()
@@ -363,23 +370,12 @@ class DedupTokenizePack:
             pq.write_table(pa.table({**removed_rows, "kept": pa.array(removed_rows["kept"], pa.uint64())}), rpath,
                            filesystem=rfs)
         clock.lap("write")
-        return {"stats": [json.dumps(stats)], "counts": [json.dumps(counts)], "samples": [json.dumps(samples)],
-                "cpu_s": [clock.dumps()],
-                "removed_by_path": [json.dumps(removed_by_path)], "clusters": [json.dumps(clusters)],
-                "pairs": [json.dumps(pairs)], "packed_file": [out_name], "node": [_node()],
-                "peak_rss_mb": [peak_rss_mb()], "busy_s": [time.perf_counter() - started]}
-
-
-AUDIT_PAIRS = 8  # sampled duplicate pairs per kind in a version's dedup audit
-
-
-def audit_sample(pairs: list[dict]) -> list[dict]:
-    """The AUDIT_PAIRS pairs of each kind with the smallest removed doc keys: a uniform sample of the
-    duplicates, the same whichever unit saw them, so samples of units merge into the sample of a run."""
-    out = []
-    for kind in ("exact", "near"):
-        out += sorted((p for p in pairs if p["kind"] == kind), key=lambda p: p["removed"])[:AUDIT_PAIRS]
-    return out
+        tally = seen.tally() + Tally(
+            **stats, duplicate=dict(duplicate), removed=dict(removed_by_path), clusters=dict(clusters), pairs=pairs,
+            tokens=dict(split_tokens), rows=dict(split_rows), encoded_by={self.tok.engine: stats["packed"]},
+            cpu_s=clock.seconds(), nodes=frozenset([_node()]), peak_rss_mb=peak_rss_mb(),
+            busy_s=time.perf_counter() - started)
+        return Output(tally=tally, packed_file=out_name)
 
 
 def packed_schema(seq_len: int, dtype: str) -> pa.Schema:
@@ -410,63 +406,59 @@ def write_tails(path: str, carry: dict[str, np.ndarray]) -> None:
 
 
 def pack_tails(work_dir: str, names: list[str], *, seq_len: int, dtype: str, seed: int, eot_id: int,
-               carried: str | None = None, final: bool = False, tails_out: str | None = None) -> dict:
+               carried: str | None = None, final: bool = False, tails_out: str | None = None) -> Output:
     """The tails the previous version could not pack (`carried`, a tails file), first, then every unit's, in
     name order, packed together into `packed/packed-tails.parquet`: the same input always packs the same.
 
     What is left over is shorter than a row per split. With `final` it becomes a last row padded with the
     pad value (strata.dataset.pad_value; training leaves it out of the loss), so every kept document is in
     the version. Otherwise it goes to `tails_out`, for the next version to pack first: its documents are
-    counted unpacked (carried). Returns {"rows:SPLIT", "unpacked_tokens:SPLIT", "padding_tokens:SPLIT",
-    "carried_in_tokens:SPLIT", "unpacked_documents", "carried_in_documents", "packed_file", "tails_file"}.
+    counted unpacked (carried). Returns the packed file (none when no row was made) and its Tally: rows,
+    unpacked, padding and carried-in tokens per split, and unpacked, carried-in and carried-on documents.
     """
     from strata.dataset import pad_value
 
     cpu0 = time.process_time()
     schema, row_len = packed_schema(seq_len, dtype), seq_len + 1
     streams = {s: [np.zeros(0, dtype=np.uint32)] for s in SPLIT_IDS}
-    out, tables = Counter(), []
+    out, tables = defaultdict(Counter), []  # Tally's fields: by split, or "" for documents
     for path, first in ([(carried, True)] if carried else []) + [(join(work_dir, "tails", n), False)
                                                                 for n in sorted(names)]:
         for split, tokens in read_tails(path).items():
             streams[split].append(tokens)
             if first:
-                out[f"carried_in_tokens:{split}"] += len(tokens)
-                out["carried_in_documents"] += int((tokens == eot_id).sum())
-    out["unpacked_documents"] = out["carried_on_documents"] = 0
+                out["carried_in_tokens"][split] += len(tokens)
+                out["carried_in_documents"][""] += int((tokens == eot_id).sum())
     left = {}
     for split, parts in streams.items():
         flat = np.concatenate(parts)
         n = len(flat) // row_len
         left[split] = flat[n * row_len:]
         # This run's documents in what is left (the carried ones come first and were counted by their run).
-        ours = left[split][max(0, out[f"carried_in_tokens:{split}"] - n * row_len):]
+        ours = left[split][max(0, out["carried_in_tokens"][split] - n * row_len):]
         if final and len(left[split]):  # the last row, padded: nothing is left over
             pad = np.full(row_len - len(left[split]), pad_value(dtype), dtype=np.uint32)
-            out[f"padding_tokens:{split}"] = len(pad)
+            out["padding_tokens"][split] = len(pad)
             flat, n, left[split] = np.concatenate([flat, pad]), n + 1, flat[:0]
         if n:
             tables.append(packed_rows(schema, seed, TAILS_FILE, split, 0, flat[: n * row_len]))
-        out[f"rows:{split}"] = n
-        out[f"unpacked_tokens:{split}"] = len(left[split])
+        out["rows"][split] = n
+        out["unpacked_tokens"][split] = len(left[split])
         # Each document ends with an end-of-text id; one whose text is all in the rows may leave just its id.
         if len(left[split]):
             rest = left[split]
-            out["unpacked_documents"] += int((ours == eot_id).sum()) - int(len(ours) == len(rest) and ours[0] == eot_id)
-            out["carried_on_documents"] += int((rest == eot_id).sum()) - int(rest[0] == eot_id)
-    out = dict(out)
-    out["tails_file"] = None
+            out["unpacked_documents"][""] += int((ours == eot_id).sum()) - int(len(ours) == len(rest) and ours[0] == eot_id)
+            out["carried_on_documents"][""] += int((rest == eot_id).sum()) - int(rest[0] == eot_id)
     if tails_out and any(len(t) for t in left.values()):
         write_tails(tails_out, left)
-        out["tails_file"] = tails_out
-    out["packed_file"] = None
+    packed_file = ""
     if tables:
         fs, p = filesystem(join(work_dir, "packed", TAILS_FILE))
         table = pa.concat_tables(tables).sort_by([("split", "ascending"), ("key", "ascending")])
         pq.write_table(table, p, filesystem=fs, row_group_size=ROW_GROUP_ROWS)
-        out["packed_file"] = TAILS_FILE
-    out["cpu_s"] = time.process_time() - cpu0
-    return out
+        packed_file = TAILS_FILE
+    figures = {k: v[""] if k.endswith("documents") else dict(v) for k, v in out.items()}
+    return Output(tally=Tally(**figures, cpu_s={"pack": time.process_time() - cpu0}), packed_file=packed_file)
 
 
 def read_tails(path: str) -> dict[str, np.ndarray]:
@@ -504,5 +496,5 @@ def write_shard(batch: dict, *, staging: str, packed_files: list[str]) -> dict:
     fs, path = filesystem(join(staging, name))
     pq.write_table(table, path, filesystem=fs)
     row_len = table.schema.field("tokens").type.list_size
-    return {"path": [name], "split": [split], "rows": [table.num_rows], "tokens": [table.num_rows * row_len],
-            "node": [_node()], "cpu_s": [json.dumps({"shuffle-write": time.process_time() - cpu0})]}
+    tally = Tally(nodes=frozenset([_node()]), cpu_s={"shuffle-write": time.process_time() - cpu0})
+    return {"out": [Output(tally=tally, shard=(name, split, table.num_rows, table.num_rows * row_len))]}

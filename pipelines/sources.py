@@ -27,7 +27,7 @@ import tempfile
 import time
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pyarrow.fs as pafs
 
@@ -485,11 +485,11 @@ class InputMissing(InputUnreadable):
     """A local input path that is not there on the worker's node: the run fails, at once."""
 
 
-def with_deferral(unit: list[dict], cfg: ReadConfig, process) -> dict:
-    """`process(files)` over a work unit's files; with `--unreadable defer`, a file that stays unreadable
-    is left out and the unit processed again without it. The result gains `deferred` (JSON: path to
-    reason) and `unit_files` (JSON: the unit's paths), from which the run drops the other byte ranges of
-    a deferred file."""
+def with_deferral(unit: list[dict], cfg: ReadConfig, process):
+    """`process(files)` (an Output, pipelines/stats.py) over a work unit's files; with `--unreadable defer`,
+    a file that stays unreadable is left out and the unit processed again without it. The Output gains
+    the unit's files and, in its tally, the deferred ones with why, from which the run drops the other
+    byte ranges of a deferred file (stats.without_deferred)."""
     files, deferred = list(unit), {}
     while True:
         try:
@@ -502,19 +502,14 @@ def with_deferral(unit: list[dict], cfg: ReadConfig, process) -> dict:
                 raise
             deferred[e.path] = str(e)
             files = [f for f in files if f["path"] != e.path]
-    return {**out, "deferred": [json.dumps(deferred)], "unit_files": [json.dumps(sorted({f["path"] for f in unit}))]}
+    return replace(out, unit_files=tuple(sorted({f["path"] for f in unit})),
+                   tally=replace(out.tally, deferred=deferred))
 
 
 def _node_name() -> str:
     import socket
 
     return socket.gethostname()
-
-
-def without_deferred(rows: list[dict]) -> tuple[list[dict], dict[str, str]]:
-    """The rows of work units that hold no byte range of a deferred file, and the deferred files."""
-    deferred = {p: why for r in rows for p, why in json.loads(r["deferred"]).items()}
-    return [r for r in rows if not set(json.loads(r["unit_files"])) <= set(deferred)], deferred
 
 
 def _whole(stream, f: dict, cfg: ReadConfig) -> Iterator[dict]:

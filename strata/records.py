@@ -4,17 +4,17 @@ again under `records/` so that `python -m strata runs` finds every run of any ki
 from __future__ import annotations
 
 from strata.cost import UsageMonitor, load_prices
-from strata.shell import command_started
 from strata.storage import Storage, join, list_dir, read_json, write_json_atomic
 
 
 def write_record(storage: Storage, info: dict, *, name: str, beside: str, usage: UsageMonitor,
-                 work_nodes, figures: dict) -> dict:
+                 work_nodes, figures: dict, started: float | None = None) -> dict:
     """The run's record: `info` (run_info: config, code and library versions, start) plus its end,
     the nodes that did its work with their node-hours, busy fractions and cost, and `figures`
-    (throughput and the like). Written to `beside` and to records/KIND-NAME-START.json."""
+    (throughput and the like). Written to `beside` and to records/KIND-NAME-START.json. `started`: when
+    the command started (strata.shell.command_started), else when its work did."""
     nodes = usage.nodes(work_nodes)
-    started = command_started() or usage.started
+    started = started or usage.started
     by_type: dict[str, dict] = {}
     for n in nodes:
         t = by_type.setdefault(n["type"], {"nodes": 0, "hours": 0.0, "cost": 0.0, "market": n["market"],

@@ -7,12 +7,12 @@ import base64
 import html
 import io
 import json
-import sys
 import time
 
 from strata.records import find_record, list_records
-from strata.shell import Parser
-from strata.storage import Storage, join, read_jsonl, write_bytes_atomic
+from strata.runlog import read_log
+from strata.shell import Command, Parser
+from strata.storage import Storage, join, write_bytes_atomic
 
 
 def describe_age(t: float) -> str:
@@ -145,10 +145,8 @@ def _train_metrics(r: dict, root: str) -> tuple[list[dict], list[int]]:
     whole history), and the step each launch started at."""
     if r["kind"] != "train" or not under(r["outputs"], root):
         return [], []
-    rows = [m for m in read_jsonl(join(r["outputs"], "metrics.jsonl")) if m.get("time", 0) <= r["ended_at"] + 5]
-    starts = [m["start_step"] for m in rows if m.get("event") == "start"]
-    launches = [s for i, s in enumerate(starts) if i == 0 or s != starts[i - 1]]  # restarts after a failure: one
-    return [m for m in rows if "loss" in m and "step" in m], launches
+    log = read_log(r["outputs"], until=r["ended_at"] + 5)
+    return log.steps, log.launch_steps()
 
 
 def html_page(r: dict, images: dict[str, str]) -> str:
@@ -181,6 +179,11 @@ def report(ref: str, storage: Storage, out: str | None = None) -> tuple[str, str
 
 
 def main(argv: list[str]) -> int:
+    return Command("python -m strata", argv, tag="report").run(_main, user_errors=(FileNotFoundError,))
+
+
+def _main(cmd: Command) -> int:
+    argv = cmd.argv
     p = Parser(prog="python -m strata", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("runs", help="list every recorded run with its cost")
@@ -200,10 +203,6 @@ def main(argv: list[str]) -> int:
         else:
             print(runs_table(records) if records else f"no runs recorded under {storage.records()}")
         return 0
-    try:
-        text, path = report(a.run, storage, a.out)
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    text, path = report(a.run, storage, a.out)  # a run it cannot find: one line, exit 1 (Command)
     print(json.dumps({"report": path}) if a.json else f"{text}\n  report       {path}")
     return 0

@@ -10,6 +10,8 @@
   command that continues (`Command.interrupted`), and exit code 130.
 - `Command.started` is when the process started, so a run's record counts the
   whole command, imports and Ray's start included.
+- A command that works on Ray does it inside one `Job`: the lease on what it writes, the
+  connection, its run info, the usage measured while it works and the record it leaves.
 - What a command says goes through `logging` (`log("train").info(...)`), one line each as
   `[train] ...` on stderr; `--quiet` keeps warnings and errors only, `--verbose` adds debug lines
   (and, for commands that start Ray, Ray's own logs).
@@ -23,7 +25,8 @@ import shlex
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 EXIT_FAILED = 1  # the command failed for a reason it states in one line
 EXIT_USAGE = 2  # a flag or value it cannot take (argparse's code)
@@ -176,6 +179,70 @@ class Command:
 
     def _say(self, line: str) -> None:
         print(f"\n[{self.tag}] {line}", file=sys.stderr, flush=True)
+
+
+class Job:
+    """One run's life on Ray, the same for preprocess, train, tune and infer:
+
+        with Job("train", name, storage, holds=run_dir, what=f"training run {name}") as job:
+            job.connect()                      # an embedded Ray, or the cluster's
+            job.begin(config)                  # its run info, once the config is resolved
+            with job.working():                # the usage of every node it works on, measured
+                ...
+            cost = job.finish(beside=..., work_nodes=..., figures=...)   # its record
+
+    The lease (strata/lease.py) is held from `with` to its end: one writer of `holds` at a time.
+    Errors pass through unchanged; `Command.run` maps them to exit codes.
+    """
+
+    def __init__(self, kind: str, name: str, storage, *, holds: str, what: str, purpose: str | None = None,
+                 wait: bool = False, tag: str | None = None):
+        """`kind` names its records (preprocess, train, sweep); `tag` its log lines (default: kind)."""
+        from strata.lease import Lease
+
+        self.kind, self.name, self.storage, self.wait = kind, name, storage, wait
+        self.lease = Lease(holds, what, purpose=purpose or kind)
+        self.log = log(tag or kind)
+        self.info: dict | None = None
+        """The run info (strata/runinfo.py): resolved config, code and library versions, start."""
+        self.usage = None
+
+    def __enter__(self) -> Job:
+        self.lease.acquire(wait=self.wait, log=self.log.info)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.lease.release()
+
+    def connect(self, **kwargs) -> None:
+        """Connect to the cluster (or start an embedded Ray): strata.connect.connect's arguments."""
+        from strata.connect import connect
+
+        self.log.info(connect(**kwargs))
+
+    def begin(self, config, info: dict | None = None) -> dict:
+        """The run info of `config` (a dataclass or dict), or `info` an earlier launch of it wrote."""
+        from strata.runinfo import run_info
+
+        self.info = info or run_info(self.kind, config)
+        return self.info
+
+    @contextmanager
+    def working(self) -> Iterator[None]:
+        """Measure every node's usage while the run works (strata/cost.py)."""
+        from strata.cost import UsageMonitor
+
+        with UsageMonitor() as self.usage:
+            yield
+
+    def finish(self, *, beside: str, work_nodes, figures: dict) -> dict:
+        """Write the run's record (strata/records.py) beside its outputs and under records/; returns what
+        every command's summary says of it: cost, node_hours, cpu_busy."""
+        from strata.records import write_record
+
+        rec = write_record(self.storage, self.info, name=self.name, beside=beside, usage=self.usage,
+                           work_nodes=work_nodes, figures=figures, started=command_started())
+        return {"cost": rec["cost"], "node_hours": rec["node_hours"], "cpu_busy": rec["utilization"]["cpu_busy"]}
 
 
 def _exit(code: int):

@@ -40,8 +40,10 @@ from pathlib import Path
 
 from strata import tiers
 from strata.runinfo import code_version
-from strata.shell import EXIT_USAGE, Parser
+from strata.shell import Command, Parser, StrataError, UsageError, log
 from strata.signing import TOKEN_FILES
+
+_log = log("submit")
 
 MODULES = {"preprocess": "pipelines.preprocess", "train": "train", "tune": "tune"}
 SLOTS = {"hourly": 3600, "daily": 86400}
@@ -193,7 +195,7 @@ def check_address(address: str, insecure_http: bool = False) -> None:
                          "TLS (https://...); --insecure-http sends it anyway")
 
 
-def check_token_mode(path: str, fix: bool | None = None, out=sys.stderr) -> bool:
+def check_token_mode(path: str, fix: bool | None = None) -> bool:
     """Whether the token file is private (0600 or stricter); warns about one others can read and, asked or
     allowed (`fix`), makes it 0600. fix=None asks on a terminal."""
     import stat
@@ -201,13 +203,13 @@ def check_token_mode(path: str, fix: bool | None = None, out=sys.stderr) -> bool
     mode = stat.S_IMODE(os.stat(path).st_mode)
     if not mode & 0o077:
         return True
-    print(f"[submit] WARNING: the token file {path} can be read by others (mode {mode:04o}); "
-          f"`chmod 600 {path}` fixes it", file=out)
+    _log.warning(f"WARNING: the token file {path} can be read by others (mode {mode:04o}); "
+                 f"`chmod 600 {path}` fixes it")
     if fix is None:
         fix = sys.stdin.isatty() and input("[submit] make it 0600 now? [y/N] ").strip().lower() == "y"
     if fix:
         os.chmod(path, 0o600)
-        print(f"[submit] {path} is now 0600", file=out)
+        _log.info(f"{path} is now 0600")
     return bool(fix)
 
 
@@ -216,7 +218,7 @@ AGENT_WAIT_S = 60  # how long a submission waits for the head's job agent (a hea
 
 def submit(kind: str, args: list[str], *, address: str, slot: str | None = None, sub_id: str | None = None,
            working_dir: str = ".", env_file: str | None = None, wait: bool = True, at: float | None = None,
-           out=sys.stderr, insecure_http: bool = False, fix_token_mode: bool | None = False,
+           insecure_http: bool = False, fix_token_mode: bool | None = False,
            storage: str | None = None, python: str | None = None, check_labels: bool = True) -> dict:
     """Submit; returns {"submission_id", "status", "duplicate"}. Waits and streams logs unless wait=False."""
     if kind not in MODULES:
@@ -230,7 +232,7 @@ def submit(kind: str, args: list[str], *, address: str, slot: str | None = None,
     entrypoint = shlex.join([python_for(address, python), "-m", MODULES[kind], *args])
     value, where = token()
     if where and os.path.isfile(where):
-        check_token_mode(where, fix=fix_token_mode, out=out)
+        check_token_mode(where, fix=fix_token_mode)
     headers = auth_headers(value)
     if check_labels:
         check_tiers(kind, address, headers)
@@ -240,8 +242,8 @@ def submit(kind: str, args: list[str], *, address: str, slot: str | None = None,
     for name in ("ray._private.runtime_env", "ray.dashboard.modules.dashboard_sdk"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
-    print(f"[submit] {entrypoint} -> {address}" + (f" as {sub_id}" if sub_id else "") + f", storage {root}"
-          + ("" if where else " (no token found: the cluster will refuse this if it has auth on)"), file=out)
+    _log.info(f"{entrypoint} -> {address}" + (f" as {sub_id}" if sub_id else "") + f", storage {root}"
+              + ("" if where else " (no token found: the cluster will refuse this if it has auth on)"))
     client = JobSubmissionClient(address, headers=dict(headers))
     try:
         deadline = time.time() + AGENT_WAIT_S
@@ -255,15 +257,15 @@ def submit(kind: str, args: list[str], *, address: str, slot: str | None = None,
             except RuntimeError as e:  # a head just started, or loaded: its job agent is not reachable yet
                 if "No available agent" not in str(e) or time.time() > deadline:
                     raise
-                print("[submit] the head's job agent is not available yet; trying again in 2 s", file=out)
+                _log.info("the head's job agent is not available yet; trying again in 2 s")
                 time.sleep(2)
     except RuntimeError as e:
         if sub_id and "already exists" in str(e):
             status = str(client.get_job_status(sub_id))
-            print(f"[submit] {sub_id} was already submitted for this slot ({status}); nothing to do", file=out)
+            _log.info(f"{sub_id} was already submitted for this slot ({status}); nothing to do")
             return {"submission_id": sub_id, "status": status, "duplicate": True}
         raise
-    print(f"[submit] submitted {job}", file=out)
+    _log.info(f"submitted {job}")
     if not wait:
         return {"submission_id": job, "status": str(client.get_job_status(job)), "duplicate": False}
     shown, done = 0, {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
@@ -275,12 +277,16 @@ def submit(kind: str, args: list[str], *, address: str, slot: str | None = None,
         if status in done:
             break
         time.sleep(2)
-    print(f"[submit] {job} {status}", file=out)
+    _log.info(f"{job} {status}")
     return {"submission_id": job, "status": str(status), "duplicate": False}
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    return Command("python -m strata submit", argv).run(_main)
+
+
+def _main(cmd: Command) -> int:
+    argv = cmd.argv
     head, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     p = Parser(prog="python -m strata submit", description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -315,10 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                    insecure_http=a.insecure_http, fix_token_mode=True if a.fix_token_mode else None,
                    storage=a.storage, python=a.python, check_labels=not a.no_label_check)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError(str(e)) from e
     except Exception as e:  # the client's errors (refused token, unreachable head) are the user's to read
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        raise StrataError(f"{type(e).__name__}: {e}") from e
     # A slot already submitted and still going, or a --no-wait submission, is not a failure.
     return 0 if r["status"] in ("SUCCEEDED", "PENDING", "RUNNING") else 1

@@ -23,6 +23,19 @@ for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
     os.environ.pop(var, None)
 
 
+def train_run(model, tcfg, *, dataset: str, run_name: str, storage, allow_change: bool = False, **launch) -> dict:
+    """train.trainer.run of `model` exactly as given (its shape too) with `tcfg` on `dataset`, resolved as
+    `python -m train` resolves a launch (train.spec.resolve)."""
+    from dataclasses import asdict
+
+    from train.spec import resolve
+    from train.trainer import run
+
+    spec = resolve(storage, dataset, model, tcfg, model_flags=asdict(model), run_name=run_name,
+                   allow_change=allow_change)
+    return run(spec, run_name=run_name, storage=storage, allow_change=allow_change, **launch)
+
+
 def readme_blocks(lang: str = "bash") -> list[str]:
     """The README's fenced code blocks in `lang`, continuation lines joined."""
     import re
@@ -234,7 +247,8 @@ def _stop_ray_at_end():
 @pytest.fixture(scope="session")
 def dataset(storage_root, corpus):
     """The corpus preprocessed once into a committed version (debug preset: seq_len 128)."""
-    from pipelines.preprocess import debug, run
+    from pipelines.config import debug
+    from pipelines.driver import run
     from strata.storage import Storage
 
     ensure_local_ray()
@@ -248,7 +262,8 @@ def dataset(storage_root, corpus):
 @pytest.fixture(scope="session")
 def second_dataset(storage_root, dataset, tmp_path_factory):
     """Another corpus (`code`) with the same tokenizer and seq_len as `dataset`: a mixture's second source."""
-    from pipelines.preprocess import debug, run
+    from pipelines.config import debug
+    from pipelines.driver import run
     from strata.storage import Storage
 
     root = str(tmp_path_factory.mktemp("code"))

@@ -10,8 +10,8 @@ import sys
 import pytest
 from conftest import REPO, make_corpus
 
-from pipelines.preprocess import EXIT_BUSY
 from strata.dataset import list_versions, resolve
+from strata.shell import EXIT_BUSY
 from strata.storage import Storage
 
 pytestmark = pytest.mark.slow

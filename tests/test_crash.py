@@ -15,7 +15,8 @@ import time
 import pytest
 from conftest import REPO, make_corpus, simulated_cluster
 
-from pipelines.preprocess import debug, run
+from pipelines.config import debug
+from pipelines.driver import run
 from strata import tiers
 from strata.dataset import list_versions, resolve
 from strata.storage import Storage

@@ -178,11 +178,11 @@ def test_the_model_trained_is_the_model_sampled_and_exported(local_ray, dataset,
     """Training's reported validation loss equals the loss of the checkpoint as `train.sample` loads it and
     of the export as transformers loads it, on the same validation rows."""
     import torch.nn.functional as F
+    from conftest import train_run as run
 
     from strata.dataset import resolve
     from train.config import TrainConfig
     from train.data import Source, validation_batches
-    from train.trainer import run
 
     transformers = pytest.importorskip("transformers")
     storage = Storage.from_env()

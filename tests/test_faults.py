@@ -17,8 +17,9 @@ import pytest
 from conftest import REPO, ensure_local_ray, make_corpus
 from netfaults import ResettingProxy
 
-from pipelines.preprocess import UNIT_RETRIES, debug
-from pipelines.preprocess import run as preprocess
+from pipelines.config import debug
+from pipelines.driver import UNIT_RETRIES
+from pipelines.driver import run as preprocess
 from strata.dataset import resolve
 from strata.storage import Storage
 

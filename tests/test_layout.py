@@ -112,3 +112,17 @@ def test_each_command_main_holds_only_its_command_line():
 def test_ci_runs_make_test():
     run = (Path(REPO) / ".ci" / "run").read_text()
     assert "make test" in run and os.access(Path(REPO) / ".ci" / "run", os.X_OK)
+
+
+def test_tier1_is_a_command_line_over_small_passes():
+    """pipelines/preprocess.py holds only the command line; the run is `Preprocess`, a method per step,
+    each readable on its own (about 30 lines at most)."""
+    cli = ast.parse((Path(REPO) / "pipelines" / "preprocess.py").read_text())
+    assert not [n.name for n in cli.body if isinstance(n, ast.ClassDef)]
+    assert {n.name for n in cli.body if isinstance(n, ast.FunctionDef)} <= {"main", "_main", "_newest", "_interrupted"}
+    driver = ast.parse((Path(REPO) / "pipelines" / "driver.py").read_text())
+    (run,) = [n for n in driver.body if isinstance(n, ast.ClassDef) and n.name == "Preprocess"]
+    methods = [n for n in run.body if isinstance(n, ast.FunctionDef)]
+    assert len(methods) >= 10
+    long = {m.name: m.end_lineno - m.lineno + 1 for m in methods if m.end_lineno - m.lineno + 1 > 32}
+    assert not long, f"Preprocess methods longer than about 30 lines: {long}"

@@ -15,7 +15,8 @@ import pytest
 import zstandard
 from conftest import REPO, make_corpus
 
-from pipelines.preprocess import debug, run
+from pipelines.config import debug
+from pipelines.driver import run
 from strata.dataset import list_versions, read_rows, resolve
 from strata.storage import Storage
 from strata.tokenizer import ByteTokenizer
@@ -274,10 +275,10 @@ def test_tails_pack_together_and_the_leftover_is_counted(tmp_path):
     out = pack_tails(str(tmp_path), [f"packed-{u}.parquet" for u in range(5)], seq_len=row_len - 1,
                      dtype="uint16", seed=0, eot_id=eot)
     n = len(stream) // row_len
-    assert out["rows:train"] == n and out["unpacked_tokens:train"] == len(stream) - n * row_len
+    assert out.tally.rows["train"] == n and out.tally.unpacked_tokens["train"] == len(stream) - n * row_len
     # Each document's text ends just before its end-of-text id: it has text left over if that is at or past
     # the cut, unless the id alone is left (its text ends in a row).
-    assert out["unpacked_documents"] == sum(1 for e in doc_ends if e > n * row_len)
+    assert out.tally.unpacked_documents == sum(1 for e in doc_ends if e > n * row_len)
     table = pq.read_table(tmp_path / "packed" / TAILS_FILE)
     order = {int(k): i for i, k in enumerate(mix64(np.uint64(hash64(f"0:{TAILS_FILE}:train")) +
                                                    np.arange(n, dtype=np.uint64)))}

@@ -31,11 +31,12 @@ def _labels_of(node_id):
 
 @pytest.mark.slow
 def test_each_tier_runs_only_on_its_nodes(tiered_cluster, corpus):
-    from pipelines.preprocess import debug
-    from pipelines.preprocess import run as preprocess
+    from conftest import train_run as train
+
+    from pipelines.config import debug
+    from pipelines.driver import run as preprocess
     from train.config import TrainConfig
     from train.model import preset
-    from train.trainer import run as train
     from tune.driver import run as sweep
     from tune.sweep import SweepConfig
 

@@ -71,7 +71,7 @@ def test_cluster_yaml_follows_our_rules(cluster):
     starts = cluster["head_start_ray_commands"] + cluster["worker_start_ray_commands"]
     for cmd in (c for c in starts if "ray start" in c):
         assert "RAY_AUTH_MODE=token" in cmd, f"token auth off in: {cmd}"
-    from pipelines.preprocess import WORKER_MODULES
+    from pipelines.driver import WORKER_MODULES
 
     worker_start = next(c for c in cluster["worker_start_ray_commands"] if "ray start" in c)
     assert f"RAY_preload_python_modules={','.join(WORKER_MODULES)} " in worker_start, "workers preload tier 1's modules"
@@ -281,7 +281,7 @@ def test_the_slurm_script_starts_the_same_cluster_as_cluster_yaml(cluster):
     default = re.search(r"STRATA_TIERS=\$\{STRATA_TIERS:-([a-z,]+)\}", text).group(1)
     assert {tiers.Tier(t) for t in default.split(",")} == {tiers.Tier.CPU, tiers.Tier.GPU}
     # Token auth and the preloaded modules are those of cluster.yaml's ray start lines.
-    from pipelines.preprocess import WORKER_MODULES
+    from pipelines.driver import WORKER_MODULES
 
     assert "export RAY_AUTH_MODE=token" in text
     assert "RAY_AUTH_TOKEN_PATH:-$HOME/.strata/ray-token" in text

@@ -20,7 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from pipelines.preprocess import debug, run
+from pipelines.config import debug
+from pipelines.driver import run
 from strata.dataset import read_rows, resolve
 from strata.storage import Storage
 from strata.tokenizer import ByteTokenizer

@@ -14,13 +14,14 @@ import time
 
 import pytest
 from conftest import simulated_cluster, wait_for
+from conftest import train_run as run
 
 from strata import tiers
+from strata.runlog import read_metrics
 from strata.storage import Storage
 from train.checkpoint import committed_checkpoints, read_meta
 from train.config import TrainConfig
 from train.model import preset
-from train.trainer import read_metrics, run
 
 pytestmark = pytest.mark.slow
 

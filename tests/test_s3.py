@@ -13,15 +13,15 @@ import sys
 
 import pytest
 from conftest import REPO, ensure_local_ray, make_corpus
+from conftest import train_run as train
 
-from pipelines.preprocess import debug
-from pipelines.preprocess import run as preprocess
+from pipelines.config import debug
+from pipelines.driver import run as preprocess
 from strata.dataset import resolve
 from strata.records import list_records
 from strata.storage import Storage, exists, is_uri, list_files, read_jsonl
 from train.config import TrainConfig
 from train.model import preset
-from train.trainer import run as train
 
 pytestmark = pytest.mark.slow
 

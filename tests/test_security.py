@@ -135,20 +135,20 @@ def test_strata_submit_refuses_plain_http_before_sending_anything(tmp_path):
     assert out.returncode == 2 and "in the clear" in out.stderr
 
 
-def test_a_token_file_others_can_read_is_named_and_fixed(tmp_path):
-    import io
-
+def test_a_token_file_others_can_read_is_named_and_fixed(tmp_path, capsys):
     from strata.submit import check_token_mode
 
     token = tmp_path / "ray-token"
     token.write_text("s3cr3t-token-value\n")
     os.chmod(token, 0o644)
-    said = io.StringIO()
-    assert not check_token_mode(str(token), fix=False, out=said)
-    assert "can be read by others" in said.getvalue() and "s3cr3t" not in said.getvalue()
+    assert not check_token_mode(str(token), fix=False)
+    said = capsys.readouterr().err
+    assert "can be read by others" in said and "s3cr3t" not in said
     assert os.stat(token).st_mode & 0o777 == 0o644
-    assert check_token_mode(str(token), fix=True, out=said) and os.stat(token).st_mode & 0o777 == 0o600
-    assert check_token_mode(str(token), fix=False, out=io.StringIO())  # private now: nothing to say
+    assert check_token_mode(str(token), fix=True) and os.stat(token).st_mode & 0o777 == 0o600
+    assert "is now 0600" in capsys.readouterr().err
+    assert check_token_mode(str(token), fix=False)  # private now: nothing to say
+    assert capsys.readouterr().err == ""
 
 
 def test_the_local_signing_key_is_private(tmp_path, monkeypatch):

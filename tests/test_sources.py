@@ -318,7 +318,8 @@ def test_validation_split_is_stable_and_near_the_fraction():
 def test_a_deferred_file_leaves_its_unit_and_its_other_ranges_out(tmp_path):
     """--unreadable defer: a unit runs again without the file that stays unreadable; the run then drops
     every unit that held only byte ranges of it, and no other. The default fails instead."""
-    from pipelines.sources import InputUnreadable, with_deferral, without_deferred
+    from pipelines.sources import InputUnreadable, with_deferral
+    from pipelines.stats import Output, Tally, without_deferred
 
     unit = [{"path": "a"}, {"path": "bad"}, {"path": "c"}]
     seen = []
@@ -327,18 +328,17 @@ def test_a_deferred_file_leaves_its_unit_and_its_other_ranges_out(tmp_path):
         seen.append([f["path"] for f in files])
         if any(f["path"] == "bad" for f in files):
             raise InputUnreadable("reading bad failed", "bad")
-        return {"docs": [len(files)]}
+        return Output(tally=Tally(kept=len(files)))
 
     with pytest.raises(InputUnreadable):
         with_deferral(unit, ReadConfig(inputs=("x",)), process)
     out = with_deferral(unit, ReadConfig(inputs=("x",), unreadable="defer"), process)
-    assert seen[-2:] == [["a", "bad", "c"], ["a", "c"]] and out["docs"] == [2]
-    assert json.loads(out["deferred"][0]) == {"bad": "reading bad failed"}
+    assert seen[-2:] == [["a", "bad", "c"], ["a", "c"]] and out.tally.kept == 2
+    assert out.tally.deferred == {"bad": "reading bad failed"}
     ranges = [with_deferral([{"path": "bad", "start": s}], ReadConfig(inputs=("x",), unreadable="defer"),
-                            lambda files: {"docs": [len(files)]}) for s in (0, 100)]  # ranges that read fine
-    rows = [{k: v[0] for k, v in r.items()} for r in [out, *ranges]]
-    kept, deferred = without_deferred(rows)
-    assert kept == rows[:1] and deferred == {"bad": "reading bad failed"}
+                            lambda files: Output(tally=Tally(kept=len(files)))) for s in (0, 100)]  # read fine
+    kept, deferred = without_deferred([out, *ranges])
+    assert kept == [out] and deferred == {"bad": "reading bad failed"}
 
 
 def test_symbolic_link_loops_are_followed_once(tmp_path):

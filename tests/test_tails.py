@@ -13,7 +13,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from pipelines.preprocess import debug, run
+from pipelines.config import debug
+from pipelines.driver import run
 from strata.dataset import pad_value, read_rows, resolve
 from strata.storage import Storage
 from strata.tokenizer import ByteTokenizer

@@ -8,15 +8,16 @@ import shutil
 import threading
 
 import pytest
+from conftest import train_run as run
 from conftest import wait_for
 
 from strata.dataset import DatasetError, resolve
 from strata.lease import LeaseBusy, holder
+from strata.runlog import read_launches, read_metrics
 from strata.storage import Storage, read_jsonl
 from train.checkpoint import committed_checkpoints
 from train.config import TrainConfig
 from train.model import preset
-from train.trainer import read_launches, read_metrics, run
 
 
 def _cfg(max_steps, **kw):
@@ -259,8 +260,8 @@ def test_a_continued_run_keeps_its_dataset_and_data_order_and_one_writer(local_r
 def test_the_model_is_shaped_for_the_dataset_and_by_flags(local_ray, corpus, monkeypatch):
     """A preset plus flags covers any shape; vocab_size and seq_len default to the dataset's."""
     import train.__main__ as cli
-    from pipelines.preprocess import debug
-    from pipelines.preprocess import run as preprocess
+    from pipelines.config import debug
+    from pipelines.driver import run as preprocess
 
     storage = Storage.from_env()
     short = preprocess(debug("short-rows", read={"inputs": (corpus["path"],)}, pack={"seq_len": 64}), storage)

@@ -197,13 +197,16 @@ def test_a_packed_sweep_accounts_for_every_config_and_plots_it(local_ray, datase
 def test_a_mixture_trials_batches_follow_its_normalised_weights():
     import numpy as np
 
+    from strata.tokenizer import ByteTokenizer
     from train.data import ShardRef, Source, open_batches
+    from train.spec import RunSpec
     from tune.sweep import TrialSpec
 
     shards = {"a.parquet": np.zeros((10, 129), dtype=np.uint16), "b.parquet": np.ones((10, 129), dtype=np.uint16)}
-    spec = TrialSpec(model=preset("debug"), train=TrainConfig(batch_size=4), sweep=SweepConfig(),
-                     sources=tuple(Source(f"{n}@v0001", 0.5, (ShardRef(f"{n}.parquet", 10),), ()) for n in "ab"),
-                     val_rows=np.zeros((0, 129)), token_bytes=np.ones(257))
+    run_spec = RunSpec(model=preset("debug"), train=TrainConfig(batch_size=4), dataset="a@v0001:0.5,b@v0001:0.5",
+                       sources=tuple(Source(f"{n}@v0001", 0.5, (ShardRef(f"{n}.parquet", 10),), ()) for n in "ab"),
+                       tokenizer=ByteTokenizer().info(), tokenizer_definition=None, token_bytes=np.ones(257))
+    spec = TrialSpec(run=run_spec, sweep=SweepConfig(), val_rows=np.zeros((0, 129)))
     assert [s.weight for s in spec.sources_for({"mix.a": 3.0, "mix.b": 1.0, "lr": 0.1})] == [0.75, 0.25]
     assert [s.weight for s in spec.sources_for({"lr": 0.1})] == [0.5, 0.5]  # none swept: the sweep's own
     data = open_batches(spec.sources_for({"mix.a": 3.0, "mix.b": 1.0}), batch_size=4, rank=0, world_size=1,

@@ -27,18 +27,16 @@ from strata.lease import LeaseBusy
 from strata.shell import Command
 from strata.shell import log as _logger
 from strata.storage import Storage, check_name
-from train import mixture, pretrained
+from train import mixture
 from train.checkpoint import committed_checkpoints, read_meta
 from train.config import TRAIN_PRESETS, TrainConfig, as_swept, with_hyperparameters
 from train.mixture import load_file
-from train.model import PRESETS, GPTConfig, fit_to_dataset, preset
+from train.model import PRESETS, GPTConfig, preset
 from train.placement import PlacementError
+from train.spec import resolve
 from train.trainer import DATA_ORDER, best_of_sweep, run
 
 _log = _logger("train")
-
-SHAPE = {"vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "bias"}
-
 
 def main(argv: list[str] | None = None) -> dict:
     return Command("python -m train", argv).run(_main)
@@ -104,33 +102,20 @@ def _main(cmd: Command) -> dict:
         check_name(run_name, "run name")
         again = argv if args.run else [*argv, "--run", run_name]
         cmd.interrupted = lambda: _interrupted(storage.run(run_name), run_name, cmd.continue_with(*again))
-        model_cfg, train_cfg = with_hyperparameters(hp, preset(preset_name),
-                                                    TRAIN_PRESETS[preset_name])
-        given = overrides(args, GPTConfig)
-        sources = mixture.resolve_all(storage, dataset)  # once per launch: run() takes them as they are
-        m = sources[0][0].manifest
-        init = None
-        init_from = args.init_from or best.get("init_from")  # a fine-tuning sweep's best config: the same start
-        if init_from:
-            if shaped := sorted(set(given) & SHAPE):
-                raise ValueError(f"--init-from takes the model's shape from the weights: drop --{shaped[0]}")
-            source = pretrained.load(init_from, storage)
-            _log.info(f"initialising from {pretrained.describe_source(source)}")
-            shaped_cfg, weights = source.for_dataset(m.seq_len, m.tokenizer.hash, m.tokenizer.vocab_size)
-            model_cfg = replace(shaped_cfg, dropout=model_cfg.dropout, **given)  # a swept dropout stays
-            init = (source.source, weights)
-        else:
-            model_cfg = replace(fit_to_dataset(model_cfg, vocab=m.tokenizer.vocab_size, seq_len=m.seq_len,
-                                               keep=frozenset(given)), **given)
-        train_cfg = replace(train_cfg, **overrides(args, TrainConfig))
+        model_cfg, train_cfg = with_hyperparameters(hp, preset(preset_name), TRAIN_PRESETS[preset_name])
+        given = overrides(args, TrainConfig)
+        train_cfg = replace(train_cfg, **given)
         if best:  # the config trains as its trials did, but for what the flags give
-            train_cfg = replace(as_swept(train_cfg, seed=best.get("seed", 0)), **overrides(args, TrainConfig))
+            train_cfg = as_swept(train_cfg, seed=best.get("seed", 0), keep=frozenset(given))
             _log.info(f"best config of sweep {args.from_sweep}: {json.dumps(best['config'])}")
-        summary = run(model_cfg, train_cfg, dataset=dataset, run_name=run_name, storage=storage,
-                      workers=args.workers, use_gpu=args.use_gpu, cpus_per_worker=args.cpus_per_worker,
-                      max_failures=args.max_failures, allow_change=args.allow_change,
-                      allow_mixed_gpus=args.allow_mixed_gpus, gpu_wait_s=args.gpu_wait_s, init=init,
-                      verbose=args.verbose, reschedule=args.reschedule, sources=sources)
+        spec = resolve(storage, dataset, model_cfg, train_cfg, model_flags=overrides(args, GPTConfig),
+                       # a fine-tuning sweep's best config: the same start
+                       init_from=args.init_from or best.get("init_from"), run_name=run_name,
+                       allow_change=args.allow_change)
+        summary = run(spec, run_name=run_name, storage=storage, workers=args.workers, use_gpu=args.use_gpu,
+                      cpus_per_worker=args.cpus_per_worker, max_failures=args.max_failures,
+                      allow_change=args.allow_change, allow_mixed_gpus=args.allow_mixed_gpus,
+                      gpu_wait_s=args.gpu_wait_s, verbose=args.verbose, reschedule=args.reschedule)
     except LeaseBusy as e:
         sys.exit(f"error: {e}: wait for it to end, or use another --run")
     except (DatasetError, ValueError, FileNotFoundError, PlacementError) as e:

@@ -123,10 +123,12 @@ def with_hyperparameters(config: dict, model: GPTConfig, train: TrainConfig) -> 
     return replace(model, **m), replace(train, **t)  # each config checks itself
 
 
-def as_swept(cfg: TrainConfig, *, seed: int) -> TrainConfig:
+def as_swept(cfg: TrainConfig, *, seed: int, keep: frozenset = frozenset()) -> TrainConfig:
     """A sweep's config as its trials train it and `train --from-sweep` runs it: with the sweep's seed,
-    and a warmup of at most a quarter of the steps (a preset's warmup is sized for its full length)."""
-    return replace(cfg, seed=seed, warmup_steps=min(cfg.warmup_steps, cfg.max_steps // 4))
+    and a warmup of at most a quarter of the steps (a preset's warmup is sized for its full length).
+    Fields in `keep` (given on the command line) stay as they are."""
+    swept = {"seed": seed, "warmup_steps": min(cfg.warmup_steps, cfg.max_steps // 4)}
+    return replace(cfg, **{k: v for k, v in swept.items() if k not in keep})
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

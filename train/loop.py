@@ -28,7 +28,6 @@ from train.config import TrainConfig, accumulation, lr_at, use_bf16
 from train.data import (
     MixedBatches,
     Prefetch,
-    Source,
     TokenBatches,
     open_batches,
     validation_batches,
@@ -37,6 +36,7 @@ from train.hardware import device_name, peak_flops
 from train.memory import device_memory, micro_batch_for, strategy_for
 from train.metrics import Meter, MetricsLog
 from train.model import GPT, GPTConfig, build
+from train.spec import RunSpec
 from train.step import (
     code_compiler,
     compiler_kind,
@@ -48,8 +48,8 @@ from train.step import (
 
 
 def train_loop_per_worker(config: dict) -> None:
-    """Ray Train entry: `config` holds `model` (GPTConfig), `train` (TrainConfig), `sources`
-    (train.data.Source), `run_dir`, `tokenizer`, `token_bytes`: typed configs travel as they are."""
+    """Ray Train entry: `config` holds `spec` (train.spec.RunSpec, as it is), `run_dir`, `lease` and
+    `threads`."""
     import ray.train
 
     w = _start(config)
@@ -143,7 +143,8 @@ def _start(config: dict) -> _Worker:
     import ray.train
 
     rank, world, local_world, device = _worker(config)
-    mcfg, tcfg = config["model"], config["train"]
+    spec: RunSpec = config["spec"]
+    mcfg, tcfg = spec.model, spec.train
     bf16 = use_bf16(tcfg, device)
     memory = _min_over_ranks(device_memory(device, local_world), device, world)
     raw, model, strategy, params, compiled = _build(mcfg, tcfg, device, bf16, world, local_world, memory)
@@ -157,17 +158,17 @@ def _start(config: dict) -> _Worker:
         with checkpoint.as_directory() as d:
             meta = load_checkpoint(d, model, optimizer, rank, ckpt_pg)
         start_step, resumed_from = meta["step"], checkpoint.path
-    elif config.get("init_weights") is not None:  # fine-tuning: the weights the driver put in the object store
+    elif spec.init is not None:  # fine-tuning: the weights the driver put in the object store
         from train.pretrained import apply
 
-        apply(model, ray.get(config["init_weights"]))
+        apply(model, ray.get(spec.init))
     # The micro-batch and the accumulation are part of the data order: a run keeps those it started with.
     batch = tcfg.batch_size or meta.get("micro_batch") or micro_batch_for(
         mcfg, params, strategy, world, memory, bf16, device.type)
     tcfg = replace(tcfg, batch_size=batch,
                    grad_accum=tcfg.grad_accum or meta.get("grad_accum") or accumulation(tcfg, batch, world,
                                                                                            mcfg.seq_len))
-    sources: list[Source] = config["sources"]
+    sources = spec.sources
     data = open_batches(sources, batch_size=batch, rank=rank, world_size=world, seed=tcfg.seed)
     if tcfg.max_repeat:  # the driver checks a given batch size; one sized for the device is checked here
         end = tcfg.max_steps * tcfg.grad_accum
@@ -184,7 +185,7 @@ def _start(config: dict) -> _Worker:
                "tokens_per_step": meter.tokens_per_step, "tokens_per_step_target": tcfg.tokens_per_step,
                "compiled": compiled})
     val_sets = [(s.name, s.weight, v) for s in sources if (v := validation_batches(s.val_shards, tcfg))]
-    token_bytes = torch.tensor(config["token_bytes"], device=device) if config.get("token_bytes") else None
+    token_bytes = torch.tensor(spec.token_bytes, device=device) if len(spec.token_bytes) else None
     return _Worker(rank, world, device, bf16, tcfg, raw, model, optimizer, checkpointer, start_step,
                    Prefetch(data.from_step(start_step * tcfg.grad_accum)), data,
                    [s.name for s in sources], val_sets, token_bytes, meter, log)
@@ -249,16 +250,17 @@ def _checkpoint(checkpointer: AsyncCheckpointer, decision, done: int, metrics: d
                 tcfg: TrainConfig, world: int, written: bool) -> list[tuple]:
     """Start a checkpoint if decided, and return the written ones to hand to Ray, in order:
     (step, local dir, upload synchronously?)."""
+    spec: RunSpec = config["spec"]
     handover = []
     if checkpointer.pending and (written or decision.save):
         handover.append((*checkpointer.take(), False))
     if decision.save:
         checkpointer.start(done, {"loss": metrics["loss"], "reason": decision.reason,
                                   "data_position": done * tcfg.grad_accum, "world_size": world,
-                                  "model_config": asdict(config["model"]), "train_config": asdict(config["train"]),
+                                  "model_config": asdict(spec.model), "train_config": asdict(spec.train),
                                   "micro_batch": tcfg.batch_size, "grad_accum": tcfg.grad_accum,
-                                  "tokenizer": config["tokenizer"],
-                                  "tokenizer_definition": config.get("tokenizer_definition")})
+                                  "tokenizer": asdict(spec.tokenizer),
+                                  "tokenizer_definition": spec.tokenizer_definition})
         if decision.reason in ("end", "preemption"):  # must be registered before the run ends or the node goes
             handover.append((*checkpointer.take(), True))
     if handover and config.get("lease"):  # every rank, so all of them stop together: report is a barrier

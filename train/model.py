@@ -237,14 +237,21 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     return _LinearCrossEntropy.apply(h, weight, targets, chunk, compiled)
 
 
+def _chunk_nll(hc: torch.Tensor, w: torch.Tensor, tc: torch.Tensor):
+    """A chunk's fp32 logits (c, V), their log-sum-exp and each row's cross-entropy, 0 where the target is
+    negative (IGNORE): the one definition of the loss that training, its compiled form and evaluation share."""
+    valid = tc >= 0
+    logits = (hc @ w.t()).float()  # (c, V)
+    lse = torch.logsumexp(logits, dim=-1)
+    return logits, lse, (lse - logits.gather(1, tc.clamp(min=0)[:, None]).squeeze(1)) * valid
+
+
 def _loss_chunk(hc: torch.Tensor, w: torch.Tensor, tc: torch.Tensor, n: torch.Tensor):
     """One chunk of rows, eagerly: (its summed loss, d(mean loss)/d(hc), the chunk's d(mean loss)/d(w)).
     The softmax is made in place of the logits: no (c, V) tensor is allocated beyond them and the cast."""
-    valid = (tc >= 0)[:, None]  # (c, 1)
-    tc = tc.clamp(min=0)
-    logits = (hc @ w.t()).float()  # (c, V)
-    lse = torch.logsumexp(logits, dim=-1)
-    loss = ((lse - logits.gather(1, tc[:, None]).squeeze(1)) * valid.squeeze(1)).sum()
+    logits, lse, nll = _chunk_nll(hc, w, tc)
+    valid, tc = (tc >= 0)[:, None], tc.clamp(min=0)
+    loss = nll.sum()
     g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
     g[torch.arange(len(tc), device=g.device), tc] -= 1.0
     g = (g * valid / n).to(hc.dtype)  # d(mean loss)/d(logits); none for an ignored target
@@ -255,11 +262,9 @@ def _fused_loss_chunk(hc: torch.Tensor, w: torch.Tensor, tc: torch.Tensor, n: to
     """`_loss_chunk` written for torch.compile: the one-hot is a comparison and nothing is in place, so the
     fp32 upcast, the log-sum-exp and the gradient fuse into one reduction and one pointwise pass over
     the (c, V) logits (eager, the same takes about eight)."""
-    valid = tc >= 0
-    tc = tc.clamp(min=0)
-    logits = (hc @ w.t()).float()  # (c, V)
-    lse = torch.logsumexp(logits, dim=-1)
-    loss = ((lse - logits.gather(1, tc[:, None]).squeeze(1)) * valid).sum()
+    logits, lse, nll = _chunk_nll(hc, w, tc)
+    valid, tc = tc >= 0, tc.clamp(min=0)
+    loss = nll.sum()
     onehot = torch.arange(logits.size(1), device=logits.device)[None, :] == tc[:, None]
     g = ((torch.exp(logits - lse[:, None]) - onehot.float()) * (valid[:, None] / n)).to(hc.dtype)
     return loss, g @ w, g.t() @ hc
@@ -321,10 +326,7 @@ def token_losses(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
     w, out = weight.to(mm), torch.empty(targets.shape, device=h.device, dtype=torch.float32)
     with torch.autocast(device, enabled=False):
         for i in range(0, h.size(0), chunk):
-            tc = targets[i:i + chunk]
-            logits = (h[i:i + chunk].to(mm) @ w.t()).float()
-            nll = torch.logsumexp(logits, dim=-1) - logits.gather(1, tc.clamp(min=0)[:, None]).squeeze(1)
-            out[i:i + chunk] = nll * (tc >= 0)
+            out[i:i + chunk] = _chunk_nll(h[i:i + chunk].to(mm), w, targets[i:i + chunk])[2]
     return out
 
 

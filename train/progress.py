@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 
-from strata.storage import JsonlTail, join
+from strata.runlog import follow, is_step
 
 
 def duration(seconds: float) -> str:
@@ -44,7 +44,7 @@ class Progress:
 
     def __init__(self, run_dir: str, max_steps: int, since: float, out=None, every_s: float = 5.0,
                  tag: str = "[train]"):
-        self.tail = JsonlTail(join(run_dir, "metrics.jsonl"))
+        self.tail = follow(run_dir)
         out = out or sys.stderr  # the stderr of now, not of import time
         self.max_steps, self.since, self.out, self.every_s, self.tag = max_steps, since, out, every_s, tag
         self.first: tuple[float, int] | None = None  # (time, step) of this launch's first log point
@@ -66,7 +66,7 @@ class Progress:
                     self.bar.n = r["start_step"]
             elif r.get("event") == "preempted":
                 self._say(f"a node of this run is being drained: checkpointed at step {r['step']}")
-            elif "loss" in r and "step" in r:
+            elif is_step(r):
                 self.last = r
         last = self.last
         if last is None or last["step"] == self.shown_step:

@@ -4,100 +4,59 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from dataclasses import asdict, replace
 
 from strata import tiers
-from strata.connect import connect, embedded
-from strata.cost import UsageMonitor
-from strata.dataset import DatasetError, check_compatible
-from strata.lease import Lease
-from strata.records import write_record
-from strata.runinfo import run_info
-from strata.shell import StrataError
+from strata.connect import embedded
+from strata.dataset import DatasetError
+from strata.runlog import read_launches, read_log, record_launch
+from strata.shell import Job, StrataError
 from strata.shell import log as _logger
-from strata.storage import (
-    Storage,
-    basename,
-    create_exclusive,
-    exists,
-    join,
-    list_dir,
-    read_json,
-    read_jsonl,
-    write_json_atomic,
-)
-from strata.tokenizer import from_info
-from train import mixture
+from strata.storage import Storage, basename, exists, join, read_json
 from train.checkpoint import check_checkpoint, committed_checkpoints, forget_missing, read_meta
 from train.config import TrainConfig, accumulation
-from train.data import Source
 from train.loop import train_loop_per_worker
-from train.mixture import resolve_all
 from train.model import GPTConfig, describe
 from train.placement import place
 from train.progress import Progress
+from train.spec import RunSpec
 
 _log = _logger("train")
 
 
-def read_metrics(run_dir: str) -> list[dict]:
-    return [m for m in read_jsonl(join(run_dir, "metrics.jsonl")) if "loss" in m]  # step reports, not events
-
-
-def run(model_cfg: GPTConfig, train_cfg: TrainConfig, *, dataset: str, run_name: str, storage: Storage,
-        workers: int | None = None, use_gpu: bool | None = None, cpus_per_worker: float = 1,
-        max_failures: int = 2, allow_change: bool = False, allow_mixed_gpus: bool = False,
-        gpu_wait_s: float = 900.0, init: tuple[str, dict] | None = None, verbose: bool = False,
-        reschedule: bool = False, sources: list | None = None) -> dict:
-    """Train (or continue) run `run_name`, holding the run's lease: one writer per run. `init` is
-    (source, weights) to start from (train.pretrained) when the run has no checkpoint yet. `sources`:
-    `dataset` resolved already (train.mixture.resolve_all), so a launch reads each manifest once."""
+def run(spec: RunSpec, *, run_name: str, storage: Storage, workers: int | None = None, use_gpu: bool | None = None,
+        cpus_per_worker: float = 1, max_failures: int = 2, allow_change: bool = False, allow_mixed_gpus: bool = False,
+        gpu_wait_s: float = 900.0, verbose: bool = False, reschedule: bool = False) -> dict:
+    """Train (or continue) run `run_name` on `spec` (train.spec.resolve, with the same run_name), holding
+    the run's lease: one writer per run."""
     run_dir = storage.run(run_name)
-    if not read_launches(run_dir):  # a new run on a dataset it cannot train on is refused before it exists
-        sources = sources or resolve_all(storage, dataset)
-        for v, _ in sources:
-            check_compatible(v, vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
-        if train_cfg.max_repeat and train_cfg.batch_size and workers:
-            _check_repeats(sources, train_cfg, workers, model_cfg.seq_len)
-    with Lease(run_dir, f"training run {run_name}", purpose="train").acquire(wait=False) as lease:
-        return _run_leased(model_cfg, train_cfg, dataset=dataset, run_name=run_name, run_dir=run_dir, lease=lease,
-                           storage=storage, workers=workers, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker,
-                           max_failures=max_failures, allow_change=allow_change,
-                           allow_mixed_gpus=allow_mixed_gpus, gpu_wait_s=gpu_wait_s, init=init, verbose=verbose,
-                           reschedule=reschedule, sources=sources)
+    if not read_launches(run_dir) and spec.train.max_repeat and spec.train.batch_size and workers:
+        _check_repeats(spec, spec.train, workers)  # refused before the run exists
+    with Job("train", run_name, storage, holds=run_dir, what=f"training run {run_name}") as job:
+        return _run_leased(spec, run_name=run_name, run_dir=run_dir, job=job, workers=workers, use_gpu=use_gpu,
+                           cpus_per_worker=cpus_per_worker, max_failures=max_failures, allow_change=allow_change,
+                           allow_mixed_gpus=allow_mixed_gpus, gpu_wait_s=gpu_wait_s, verbose=verbose,
+                           reschedule=reschedule)
 
 
-def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, lease, storage, workers, use_gpu,
-                cpus_per_worker, max_failures, allow_change, allow_mixed_gpus, gpu_wait_s, init, verbose,
-                reschedule, sources) -> dict:
+def _run_leased(spec: RunSpec, *, run_name, run_dir, job: Job, workers, use_gpu, cpus_per_worker, max_failures,
+                allow_change, allow_mixed_gpus, gpu_wait_s, verbose, reschedule) -> dict:
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     # The driver speaks for the run (train/progress.py); Ray's worker and controller logs stay in its log
     # files unless --verbose.
-    _log.info(connect(log_to_driver=verbose, quiet=not verbose))
+    job.connect(log_to_driver=verbose, quiet=not verbose)
     launches = read_launches(run_dir)
-    if launches and (continued := _continued_dataset(launches[-1]["config"], dataset, run_name,
-                                                     allow_change)) != dataset:
-        dataset, sources = continued, None
-    sources = sources or resolve_all(storage, dataset)
-    for v, _ in sources:
-        check_compatible(v, vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
-    version, dataset = sources[0][0], mixture.spec([(v.ref, w) for v, w in sources])  # all share its tokenizer
     placement = place(embedded=embedded(), workers=workers, use_gpu=use_gpu, allow_mixed=allow_mixed_gpus,
                       wait_s=gpu_wait_s)
     workers, use_gpu = placement.workers, placement.use_gpu
-    m = version.manifest
     if launches:
-        train_cfg = _check_continuation(launches[-1]["config"], run_name, model_cfg, train_cfg, m.tokenizer.hash,
-                                        allow_change, reschedule)
-    if train_cfg.max_repeat and train_cfg.batch_size:
-        _check_repeats(sources, train_cfg, workers, model_cfg.seq_len)
-    size = describe(model_cfg)
+        spec = _continuation(spec, launches[-1]["config"], run_name, allow_change, reschedule)
+    if spec.train.max_repeat and spec.train.batch_size:
+        _check_repeats(spec, spec.train, workers)
+    size = describe(spec.model)
     resume_from = _newest_intact(run_dir)
     if resume_from:
         check_checkpoint(resume_from)
@@ -106,71 +65,77 @@ def _run_leased(model_cfg, train_cfg, *, dataset, run_name, run_dir, lease, stor
         what = f"{'restarting' if launches else 'starting'} run {run_name} (no checkpoint yet)"
     _log.info(f"{what}: {size['params'] / 1e6:.2f}M params, "
               f"{size['flops_per_token'] / 1e6:.1f} MFLOP/token, "
-              f"{_strategy_words(train_cfg.strategy)}, dataset {dataset}; {placement.why}")
-    if init and not resume_from:
-        _log.info(f"run {run_name} starts from the weights of {init[0]}")
-    record = run_info("train", {"model": asdict(model_cfg), "train": asdict(train_cfg), "dataset": dataset,
-                                "init_from": init[0] if init else None,
-                                "tokenizer": asdict(m.tokenizer), "workers": workers, "use_gpu": use_gpu,
-                                "cpus_per_worker": cpus_per_worker, **size})
-    _record_launch(run_dir, len(launches), record)
-
-    definition = version.tokenizer_definition()
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={"model": model_cfg, "train": train_cfg, "run_dir": run_dir,
-                           "lease": {"what": f"training run {run_name}", "gen": lease.gen},
-                           "sources": [Source.of(v, w) for v, w in sources],
-                           "tokenizer": asdict(m.tokenizer), "tokenizer_definition": definition,
-                           "token_bytes": from_info(m.tokenizer, definition).token_bytes().tolist(),
-                           "threads": max(1, int(cpus_per_worker)),
-                           # Read once by the driver; every worker takes them from the object store.
-                           "init_weights": ray.put(init[1]) if init and not resume_from else None},
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, accelerator_type=placement.accelerator,
-                                     resources_per_worker={"CPU": cpus_per_worker},
-                                     label_selector=tiers.selector(tiers.Tier.GPU)),
-        run_config=RunConfig(name=run_name, storage_path=storage.runs(),
-                             checkpoint_config=CheckpointConfig(num_to_keep=train_cfg.keep_checkpoints),
-                             failure_config=FailureConfig(max_failures=max_failures),
-                             logging_config=LoggingConfig(log_level="INFO" if verbose else "WARNING")),
-    )
+              f"{_strategy_words(spec.train.strategy)}, dataset {spec.dataset}; {placement.why}")
+    if spec.init is not None and not resume_from:
+        _log.info(f"run {run_name} starts from the weights of {spec.init_from}")
+    record = job.begin({"model": asdict(spec.model), "train": asdict(spec.train), "dataset": spec.dataset,
+                        "init_from": spec.init_from, "tokenizer": asdict(spec.tokenizer), "workers": workers,
+                        "use_gpu": use_gpu, "cpus_per_worker": cpus_per_worker, **size})
+    record_launch(run_dir, len(launches), record)
+    # Starting weights go to the object store once; every worker takes them from there.
+    spec = spec.with_(init=ray.put(spec.init) if spec.init is not None and not resume_from else None)
     started = time.time()
-    with UsageMonitor() as usage:
+    with job.working():
         try:
-            result = fit(trainer, Progress(run_dir, train_cfg.max_steps, since=started))
+            trainer = _trainer(spec, run_name, run_dir, job, workers, use_gpu, placement.accelerator,
+                               cpus_per_worker, max_failures, verbose)
+            result = fit(trainer, Progress(run_dir, spec.train.max_steps, since=started))
         except ray.train.TrainingFailedError as e:
             if refusal := _worker_refusal(e):
                 raise refusal from e
             raise
-    rows = read_jsonl(join(run_dir, "metrics.jsonl"))
-    history = [r for r in rows if "loss" in r]
-    mine = [h for h in history if h["time"] >= started]
-    # Ray's checkpoint path is inside its filesystem (no scheme): name it under the run's URI.
-    checkpoint = join(run_dir, basename(result.checkpoint.path)) if result.checkpoint else None
-    start_step = mine[0]["start_step"] if mine else (history[-1]["step"] if history else 0)
-    last = mine[-1] if mine else {}
-    wall = loop_totals([r for r in rows if r.get("event") == "end" and r["time"] >= started], workers)
-    start = next((r for r in rows if r.get("event") == "start" and r["time"] >= started), {})
-    summary = {
-        "run": run_name, "path": run_dir, "dataset": dataset,
-        "strategy": start.get("strategy", train_cfg.strategy),
-        "micro_batch": start.get("micro_batch", train_cfg.batch_size),
-        "grad_accum": start.get("grad_accum"), "tokens_per_step": start.get("tokens_per_step"),
-        "workers": workers, "use_gpu": use_gpu, **size,
-        "start_step": start_step, "steps": (last["step"] - start_step) if mine else 0,
-        "first_loss": mine[0]["loss"] if mine else None, "last_loss": last.get("loss"),
-        **{k: next((h[k] for h in reversed(mine) if k in h), None)
-           for k in ("val_loss", "val_bpb", "val_loss_by_source", "val_bpb_by_source", "tokens_by_source",
-                     "repeats_by_source")},
-        **wall, "checkpoint": checkpoint, "seconds": round(time.time() - started, 1),
-    }
+    summary = _summary(spec, run_name, run_dir, started, result, workers, use_gpu, size)
     figures = {k: summary.get(k) for k in ("steps", "first_loss", "last_loss", "val_loss", "val_bpb",
                                            "val_loss_by_source", "tokens_by_source", "tokens_per_s",
                                            "tokens_per_s_per_worker", "mfu", "data_wait", "checkpoint_blocked",
                                            "report_blocked", "eval_share", "loop_s")}
-    rec = write_record(storage, record, name=run_name, beside=join(run_dir, "record.json"), usage=usage,
-                       work_nodes=_worker_nodes(run_dir, workers), figures=figures)
-    return {**summary, "cost": rec["cost"], "node_hours": rec["node_hours"], "cpu_busy": rec["utilization"]["cpu_busy"]}
+    return {**summary, **job.finish(beside=join(run_dir, "record.json"), work_nodes=_worker_nodes(run_dir, workers),
+                                    figures=figures)}
+
+
+def _trainer(spec: RunSpec, run_name, run_dir, job, workers, use_gpu, accelerator, cpus_per_worker, max_failures,
+             verbose):
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"spec": spec, "run_dir": run_dir, "threads": max(1, int(cpus_per_worker)),
+                           "lease": {"what": f"training run {run_name}", "gen": job.lease.gen}},
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, accelerator_type=accelerator,
+                                     resources_per_worker={"CPU": cpus_per_worker},
+                                     label_selector=tiers.selector(tiers.Tier.GPU)),
+        run_config=RunConfig(name=run_name, storage_path=job.storage.runs(),
+                             checkpoint_config=CheckpointConfig(num_to_keep=spec.train.keep_checkpoints),
+                             failure_config=FailureConfig(max_failures=max_failures),
+                             logging_config=LoggingConfig(log_level="INFO" if verbose else "WARNING")),
+    )
+
+
+def _summary(spec: RunSpec, run_name, run_dir, started, result, workers, use_gpu, size) -> dict:
+    """This launch's figures, from the run's log (strata/runlog.py)."""
+    history = read_log(run_dir)
+    mine = read_log(run_dir, since=started)
+    steps = mine.steps
+    # Ray's checkpoint path is inside its filesystem (no scheme): name it under the run's URI.
+    checkpoint = join(run_dir, basename(result.checkpoint.path)) if result.checkpoint else None
+    start_step = steps[0]["start_step"] if steps else (history.steps[-1]["step"] if history.steps else 0)
+    last = steps[-1] if steps else {}
+    start = next(iter(mine.events("start")), {})
+    return {
+        "run": run_name, "path": run_dir, "dataset": spec.dataset,
+        "strategy": start.get("strategy", spec.train.strategy),
+        "micro_batch": start.get("micro_batch", spec.train.batch_size),
+        "grad_accum": start.get("grad_accum"), "tokens_per_step": start.get("tokens_per_step"),
+        "workers": workers, "use_gpu": use_gpu, **size,
+        "start_step": start_step, "steps": (last["step"] - start_step) if steps else 0,
+        "first_loss": steps[0]["loss"] if steps else None, "last_loss": last.get("loss"),
+        **{k: next((h[k] for h in reversed(steps) if k in h), None)
+           for k in ("val_loss", "val_bpb", "val_loss_by_source", "val_bpb_by_source", "tokens_by_source",
+                     "repeats_by_source")},
+        **loop_totals(mine.events("end"), workers), "checkpoint": checkpoint,
+        "seconds": round(time.time() - started, 1),
+    }
 
 
 def fit(trainer, progress: Progress):
@@ -211,11 +176,11 @@ def _worker_refusal(e) -> Exception | None:
     return None
 
 
-def _check_repeats(sources, train_cfg: TrainConfig, workers: int, seq_len: int) -> None:
+def _check_repeats(spec: RunSpec, train_cfg: TrainConfig, workers: int) -> None:
     """Refuse a run that would pass over a dataset more than --max-repeat times."""
-    accum = accumulation(train_cfg, train_cfg.batch_size, workers, seq_len)
+    accum = accumulation(train_cfg, train_cfg.batch_size, workers, spec.model.seq_len)
     rows = train_cfg.max_steps * accum * train_cfg.batch_size * workers
-    over = {ref: r for ref, r in mixture.expected_repeats(sources, rows, workers).items() if r > train_cfg.max_repeat}
+    over = {ref: r for ref, r in spec.repeats(rows, workers).items() if r > train_cfg.max_repeat}
     if over:
         raise DatasetError(f"{train_cfg.max_steps} steps would repeat " + ", ".join(
             f"{ref} {r:.2f} times" for ref, r in over.items()) + f", more than --max-repeat {train_cfg.max_repeat:g}: "
@@ -265,31 +230,15 @@ def loop_totals(ends: list[dict], workers: int) -> dict:
 DATA_ORDER = ("batch_size", "grad_accum", "seed")
 
 
-def read_launches(run_dir: str) -> list[dict]:
-    """Every launch of the run (its resolved config, code and library versions), oldest first."""
-    return [read_json(join(run_dir, "launches", name)) for name, d in list_dir(join(run_dir, "launches"))
-            if not d and name.endswith(".json")]
-
-
-def _record_launch(run_dir: str, n: int, record: dict) -> None:
-    """Each launch's config is kept (launches/NNNN.json); run.json is the first launch's."""
-    if not create_exclusive(join(run_dir, "launches", f"{n:04d}.json"), (json.dumps(record, indent=2) + "\n").encode()):
-        raise RuntimeError(f"launch {n} of {run_dir} was recorded by another process: is the run's lease broken?")
-    if n == 0:
-        write_json_atomic(join(run_dir, "run.json"), record)
-
-
-def _continued_dataset(before: dict, dataset: str, run_name: str, allow_change: bool) -> str:
-    """The datasets a continued run reads: the snapshots it started on, unless asked to change them."""
+def _continuation(spec: RunSpec, before: dict, run_name: str, allow_change: bool, reschedule: bool) -> RunSpec:
+    """The spec a continued run goes on with (see _check_continuation); its datasets are those it started
+    on unless allowed to change (train.spec.resolve with the run's name picks those)."""
     old = before.get("dataset", "")
-    if dataset == old or allow_change:
-        return dataset
-    if mixture.spec(mixture.split(dataset)) == mixture.unpinned(old):
-        _log.info(f"run {run_name} continues on {old}, the snapshot it started on "
-                  f"(--dataset {dataset}@vN --allow-change to move it to a newer one)")
-        return old
-    raise ValueError(f"run {run_name} trains on {old}, not {dataset}: continue it with --dataset {old}, "
-                     "start a new --run, or pass --allow-change")
+    if old and spec.dataset != old and not allow_change:
+        raise ValueError(f"run {run_name} trains on {old}, not {spec.dataset}: continue it with --dataset {old}, "
+                         "start a new --run, or pass --allow-change")
+    return spec.with_(train=_check_continuation(before, run_name, spec.model, spec.train, spec.tokenizer.hash,
+                                                allow_change, reschedule))
 
 
 def _check_continuation(before: dict, run_name: str, model_cfg: GPTConfig, train_cfg: TrainConfig,

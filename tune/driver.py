@@ -15,12 +15,7 @@ import numpy as np
 from ray.tune import Callback
 
 from strata import tiers
-from strata.connect import connect
-from strata.cost import UsageMonitor
-from strata.dataset import DatasetError, check_compatible
-from strata.lease import Lease
-from strata.records import write_record
-from strata.runinfo import run_info
+from strata.shell import Job
 from strata.shell import log as _logger
 from strata.storage import (
     Storage,
@@ -30,11 +25,10 @@ from strata.storage import (
     write_bytes_atomic,
     write_json_atomic,
 )
-from strata.tokenizer import from_info
-from train import mixture, pretrained
+from train import mixture
 from train.config import TRAIN_PRESETS
-from train.data import Source
-from train.model import fit_to_dataset, preset
+from train.model import preset
+from train.spec import resolve
 from tune.plots import write_plots
 from tune.sweep import (
     GRACE,
@@ -67,74 +61,57 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
     import ray
 
     space = load_space(cfg.space)  # read and checked once, on the driver, before anything starts
-    model_cfg = preset(model_preset)
     sweep_dir = storage.sweep(sweep_name)
     if exists(join(sweep_dir, "sweep.json")):  # a resume reads the snapshots it began on
         began = read_json(join(sweep_dir, "sweep.json"))["config"]["dataset"]
         dataset = began if mixture.unpinned(began) == mixture.unpinned(dataset) else dataset
-    sources = mixture.resolve_all(storage, dataset, weighted=False)
-    names = [v.manifest.dataset for v, _ in sources]
+    if cfg.init_from and (shaped := sorted(set(space) & {"n_layer", "n_head", "n_embd"})):
+        raise ValueError(f"--init-from takes the model's shape from the weights: the space cannot tune {shaped[0]}")
+    # The preset shaped for the dataset, as `python -m train --preset` shapes it (so --from-sweep matches).
+    base = resolve(storage, dataset, preset(model_preset), TRAIN_PRESETS[model_preset], init_from=cfg.init_from,
+                   weighted=False)
+    names = [s.name.partition("@")[0] for s in base.sources]
     if unknown := sorted({k[len(MIX):] for k in space if k.startswith(MIX)} - set(names)):
         raise ValueError(f"the space weighs {', '.join(unknown)}, which {'is' if len(unknown) == 1 else 'are'} "
                          f"not among the sweep's datasets ({', '.join(names)})")
-    version = sources[0][0]  # every dataset of a mixture shares its tokenizer and seq_len
-    m = version.manifest
-    init = None
-    if cfg.init_from:
-        if shaped := sorted(set(space) & {"n_layer", "n_head", "n_embd"}):
-            raise ValueError(f"--init-from takes the model's shape from the weights: the space cannot tune {shaped[0]}")
-        source = pretrained.load(cfg.init_from, storage)
-        _log.info(f"every trial starts from {pretrained.describe_source(source)}")
-        model_cfg, init = source.for_dataset(m.seq_len, m.tokenizer.hash, m.tokenizer.vocab_size)
-    else:
-        # The preset shaped for the dataset, as `python -m train --preset` shapes it (so --from-sweep matches).
-        model_cfg = fit_to_dataset(model_cfg, vocab=m.tokenizer.vocab_size, seq_len=m.seq_len)
-    val_rows = []
-    for v, _ in sources:
-        check_compatible(v, vocab_size=model_cfg.vocab_size, seq_len=model_cfg.seq_len)
-        if not v.manifest.rows("train"):
-            raise DatasetError(f"dataset {v.ref} has no training rows to sweep on")
-        held = load_rows(v, "validation", cfg.eval_rows)
-        if len(held) == 0:  # no validation split: score on the last training rows (which trials also see)
-            held = load_rows(v, "train", cfg.eval_rows, last=True)
-        val_rows.append(held)
-    # Everything above is read and checked before Ray starts: a mistake costs no start-up.
-    _log.info(f"{connect(quiet=True)}")
-    check_driver_node()
-    trial_spec = TrialSpec(model=model_cfg, train=TRAIN_PRESETS[model_preset], sweep=cfg,
-                           sources=tuple(Source.of(v, w) for v, w in sources), val_rows=np.concatenate(val_rows),
-                           token_bytes=from_info(m.tokenizer, version.tokenizer_definition()).token_bytes(),
-                           # Read once here; each trial process fetches them once.
-                           init=ray.put(init) if init is not None else None, out=storage.sweep(sweep_name))
-    spec = mixture.spec([(v.ref, w) for v, w in sources])
+    # No validation split: score on the last training rows (which trials also see).
+    val_rows = [held if (held := load_rows(s, "validation", cfg.eval_rows)) is not None
+                else load_rows(s, "train", cfg.eval_rows, last=True) for s in base.sources]
     # One driver per sweep: a resume while the first driver is alive would run every trial twice.
-    with Lease(sweep_dir, f"sweep {sweep_name}", purpose="tune").acquire(wait=False):
-        return _run_leased(cfg, space, spec, trial_spec, sweep_name, sweep_dir, model_preset, storage, progress)
+    with Job("sweep", sweep_name, storage, holds=sweep_dir, what=f"sweep {sweep_name}", purpose="tune",
+             tag="tune") as job:
+        # Everything above is read and checked before Ray starts: a mistake costs no start-up.
+        job.connect(quiet=True)
+        check_driver_node()
+        # The starting weights go to the object store once; each trial process fetches them once.
+        base = base.with_(init=ray.put(base.init) if base.init is not None else None)
+        trial_spec = TrialSpec(run=base, sweep=cfg, val_rows=np.concatenate(val_rows), out=sweep_dir)
+        return _run_leased(job, cfg, space, base.dataset, trial_spec, sweep_name, sweep_dir, model_preset, progress)
 
 
-def _run_leased(cfg, space, dataset, trial_spec, sweep_name, sweep_dir, model_preset, storage, progress) -> dict:
+def _run_leased(job: Job, cfg, space, dataset, trial_spec, sweep_name, sweep_dir, model_preset, progress) -> dict:
     from ray import tune
 
     what = {"sweep": asdict(cfg), "dataset": dataset, "preset": model_preset}
     resuming = tune.Tuner.can_restore(sweep_dir)
     if resuming:
-        info = read_json(join(sweep_dir, "sweep.json"))
+        info = job.begin(what, read_json(join(sweep_dir, "sweep.json")))
         if info["config"] != json.loads(json.dumps(what)):
             raise ValueError(f"sweep {sweep_name} already exists with other settings ({info['config']}); "
                              "rerun it with the same ones to resume it, or pick another --sweep name")
     else:
-        info = run_info("sweep", what)
+        info = job.begin(what)
         write_json_atomic(join(sweep_dir, "sweep.json"), info)
     packed = cfg.pack_size > 1
     _log.info(f"{'resuming' if resuming else 'starting'} sweep {sweep_name}: {cfg.num_samples} trials"
               f"{f' in {cfg.packs} packs of {cfg.pack_size}' if packed else ''} on "
-              f"{sum(src.rows for s in trial_spec.sources for src in s.shards):,} rows of {dataset}")
+              f"{sum(src.rows for s in trial_spec.run.sources for src in s.shards):,} rows of {dataset}")
 
     # Data goes into the object store once; every trial reads the same copy.
     trainable = tune.with_parameters(trial, spec=trial_spec, space=space)
     tuner = make_tuner(trainable, cfg, space, sweep_dir, progress=progress, resume=resuming)
     started = time.time()
-    with UsageMonitor() as usage:
+    with job.working():
         grid = fit(tuner)
     trials = collect(grid, cfg, space)
     done = [t for t in trials if t["best"] is not None]
@@ -152,15 +129,14 @@ def _run_leased(cfg, space, dataset, trial_spec, sweep_name, sweep_dir, model_pr
     plots = write_plots(trials, space, cfg, sweep_dir)
     print(trials_table(trials, cfg.metric), file=sys.stderr)
     counts = status_counts(trials)
-    hours = (usage.ended - usage.started) / 3600
+    hours = (job.usage.ended - job.usage.started) / 3600
     figures = {"trials": len(trials), **{k.replace(" ", "_"): v for k, v in counts.items()},
                "iterations": sum(t["iterations"] for t in trials), "best": best["best"], "metric": cfg.metric,
                "trials_per_hour": len(trials) / hours if hours else None, "pack": cfg.pack_size,
                "curves": [t["curve"] for t in sorted(done, key=lambda t: t["best"])[:5]]}
-    rec = write_record(storage, info, name=sweep_name, beside=join(sweep_dir, "record.json"), usage=usage,
-                       work_nodes=[t["node_id"] for t in trials if t["node_id"]], figures=figures)
     return {
-        "cost": rec["cost"], "node_hours": rec["node_hours"], "cpu_busy": rec["utilization"]["cpu_busy"],
+        **job.finish(beside=join(sweep_dir, "record.json"), work_nodes=[t["node_id"] for t in trials if t["node_id"]],
+                     figures=figures),
         "sweep": sweep_name, "path": sweep_dir, "dataset": dataset, "resumed": resuming,
         "trials": len(trials), "completed": counts["completed"] + counts["stopped early"],
         "stopped_early": counts["stopped early"], "errors": counts["error"], "tune_trials": len(grid),

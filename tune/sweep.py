@@ -31,7 +31,7 @@ import torch
 
 from strata.cli import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, check_fields
 from strata.connect import fetch_once
-from strata.dataset import DatasetVersion, read_rows
+from strata.dataset import read_rows
 from strata.storage import JsonlWriter, join
 from train.config import (
     MODEL_KEYS,
@@ -47,6 +47,7 @@ from train.memory import CPU_MICRO_BATCH
 from train.mixture import MIX, swept
 from train.model import GPTConfig, build
 from train.pretrained import apply
+from train.spec import RunSpec
 from train.step import evaluate, make_optimizer, train_step
 
 
@@ -233,48 +234,46 @@ def asha_keeps(recorded: list[float], metric: float) -> bool:
     return not metric > float(np.nanpercentile(recorded, 100 / REDUCTION))
 
 
-def load_rows(version: DatasetVersion, split: str, limit: int, last: bool = False) -> np.ndarray:
-    """Up to `limit` rows (n, seq_len + 1) of a split, in manifest order: its first rows, or its `last`."""
-    paths = version.shard_paths(split)
+def load_rows(source: Source, split: str, limit: int, last: bool = False) -> np.ndarray | None:
+    """Up to `limit` rows (n, seq_len + 1) of a source's split, in manifest order: its first rows, or its
+    `last`; None when the split has none."""
+    refs = source.shards if split == "train" else source.val_shards
     out, n = [], 0
-    for path in reversed(paths) if last else paths:
-        rows = read_rows(path)
+    for ref in reversed(refs) if last else refs:
+        rows = read_rows(ref.path)
         out.append(rows[max(len(rows) - (limit - n), 0):] if last else rows[: limit - n])
         n += len(out[-1])
         if n >= limit:
             break
     if last:
         out.reverse()
-    width = version.manifest.seq_len + 1
-    return np.concatenate(out) if out else np.zeros((0, width), dtype=np.uint16)
+    return np.concatenate(out) if out else None
 
 
 @dataclass(frozen=True)
 class TrialSpec:
     """What every trial of a sweep trains from, resolved once by the driver (in the object store once)."""
 
-    model: GPTConfig
-    train: TrainConfig  # the preset's
+    run: RunSpec
+    """The preset on the sweep's data (train.spec.resolve, every dataset at weight 1): each config varies
+    its hyperparameters and mixture weights."""
     sweep: SweepConfig
-    sources: tuple[Source, ...]  # the sweep's datasets at its fixed weights
     val_rows: np.ndarray  # the rows each report scores
-    token_bytes: np.ndarray
-    init: object = None  # an ObjectRef of the starting weights (train.pretrained), or None
     out: str = ""  # the sweep's directory: trials write their training losses under it
 
     def configs(self, hp: dict) -> tuple[GPTConfig, TrainConfig]:
         """A trial's model and train configs: the preset with the config's hyperparameters, for the sweep's
         steps and seed (train.config.as_swept, as `train --from-sweep` resolves them), on one CPU worker."""
         mcfg, tcfg = with_hyperparameters({k: v for k, v in hp.items() if not k.startswith(MIX)},
-                                          self.model, self.train)
+                                          self.run.model, self.run.train)
         tcfg = as_swept(replace(tcfg, max_steps=self.sweep.steps, batch_size=tcfg.batch_size or CPU_MICRO_BATCH),
                         seed=self.sweep.seed)
         return mcfg, replace(tcfg, grad_accum=accumulation(tcfg, tcfg.batch_size, 1, mcfg.seq_len))
 
     def sources_for(self, hp: dict) -> list[Source]:
         """The sources at the config's mixture weights (train.mixture.swept, as a run of it weighs them)."""
-        weights = swept(hp, [(s.name, s.weight) for s in self.sources])
-        return [replace(s, weight=w) for s, (_, w) in zip(self.sources, weights, strict=True)]
+        weights = swept(hp, [(s.name, s.weight) for s in self.run.sources])
+        return [replace(s, weight=w) for s, (_, w) in zip(self.run.sources, weights, strict=True)]
 
 
 _SHARDS: dict[int, ShardCache] = {}  # per trial process: shards read once, for config after config
@@ -291,12 +290,12 @@ class ModelFit:
         self.every, self.steps, self.metric = s.report_every, s.steps, s.metric
         self.val_batches = [spec.val_rows[i: i + 32] for i in range(0, len(spec.val_rows), 32)]
         # A copy: the array from the object store is read-only.
-        self.token_bytes = torch.tensor(spec.token_bytes) if s.metric == "val_bpb" else None
+        self.token_bytes = torch.tensor(spec.run.token_bytes) if s.metric == "val_bpb" else None
         self.device = torch.device("cpu")
         torch.manual_seed(self.tcfg.seed)
         self.net = build(mcfg, self.device)
-        if spec.init is not None and state is None:
-            apply(self.net, fetch_once(spec.init))
+        if spec.run.init is not None and state is None:
+            apply(self.net, fetch_once(spec.run.init))
         self.opt = make_optimizer(self.net, self.tcfg)
         self.step = 0
         if state is not None:

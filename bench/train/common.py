@@ -14,7 +14,8 @@ WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with
 
 def make_dataset(workdir: str, mb: float = 4.0, seq_len: int = 128) -> tuple[str, str]:
     """(storage root, dataset ref): `mb` MB of generated text preprocessed with the debug preset (bytes)."""
-    from pipelines.preprocess import debug, run
+    from pipelines.config import debug
+    from pipelines.driver import run
     from strata.dataset import list_versions
     from strata.storage import Storage
 
@@ -45,48 +46,41 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
-def train_shards(storage_root: str, ref: str):
-    """(dataset version, its train shards as ShardRefs)."""
-    from strata.dataset import resolve
-    from strata.storage import Storage
-    from train.data import ShardRef
-
-    version = resolve(Storage(storage_root), ref)
-    return version, [ShardRef(version.file(s.path), s.rows) for s in version.manifest.shards
-                     if s.split == "train"]
-
-
-def debug_configs(storage_root: str, ref: str, batch_size: int, steps: int):
-    """(model, train config) of the debug preset shaped for the dataset, as `python -m train` shapes it."""
+def debug_spec(storage_root: str, ref: str, batch_size: int, steps: int):
+    """The run spec (train.spec.RunSpec) of the debug preset on the dataset, resolved as `python -m train`
+    resolves a launch, with this micro-batch and number of steps."""
     from dataclasses import replace
 
+    from strata.storage import Storage
     from train.config import TRAIN_PRESETS
-    from train.model import fit_to_dataset, preset
+    from train.model import preset
+    from train.spec import resolve
 
-    m = train_shards(storage_root, ref)[0].manifest
-    mcfg = fit_to_dataset(preset("debug"), vocab=m.tokenizer.vocab_size, seq_len=m.seq_len)
-    return mcfg, replace(TRAIN_PRESETS["debug"], batch_size=batch_size, max_steps=steps)
+    tcfg = replace(TRAIN_PRESETS["debug"], batch_size=batch_size, max_steps=steps)
+    return resolve(Storage(storage_root), ref, preset("debug"), tcfg)
 
 
-def plain_loop(storage_root: str, ref: str, mcfg, tcfg, threads: int, warmup: int = 0, sync_every: int = 10):
-    """The training loop without Ray: train/step.py's `train_step` on the dataset's train shards, read
-    ahead by the same `Prefetch`, the loss synced every `sync_every` steps (as the trainer syncs at
-    its log points). Returns (the model, mean seconds per step after `warmup` steps)."""
+def plain_loop(spec, threads: int, warmup: int = 0, sync_every: int = 10):
+    """The training loop without Ray: train/step.py's `train_step` on the spec's batches (train.data's
+    `open_batches`, as a worker reads them), read ahead by the same `Prefetch`, the loss synced every
+    `sync_every` steps (as the trainer syncs at its log points). Returns (the model, mean seconds per step
+    after `warmup` steps)."""
     import time
 
     import torch
 
     from train.config import lr_at
-    from train.data import Prefetch, TokenBatches
+    from train.data import Prefetch, open_batches
     from train.model import GPT
     from train.step import make_optimizer, train_step
 
     torch.set_num_threads(threads)
-    _, shards = train_shards(storage_root, ref)
+    mcfg, tcfg = spec.model, spec.train
     torch.manual_seed(tcfg.seed)
     model = GPT(mcfg)
     optimizer = make_optimizer(model, tcfg)
-    batches = Prefetch(TokenBatches(shards, batch_size=tcfg.batch_size, seed=tcfg.seed).from_step(0))
+    data = open_batches(spec.sources, batch_size=tcfg.batch_size, rank=0, world_size=1, seed=tcfg.seed)
+    batches = Prefetch(data.from_step(0))
     device, loss = torch.device("cpu"), torch.zeros(())
     started = time.perf_counter()
     try:

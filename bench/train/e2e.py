@@ -37,8 +37,7 @@ def plain(root: str, ref: str, steps: int, batch_size: int, threads: int) -> Non
     """The same training in plain PyTorch, in this process."""
     import torch
 
-    mcfg, tcfg = common.debug_configs(root, ref, batch_size, steps)
-    model, _ = common.plain_loop(root, ref, mcfg, tcfg, threads)
+    model, _ = common.plain_loop(common.debug_spec(root, ref, batch_size, steps), threads)
     torch.save(model.state_dict(), os.path.join(root, "plain-final.pt"))
 
 

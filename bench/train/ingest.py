@@ -18,15 +18,14 @@ import time
 from bench.train import common
 
 
-def delivered_tokens_per_s(storage_root: str, ref: str, batch_size: int, world_size: int, seconds: float) -> float:
+def delivered_tokens_per_s(spec, world_size: int, seconds: float) -> float:
     import torch
 
-    from train.data import TokenBatches
+    from train.data import open_batches
     from train.step import to_xy
 
-    version, shards = common.train_shards(storage_root, ref)
-    data = TokenBatches(shards, batch_size=batch_size, rank=0, world_size=world_size, seed=0)
-    seq_len = version.manifest.seq_len
+    batch_size, seq_len = spec.train.batch_size, spec.model.seq_len
+    data = open_batches(spec.sources, batch_size=batch_size, rank=0, world_size=world_size, seed=0)
     tokens, started, device = 0, time.perf_counter(), torch.device("cpu")
     for batch in data.from_step(0):
         x, _ = to_xy(batch, device)
@@ -47,9 +46,9 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     root, ref = common.make_dataset(args.workdir)
-    mcfg, tcfg = common.debug_configs(root, ref, args.batch_size, 5 + args.steps)
-    delivered = delivered_tokens_per_s(root, ref, args.batch_size, args.world_size, args.seconds)
-    consumed = args.batch_size * mcfg.seq_len / common.plain_loop(root, ref, mcfg, tcfg, args.threads, warmup=5)[1]
+    spec = common.debug_spec(root, ref, args.batch_size, 5 + args.steps)
+    delivered = delivered_tokens_per_s(spec, args.world_size, args.seconds)
+    consumed = args.batch_size * spec.model.seq_len / common.plain_loop(spec, args.threads, warmup=5)[1]
     print(f"iterator delivers {delivered:12,.0f} tokens/s per worker (rank 0 of {args.world_size}, no read-ahead)")
     print(f"debug model eats  {consumed:12,.0f} tokens/s per worker ({args.threads} thread(s), batch {args.batch_size})")
     if args.json:

@@ -1,0 +1,574 @@
+"""Tier 1's driver: what is new, the three passes in order, and the commit. `python -m pipelines.preprocess`
+is its CLI.
+
+Three Ray Data passes on cpu-tier nodes (see pipelines/pack.py): read, clean,
+filter and sign every record; drop exact and near duplicates (across the
+whole input and earlier versions), tokenize and pack; shuffle rows into
+shards. Every record is kept, filtered, duplicate or rejected with a reason
+(pipelines/stats.py); the version is published only when complete.
+
+`run` holds the dataset's lease (strata.shell.Job) from deciding what is new
+until its commit; `Preprocess` is one run, a method per step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import asdict
+
+from pipelines import decontam
+from pipelines.config import PreprocessConfig
+from pipelines.dedup import suggested_shards
+from pipelines.sources import InputMissing, InputUnreadable, check_outside, list_inputs, plan_units
+from pipelines.stats import Output, Tally, accounting, outputs, summary_table, without_deferred
+from strata import tiers
+from strata.cost import ray_daemon_cpu
+from strata.dataset import (
+    DatasetError,
+    Shard,
+    abandoned_run_files,
+    check_extends,
+    commit,
+    list_versions,
+    resolve,
+    token_dtype,
+)
+from strata.shell import Job
+from strata.shell import log as _logger
+from strata.storage import (
+    Storage,
+    basename,
+    delete_dir,
+    exists,
+    filesystem,
+    join,
+    make_dirs,
+    write_bytes_atomic,
+    write_json_atomic,
+)
+from strata.tokenizer import TOKENIZER_FILE, TokenizerMismatch
+
+_say = _logger("preprocess").info
+
+# What tier 1's workers import, loaded by an embedded Ray's idle workers while the driver starts
+# (about 1 s sooner to the first unit on 2 cores).
+WORKER_MODULES = ("ray.data", "pyarrow.parquet", "tokenizers", "tiktoken")
+UNIT_RETRIES = 2  # Ray runs a work unit whose file stayed unreadable again, this many times (with backoff)
+AUDIT_FILE = "dedup-audit.json"
+TAILS_FILE = "tails.parquet"  # what this version's rows could not hold: the next version packs it first
+REMOVED_DIR = "removed"  # parquet parts: every document dedup removed (doc_id, kind, kept doc key, earlier)
+LARGEST_CLUSTERS = 5
+GUARD_MIN_DOCUMENTS = 20  # smaller sources are not judged: one copied file is not a wiped-out source
+
+
+def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "", *, wait: bool = True,
+        dashboard: bool = True) -> dict:
+    """Run the three passes over what is new and commit a version; returns the summary.
+
+    Concurrent runs (overlapping schedule slots, a person beside cron) publish each input once: a
+    second run waits for the lease, then processes only what is still new (`wait=False` raises
+    LeaseBusy instead). Input files an earlier version consumed (same path, size and mtime) are
+    skipped; with nothing new, no version is made. A `run_id` (a scheduled slot) that an earlier
+    version already carries returns that version.
+    """
+    started = time.time()
+    files = _inputs(cfg, storage)  # a missing or empty input fails here, before anything is written
+    with Job("preprocess", cfg.dataset, storage, holds=storage.dataset(cfg.dataset), what=f"dataset {cfg.dataset}",
+             purpose=f"preprocess{f' run {run_id}' if run_id else ''}", wait=wait) as job:
+        for leftover in abandoned_run_files(storage, cfg.dataset, job.lease.gen):
+            _say(f"deleting {leftover}: files of a run that ended before its commit")
+            delete_dir(leftover)
+        try:
+            return Preprocess(cfg, storage, job, run_id, started, dashboard).run(files)
+        except Exception as e:
+            if (mapped := _as_user_error(e)) is None:
+                raise
+            raise mapped from e
+
+
+def _inputs(cfg: PreprocessConfig, storage: Storage) -> list[dict]:
+    """The input files, none of them inside the storage root (nor a link into it)."""
+    check_outside(list(cfg.read.inputs), storage.root)
+    skipped: list[str] = []
+    files = list_inputs(list(cfg.read.inputs), cfg.read.allow_empty, cfg.read.follow_links, skipped)
+    check_outside([], storage.root, files)
+    if skipped:
+        _say(f"{len(skipped)} symbolic link(s) lead out of their input folder and were not followed "
+             f"(--follow-links reads them): {', '.join(skipped[:3])}{' ...' if len(skipped) > 3 else ''}")
+    return files
+
+
+def _as_user_error(e: BaseException) -> DatasetError | None:
+    """An unreadable input or a tokenizer mismatch a worker raised, as the one line the user acts on."""
+    if (cause := _worker_error(e, (InputUnreadable, TokenizerMismatch))) is None:
+        return None
+    first = str(cause).split("\n")[0]  # without the traceback and Ray's retry advice
+    if isinstance(cause, (InputMissing, TokenizerMismatch)):
+        return DatasetError(f"{first}. Nothing was committed")
+    return DatasetError(
+        f"{first}, in each of {1 + UNIT_RETRIES} runs of its work unit. Nothing was committed and the file is "
+        "not recorded as consumed: rerun to retry it, or pass --unreadable defer to publish without it")
+
+
+def _worker_error(e: BaseException, kinds):
+    """The error of one of `kinds` a worker raised, from the Ray errors around it (or None)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(getattr(e, "cause", None), kinds):  # a RayTaskError: the worker's own error
+            return e.cause
+        if isinstance(e, kinds):
+            return e
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+    return None
+
+
+class Preprocess:
+    """One run under the dataset's lease: `run` reads top to bottom, one method per step. The passes
+    leave what they made on the object (outputs, tokenizer, shards) and their figures in `tally`."""
+
+    def __init__(self, cfg: PreprocessConfig, storage: Storage, job: Job, run_id: str, started: float,
+                 dashboard: bool = True):
+        self.cfg, self.storage, self.job, self.run_id, self.started = cfg, storage, job, run_id, started
+        self.dashboard = dashboard
+        self.earlier = [resolve(storage, f"{cfg.dataset}@{v}") for v in list_versions(storage, cfg.dataset)]
+        self.parent = self.earlier[-1] if self.earlier else None
+        self.tables = tuple(t for t, on in (("exact", cfg.dedup.exact_dedup), ("band", cfg.dedup.near_dedup)) if on)
+        # Without dedup or tokenizer training nothing global sits between reading and packing: fuse them.
+        self.fused = not self.tables and not cfg.pack.tokenizer.startswith("train:")
+        self.tally, self.deferred, self.walls = Tally(), {}, {}
+        self.p1: list[Output] = []
+        self.p2: list[Output] = []
+        self.shards: list[Output] = []
+        self.index, self.sizes, self.dedup_files, self.index_rss = [], [], {"exact": [], "band": []}, 0.0
+        self.definition, self.tok, self.audit = None, None, {}
+        self.evaluation, self.staging, self.units = None, None, []
+        self.cpus, self.total_bytes, self.pass2_utilization = 0.0, 0, 0.0
+
+    def run(self, files: list[dict]) -> dict:
+        if self.run_id and (done := next((v for v in self.earlier if v.manifest.run_id == self.run_id), None)):
+            _say(f"run {self.run_id!r} already produced {done.ref}: nothing to do")
+            return {**_summary(done), "already_existed": True}
+        self.check_tokenizer()
+        if not (files := self.new(files)):
+            _say("nothing new: no version created")
+            return self.empty("nothing new")
+        self.start(files)
+        try:
+            with self.job.working():
+                self.passes()
+            files = self.consumed(files)
+            if not self.shards:
+                delete_dir(self.staging)
+                _say("no document survived: no version created")
+                return self.empty("no rows")
+            version = self.commit(files)
+        except BaseException:
+            delete_dir(self.staging)  # a failed run leaves nothing behind (a killed one: the next writer cleans up)
+            raise
+        return self.finish(version)
+
+    # ------------------------------------------------------------ before the passes
+
+    def check_tokenizer(self) -> None:
+        """A version extends its parent: a named tokenizer must be the parent's (a trained one is reused)."""
+        if self.parent and not self.cfg.pack.tokenizer.startswith("train:"):
+            check_extends(self.parent, self.load_tokenizer(self.named_tokenizer()).info(), self.cfg.pack.seq_len)
+
+    def new(self, files: list[dict]) -> list[dict]:
+        """With --incremental, the files no earlier version consumed (same path, size and mtime)."""
+        if not self.cfg.read.incremental:
+            return files
+        consumed = {_identity(f) for v in self.earlier for f in v.manifest.inputs if "mtime_ns" in f}
+        new = [f for f in files if _identity(f) not in consumed]
+        if len(new) < len(files):
+            _say(f"{len(files) - len(new)} of {len(files)} input files were consumed by earlier versions: skipped")
+        return new
+
+    def start(self, files: list[dict]) -> None:
+        """The evaluation index, Ray, the work units, the staging directory and the run info."""
+        import ray
+
+        self.evaluation = _evaluation_index(self.cfg)  # read and checked before Ray starts
+        # Ray's own worker logs stay in its log files (a worker's error reaches here as the run's error).
+        self.job.connect(dashboard=self.dashboard, preload=WORKER_MODULES, quiet=True, log_to_driver=False)
+        ctx = ray.data.DataContext.get_current()
+        ctx.execution_options.label_selector = tiers.selector(tiers.Tier.CPU)  # every task and actor, shuffles too
+        # A unit whose file stays unreadable runs again; then its error reaches run() as itself, not wrapped.
+        ctx.retried_map_errors, ctx.max_map_retries = [f"{InputUnreadable.__name__}:"], UNIT_RETRIES
+        ctx.raise_original_map_exception = True
+        if not (cpus := _tier_cpus()):
+            raise DatasetError(f"no alive node serves the cpu tier (label {tiers.label_key(tiers.Tier.CPU)}=true)")
+        self.cpus, self.units = cpus, plan_units(files, self.cfg.read)
+        self.total_bytes = sum(f["size"] for f in files)
+        _say(f"{len(files)} input files, {self.total_bytes / 1e6:.1f} MB in {len(self.units)} work units")
+        self.staging = self.storage.run_files(self.cfg.dataset, f"g{self.job.lease.gen:08d}-{uuid.uuid4().hex[:8]}")
+        self.work = join(self.staging, "_work")
+        make_dirs(*(join(self.work, d) for d in ("docs", "packed", "tails")), join(self.staging, "dedup"),
+                  join(self.staging, REMOVED_DIR))
+        write_json_atomic(join(self.staging, "run.json"), self.job.begin({**asdict(self.cfg), "run_id": self.run_id}))
+        self.contamination = {"ref": ray.put(self.evaluation)} if self.evaluation else None  # one copy per node
+
+    # ------------------------------------------------------------ the passes
+
+    def passes(self) -> None:
+        import ray
+
+        self.walls["start-up"] = round(time.time() - self.started, 2)
+        self.mark, driver_cpu, daemons = time.time(), time.process_time(), ray_daemon_cpu()
+        if not self.fused:
+            self.read_clean_sign()
+        self.start_index()
+        try:
+            self.train_tokenizer()
+            self.dedup_tokenize_pack()
+            self.save_index()
+        finally:
+            for i in self.index:
+                ray.kill(i)
+        self.write_shards()
+        if self.tables and self.p2:
+            self.audit = self.dedup_audit()
+        self.step("dedup audit")
+        self.tally += Tally(cpu_s={"ray-daemons": ray_daemon_cpu(since=daemons),
+                                   "driver": time.process_time() - driver_cpu})
+
+    def step(self, name: str) -> None:
+        """Wall time on the critical path, step by step; a lost lease stops the run."""
+        self.walls[name] = round(time.time() - self.mark, 2)
+        self.mark = time.time()
+        self.job.lease.check()
+
+    def map_units(self, fn, items: list[dict], **options) -> list[Output]:
+        """`fn` over `items`, one Ray Data block each, on the cpu tier; each returns {"out": Output}."""
+        import ray
+
+        ds = ray.data.from_items(items, override_num_blocks=len(items))
+        return outputs(ds.map_batches(fn, batch_size=1, label_selector=tiers.selector(tiers.Tier.CPU),
+                                      **options).take_all())
+
+    def read_clean_sign(self) -> None:
+        """Pass 1: read, clean, filter, sign; one work file of documents and their dedup keys per unit."""
+        from pipelines.pack import read_clean_sign
+
+        _say("pass 1/3: read, clean, filter, sign")
+        c = self.cfg
+        self.p1, self.deferred = without_deferred(self.map_units(
+            read_clean_sign, [{"unit": json.dumps(u)} for u in self.units],
+            fn_kwargs=dict(read=c.read, clean=c.clean, dedup=c.dedup, work_dir=self.work,
+                           contamination=self.contamination)))
+        self.tally += Tally.total(o.tally for o in self.p1)
+        self.step("pass 1: read, clean, sign")
+
+    def docs_files(self) -> list[str]:
+        return sorted(o.docs_file for o in self.p1 if o.docs)
+
+    def start_index(self) -> None:
+        """The dedup index: actors that rebuild themselves from the work files if their node dies."""
+        import ray
+
+        from pipelines.dedup import DedupIndex
+
+        docs = self.docs_files()
+        n = (self.cfg.dedup.index_shards or suggested_shards(self.cpus)) if self.tables and docs else 0
+        actor = ray.remote(DedupIndex).options(num_cpus=0, label_selector=tiers.selector(tiers.Tier.CPU),
+                                               max_restarts=-1, max_task_retries=-1)
+        prior = _prior_state(self.earlier, self.cfg)
+        self.index = [actor.remote(s, n, [join(self.work, "docs", f) for f in docs], prior, self.tables)
+                      for s in range(n)]
+        self.sizes = ray.get([i.sizes.remote() for i in self.index])
+        self.step("dedup index")
+
+    def train_tokenizer(self) -> None:
+        """The tokenizer: the parent's, one trained on this run's documents (train:VOCAB), or the named one."""
+        import ray
+
+        spec = self.cfg.pack.tokenizer
+        if spec.startswith("train:") and self.parent is not None:
+            _say(f"reusing the tokenizer of {self.parent.ref}: a version extends the previous one")
+            self.definition = self.parent.tokenizer_definition()
+        elif spec.startswith("train:"):
+            _say(f"training a byte-level BPE tokenizer ({spec})")
+            task = ray.remote(_train_tokenizer).options(label_selector=tiers.selector(tiers.Tier.CPU))
+            self.definition = ray.get(task.remote([join(self.work, "docs", f) for f in self.docs_files()],
+                                                  int(spec.partition(":")[2]), self.cfg.pack.tokenizer_sample_bytes))
+        else:
+            self.definition = self.named_tokenizer()
+        self.tok = self.load_tokenizer(self.definition)
+        if spec.startswith("train:"):
+            self.step("tokenizer training")
+
+    def named_tokenizer(self) -> str | None:
+        """The definition of a tokenizer.json the config names (None: bytes)."""
+        if self.cfg.pack.tokenizer == "bytes" or self.cfg.pack.tokenizer.startswith("train:"):
+            return None
+        from strata.tokenizer import HFTokenizer
+
+        return HFTokenizer.from_file(self.cfg.pack.tokenizer, self.cfg.pack.eot_token, "hf").definition
+
+    def load_tokenizer(self, definition: str | None):
+        from strata.tokenizer import ByteTokenizer, HFTokenizer
+
+        if not definition:
+            return ByteTokenizer()
+        trained = self.cfg.pack.tokenizer.startswith("train:")
+        return HFTokenizer(definition, "" if trained else self.cfg.pack.eot_token, "hf")
+
+    def dedup_tokenize_pack(self) -> None:
+        """Pass 2: drop duplicates, tokenize, pack; one work file of rows per document file (or, fused, per
+        unit). Then every unit's tails are packed together."""
+        import ray
+
+        from pipelines.pack import DedupTokenizePack
+
+        _say("pass 2/3: read, clean, tokenize, pack (fused)" if self.fused else "pass 2/3: deduplicate, tokenize, pack")
+        items = [{"unit": json.dumps(u)} for u in self.units] if self.fused else \
+            [{"docs_file": f} for f in self.docs_files()]
+        began = time.time()
+        if items:
+            # Two units in flight per actor: the next one waits at the actor, not 0.15-0.2 s in Ray Data's
+            # dispatch after each (measured: 2 s of 14 per actor); at the end one unit may wait behind another.
+            pool = ray.data.ActorPoolStrategy(size=max(1, min(int(self.cpus), len(items))),
+                                              max_tasks_in_flight_per_actor=2)
+            self.p2 = self.map_units(DedupTokenizePack, items, compute=pool, fn_constructor_kwargs=self.packer())
+        if self.fused:
+            self.p2, self.deferred = without_deferred(self.p2)
+        self.tally += Tally.total(o.tally for o in self.p2)
+        self.tails = self.pack_tails() if self.p2 else Output(tally=Tally())
+        self.tally += self.tails.tally
+        wall = time.time() - began
+        busy = self.tally.busy_s / max(wall * min(self.cpus, len(self.p2) or 1), 1e-9)
+        self.pass2_utilization = round(busy, 3)
+        self.step("pass 2: " + ("read, clean, " if self.fused else "dedup, ") + "tokenize, pack")
+
+    def packer(self) -> dict:
+        """DedupTokenizePack's constructor arguments."""
+        c, fused = self.cfg, self.fused
+        return dict(tokenizer=c.pack.tokenizer, eot_token=c.pack.eot_token, definition=self.definition,
+                    tokenizer_engine=c.pack.tokenizer_engine, seq_len=c.pack.seq_len,
+                    validation_fraction=c.pack.validation_fraction, seed=c.pack.seed, split_seed=c.pack.split_seed,
+                    dedup=c.dedup, work_dir=self.work, index=self.index, removed_dir=join(self.staging, REMOVED_DIR),
+                    read=c.read if fused else None, clean=c.clean if fused else None,
+                    contamination=self.contamination)
+
+    def pack_tails(self) -> Output:
+        """The parent version's leftover tails, then every unit's, packed together (pipelines/pack.py
+        `pack_tails`), in one task on the cpu tier; what is left is padded (--final) or carried on."""
+        import ray
+
+        from pipelines.pack import pack_tails
+
+        p = self.parent
+        carried = p.file(p.manifest.tails) if p and p.manifest.tails else None
+        task = ray.remote(pack_tails).options(label_selector=tiers.selector(tiers.Tier.CPU), num_cpus=1)
+        return ray.get(task.remote(self.work, [o.packed_file for o in self.p2], seq_len=self.cfg.pack.seq_len,
+                                   dtype=token_dtype(self.tok.vocab_size), seed=self.cfg.pack.seed,
+                                   eot_id=self.tok.eot_id, carried=carried, final=self.cfg.pack.final,
+                                   tails_out=join(self.staging, TAILS_FILE)))
+
+    def save_index(self) -> None:
+        """Each index actor's keys, beside the version: the next version's dedup reads them."""
+        import ray
+
+        for s, i in enumerate(self.index):
+            for t in self.tables:
+                name = f"dedup/{t}-{s:04d}.parquet"
+                ray.get(i.save.remote(t, join(self.staging, name)))
+                self.dedup_files[t].append(name)
+        self.tally += Tally(cpu_s={"dedup-index": sum(ray.get([i.cpu_s.remote() for i in self.index]))})
+        self.index_rss = max(ray.get([i.peak_rss_mb.remote() for i in self.index]), default=0.0)
+
+    def write_shards(self) -> None:
+        """Pass 3: a global, seeded shuffle of rows into shards of about shard_bytes."""
+        from pipelines.pack import write_shard
+
+        _say("pass 3/3: shuffle rows into shards")
+        row_bytes = (self.cfg.pack.seq_len + 1) * {"uint8": 1, "uint16": 2, "uint32": 4}[token_dtype(self.tok.vocab_size)]
+        per_shard = max(1, self.cfg.pack.shard_bytes // row_bytes)
+        rows = self.tally.rows
+        specs = [{"split": split, "shard": i, "shards": n} for split in ("train", "validation") if rows.get(split)
+                 for n in [max(1, math.ceil(rows[split] / per_shard))] for i in range(n)]
+        if specs:
+            packed = [join(self.work, "packed", o.packed_file) for o in [*self.p2, self.tails] if o.packed_file]
+            self.shards = self.map_units(write_shard, specs, fn_kwargs={"staging": self.staging, "packed_files": packed})
+            self.tally += Tally.total(o.tally for o in self.shards)
+        self.step("pass 3: shuffle, write shards")
+
+    def dedup_audit(self) -> dict:
+        """What dedup removed, to check before trusting it: removal rates per source, a histogram of
+        duplicate-cluster sizes (a kept document and those removed as its duplicates), the largest clusters,
+        and sampled pairs with the Jaccard similarity their MinHash estimates and their true one."""
+        import ray
+
+        from pipelines.dedup import audit_pairs, size_histogram
+
+        t = self.tally
+        largest = sorted(t.clusters.items(), key=lambda kv: (-kv[1], kv[0]))[:LARGEST_CLUSTERS]
+        docs = [join(self.work, "docs", f) for f in self.docs_files()]
+        task = ray.remote(audit_pairs).options(label_selector=tiers.selector(tiers.Tier.CPU))
+        found = ray.get(task.remote(docs, list(t.pairs), [w for w, _ in largest], self.cfg.dedup)) \
+            if t.clusters else {"pairs": [], "winner_ids": {}}
+        audit = {
+            "by_source": self.by_source(), "cluster_sizes": size_histogram(n + 1 for n in t.clusters.values()),
+            "largest_clusters": [{"size": n + 1, "kept": found["winner_ids"].get(str(w)) or "(an earlier version)"}
+                                 for w, n in largest],
+            "sampled_pairs": found["pairs"], "removed_by_earlier_version": t.removed_by_earlier_version,
+            "threshold": self.cfg.dedup.threshold, "lsh": dict(zip(("bands", "rows"), self.cfg.dedup.lsh(), strict=True)),
+        }
+        if t.clusters:
+            _say(f"dedup: {sum(t.clusters.values()):,} removed in {len(t.clusters):,} clusters; sizes "
+                 + ", ".join(f"{k}: {v:,}" for k, v in audit["cluster_sizes"].items())
+                 + f"; largest {audit['largest_clusters'][0]['size']:,}")
+        return audit
+
+    def by_source(self) -> dict[str, dict]:
+        """Per input source: documents dedup looked at, how many it removed, and the share."""
+        source_of = {f["path"]: f.get("source", f["path"]) for unit in self.units for f in unit}
+        looked, removed = {}, {}
+        for into, counts in ((looked, self.tally.looked_at), (removed, self.tally.removed)):
+            for path, n in counts.items():
+                into[source_of.get(path, path)] = into.get(source_of.get(path, path), 0) + n
+        return {s: {"documents": n, "removed": removed.get(s, 0), "share": round(removed.get(s, 0) / n, 6)}
+                for s, n in sorted(looked.items())}
+
+    # ------------------------------------------------------------ after the passes
+
+    def consumed(self, files: list[dict]) -> list[dict]:
+        """The files this version consumes (not the deferred ones: the next run reads them); the dedup guard."""
+        for path, why in self.deferred.items():
+            _say(f"WARNING: {path} left out of this version (--unreadable defer), to be read by a later run: {why}")
+        _check_dedup_share(self.by_source(), self.cfg.dedup.max_duplicate_fraction)
+        delete_dir(self.work)
+        return [f for f in files if f["path"] not in self.deferred]
+
+    def table(self) -> dict:
+        return summary_table(self.tally, time.time() - self.started, cpus=self.cpus, total_bytes=self.total_bytes,
+                             shards=len(self.shards), walls=self.walls, by_source=self.by_source(),
+                             evaluation=self.evaluation["files"] if self.evaluation else {}, deferred=self.deferred,
+                             index_rss_mb=self.index_rss, utilization=self.pass2_utilization)
+
+    def commit(self, files: list[dict]):
+        docs = accounting(self.tally)
+        shards = sorted((Shard(path=p, split=split, rows=rows, tokens=tokens)
+                         for p, split, rows, tokens in (o.shard for o in self.shards)), key=lambda s: s.path)
+        if self.definition:
+            write_bytes_atomic(join(self.staging, TOKENIZER_FILE), self.definition.encode())
+        table = self.table()
+        write_json_atomic(join(self.staging, "rejects.json"), {"counts": docs.reasons, "samples": self.samples()})
+        audit = {}
+        if self.audit:
+            write_json_atomic(join(self.staging, AUDIT_FILE), self.audit)
+            audit = {"audit": AUDIT_FILE, "removed": REMOVED_DIR}
+        record = self.job.info  # the run's record (job.finish) says so too
+        record.update(finished_at=time.time(), work_nodes=sorted(self.tally.nodes))
+        tails = TAILS_FILE if exists(join(self.staging, TAILS_FILE)) else ""
+        dedup = {"params": self.cfg.dedup.params(), "files": self.dedup_files, "index_entries": self.sizes, **audit}
+        return commit(self.storage, self.cfg.dataset, self.staging, dict(
+            tokenizer=self.tok.info(), seq_len=self.cfg.pack.seq_len, dtype=token_dtype(self.tok.vocab_size),
+            shards=shards, documents=docs, tokens=table["tokens"], inputs=files, run=record, stats=table,
+            rejects="rejects.json", run_id=self.run_id, tails=tails, dedup=dedup),
+            lease=self.job.lease, built_on=self.parent.manifest.version if self.parent else None)
+
+    def samples(self) -> dict[str, list]:
+        return {k: list(v) for k, v in sorted(self.tally.samples.items())}
+
+    def finish(self, version) -> dict:
+        """The run's record (cost, usage) and the summary the command prints."""
+        m = version.manifest
+        figures = {k: m.stats.get(k) for k in ("documents", "tokens", "bytes", "mb_per_s_per_cpu",
+                                               "tokens_per_s_per_cpu", "peak_worker_rss_mb")}
+        usage = self.job.usage
+        figures.update(tokens_per_s=m.tokens / max(usage.ended - usage.started, 1e-9), version=m.version)
+        cost = self.job.finish(beside=join(self.storage.dataset(self.cfg.dataset), f"{m.version}.record.json"),
+                               work_nodes=sorted(self.tally.nodes), figures=figures)
+        return {**_summary(version), **cost}
+
+    def empty(self, why: str) -> dict:
+        """No version: nothing new, or nothing survived. The counts still say what was read."""
+        table = self.table()
+        return {"dataset": self.cfg.dataset, "version": None, "path": None, "documents": table["documents"],
+                "reasons": accounting(self.tally).reasons, "tokens": 0, "sequences": 0, "shards": 0,
+                "stats": table, "run_id": "", "already_existed": False, "note": why}
+
+
+def _identity(f: dict) -> tuple:
+    return f["path"], f["size"], f["mtime_ns"]
+
+
+def _evaluation_index(cfg: PreprocessConfig) -> dict | None:
+    """The decontamination index (pipelines/decontam.py), built once on the driver, or None."""
+    if not cfg.clean.decontaminate:
+        return None
+    c = cfg.clean
+    built = decontam.build(list(c.decontaminate), c.decontaminate_n, c.evaluation_fields(), c.decontaminate_min_words)
+    _say(f"decontamination: {decontam.size(built):,} n-grams of {len(built['names'])} evaluation file(s): "
+         + "; ".join(f"{basename(p)} {f['records']:,} records, {f['ngrams']:,} n-grams" for p, f in built["files"].items()))
+    return built
+
+
+def _tier_cpus() -> float:
+    import ray
+
+    return sum(n["Resources"].get("CPU", 0) for n in ray.nodes()
+               if n["Alive"] and tiers.Tier.CPU in tiers.tiers_of(n.get("Labels", {})))
+
+
+def _prior_state(earlier: list, cfg: PreprocessConfig) -> dict[str, list[str]]:
+    """Dedup state files of earlier versions with comparable parameters."""
+    files = {"exact": [], "band": []}
+    if not cfg.dedup.against_previous:
+        return files
+    for v in earlier:
+        state = v.manifest.dedup
+        for table in files:
+            if table == "band" and state.get("params") != cfg.dedup.params():
+                _say(f"near-dedup against {v.ref} skipped: its MinHash/LSH parameters {state.get('params')} "
+                     f"differ from this run's {cfg.dedup.params()} (pass --bands/--rows/--num-perm to match)")
+                continue  # different shingles/bands: signatures are not comparable
+            files[table] += [v.file(p) for p in state.get("files", {}).get(table, [])]
+    return files
+
+
+def _train_tokenizer(paths: list[str], vocab: int, sample_bytes: int) -> str:
+    """A byte-level BPE from the first `sample_bytes` of kept text (a cpu-tier task)."""
+    import pyarrow.parquet as pq
+
+    from strata.tokenizer import train_bpe
+
+    def texts():
+        seen = 0
+        for path in paths:
+            fs, p = filesystem(path)
+            for batch in pq.ParquetFile(fs.open_input_file(p)).iter_batches(columns=["text"], batch_size=256):
+                for t in batch.column(0).to_pylist():
+                    yield t
+                    seen += len(t)
+                    if seen >= sample_bytes:
+                        return
+
+    return train_bpe(texts(), vocab).definition
+
+
+def _check_dedup_share(by_source: dict[str, dict], limit: float) -> None:
+    """Refuse a run whose dedup removes more than `limit` of one source's documents: one colliding band
+    or a bad key can wipe out a source, and nothing downstream would notice."""
+    over = {s: v for s, v in by_source.items() if v["share"] > limit and v["documents"] >= GUARD_MIN_DOCUMENTS}
+    if over:
+        worst = max(over, key=lambda s: over[s]["share"])
+        v = over[worst]
+        raise DatasetError(
+            f"dedup would remove {v['removed']:,} of {v['documents']:,} documents ({v['share']:.1%}) of source "
+            f"{worst!r}{f' and {len(over) - 1} more' if len(over) > 1 else ''}, more than --max-duplicate-fraction "
+            f"{limit}: nothing was committed. If the source is mostly copies, rerun with a higher "
+            "--max-duplicate-fraction (1 turns the guard off)")
+
+
+def _summary(version) -> dict:
+    m = version.manifest
+    return {"dataset": m.dataset, "version": m.version, "path": version.path, "parent": m.parent,
+            "documents": m.stats["documents"], "reasons": m.documents.reasons, "tokens": m.tokens,
+            "sequences": sum(s.rows for s in m.added()), "shards": len(m.added()), "stats": m.stats,
+            "snapshot": m.totals, "run_id": m.run_id, "already_existed": False}
