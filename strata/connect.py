@@ -62,8 +62,9 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
     `address` (or `RAY_ADDRESS`) joins an existing cluster, which is how a job
     submitted with `ray job submit` finds its cluster. Without one, an embedded
     local Ray starts on loopback with its own temp dir and every tier label.
-    `dashboard=False` starts it without its dashboard (1-2 s sooner on 2 cores):
-    for a command that ends with its one job and needs no Ray Train. `preload`
+    `dashboard=False` starts it without its dashboard (1-2 s sooner on 2 cores, and none of its nine
+    module processes competing for the cores while the job starts): for a command that ends with its one
+    job. Ray's state API then answers nowhere, at once (see `state_api_at`). `preload`
     names modules the embedded Ray's idle workers import while the driver is
     still starting, so that the first tasks and actors do not wait for them. `quiet` keeps Ray's own
     start-up lines (its INFO banner, the token-auth notice of an embedded Ray) off the console: the
@@ -86,12 +87,12 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
         for attempt in range(3):
             port = dashboard_port()
             try:
-                with state_api_at(port if dashboard else None):
+                with state_api_at(port):  # without the dashboard, the free port: nothing answers there
                     ray.init(
                         address="local",  # never attach to somebody else's cluster by accident
                         num_cpus=num_cpus,
                         labels=tiers.local_node_labels(),
-                        include_dashboard=dashboard,  # Ray Train's state queries need it
+                        include_dashboard=dashboard,
                         dashboard_host="127.0.0.1",
                         dashboard_port=port,
                         log_to_driver=log_to_driver,
@@ -111,13 +112,16 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
 
 @contextlib.contextmanager
 def state_api_at(port: int | None):
-    """While Ray's processes start, name the dashboard at `port` (None: none) as where Ray's state API is.
+    """While Ray's processes start, name loopback `port` (None: none) as where Ray's state API is: the
+    dashboard's, or, for a Ray started without one, a free port where nothing answers.
 
     Ray Train's placement-group cleaner asks the state API, from inside the cluster, whether the controller
     lives, and finds a Ray started from Python (not `ray start`) only through RAY_API_SERVER_ADDRESS:
-    without it each ask waits out its timeout, and every run's end took 12 s more. The raylet and every
-    worker inherit it from the environment they start with; this process's own job and state clients keep
-    finding what they are pointed at, so it is set only while the nodes start."""
+    without it each ask waits out its 10 s timeout, and every run's end took 12 s more. Pointed at a port
+    nothing listens on, each ask fails at once and the cleaner says so in its own log (an embedded Ray's
+    placement groups go with its processes anyway). The raylet and every worker inherit the variable from
+    the environment they start with; this process's own job and state clients keep finding what they are
+    pointed at, so it is set only while the nodes start."""
     before = os.environ.get(API_SERVER_ENV)
     if port is not None:
         os.environ[API_SERVER_ENV] = f"http://127.0.0.1:{port}"

@@ -117,10 +117,15 @@ class GPT(nn.Module):
     forward are compiled too."""
 
     def __init__(self, cfg: GPTConfig, init: bool = True):
+        """`init=False`: weights left as allocated, for a model whose weights are loaded or only counted
+        (its embeddings skip their own random init too: on the meta device that init alone imports
+        torch's compiler, 1-1.5 s of the training driver's start)."""
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.seq_len, cfg.n_embd)
+        def embedding(rows: int) -> nn.Embedding:
+            return nn.Embedding(rows, cfg.n_embd, **({} if init else {"_weight": torch.empty(rows, cfg.n_embd)}))
+
+        self.wte, self.wpe = embedding(cfg.vocab_size), embedding(cfg.seq_len)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
@@ -333,7 +338,7 @@ def token_losses(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
 def describe(cfg: GPTConfig) -> dict:
     """Parameters and training FLOPs per token of a config, without allocating its weights."""
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = GPT(cfg, init=False)
     return {"params": model.num_params(), "flops_per_token": model.flops_per_token()}
 
 

@@ -45,9 +45,10 @@ def _run_leased(spec: RunSpec, *, run_name, run_dir, job: Job, workers, use_gpu,
                 allow_change, allow_mixed_gpus, gpu_wait_s, verbose, reschedule) -> dict:
     import ray
 
-    # The driver speaks for the run (train/progress.py); Ray's worker and controller logs stay in its log
-    # files unless --verbose.
-    job.connect(log_to_driver=verbose, quiet=not verbose)
+    # The driver speaks for the run (train/progress.py): Ray's worker and controller logs stay in its log
+    # files, and an embedded Ray starts without its dashboard (its nine module processes would share the
+    # cores with Ray Train's start), unless --verbose.
+    job.connect(dashboard=verbose, log_to_driver=verbose, quiet=not verbose)
     launches = read_launches(run_dir)
     placement = place(embedded=embedded(), workers=workers, use_gpu=use_gpu, allow_mixed=allow_mixed_gpus,
                       wait_s=gpu_wait_s)

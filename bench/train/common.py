@@ -16,6 +16,7 @@ def make_dataset(workdir: str, mb: float = 4.0, seq_len: int = 128) -> tuple[str
     """(storage root, dataset ref): `mb` MB of generated text preprocessed with the debug preset (bytes)."""
     from pipelines.config import debug
     from pipelines.driver import run
+    from strata.connect import shutdown
     from strata.dataset import list_versions
     from strata.storage import Storage
 
@@ -32,7 +33,8 @@ def make_dataset(workdir: str, mb: float = 4.0, seq_len: int = 128) -> tuple[str
             line = '{"text": "' + " ".join(rng.choice(WORDS) for _ in range(rng.randint(80, 600))) + '."}\n'
             f.write(line)
             size += len(line)
-    out = run(debug(name, read={"inputs": (corpus,)}, pack={"seq_len": seq_len}), storage)
+    out = run(debug(name, read={"inputs": (corpus,)}, pack={"seq_len": seq_len}), storage, dashboard=False)
+    shutdown()  # the embedded Ray that made it would share the cores with what the benchmark times
     return storage.root, f"{name}@{out['version']}"
 
 
