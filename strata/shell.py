@@ -182,7 +182,7 @@ class Command:
 
 
 class Job:
-    """One run's life on Ray, the same for preprocess, train, tune and infer:
+    """One run's life on Ray, the same for every command that runs work there (preprocess, train, tune):
 
         with Job("train", name, storage, holds=run_dir, what=f"training run {name}") as job:
             job.connect()                      # an embedded Ray, or the cluster's

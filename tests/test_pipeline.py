@@ -441,3 +441,33 @@ def test_the_memory_figure_counts_the_dedup_index_actors(dataset):
     stats = dataset["stats"]
     assert stats["peak_index_rss_mb"] > 0
     assert stats["peak_worker_rss_mb"] >= stats["peak_index_rss_mb"]
+
+
+def test_unit_tallies_add_field_by_field():
+    """Work units report a typed Tally each; the driver adds them: counts add key by key, the examples per
+    reason stay capped, the peak is the largest, nodes are a union and the audit pairs a fixed sample."""
+    from pipelines.stats import AUDIT_PAIRS, SAMPLES_PER_REASON, Tally, accounting
+
+    rng = np.random.default_rng(3)
+    units = []
+    for u in range(6):
+        filtered = {rule: int(rng.integers(0, 5)) for rule in ("too-short", "c4-bad-phrase")}
+        kept = int(rng.integers(5, 20))
+        dup = int(rng.integers(0, kept))
+        units.append(Tally(kept=kept, filtered=filtered, packed=kept - dup, duplicate={"exact": dup},
+                           samples={"filtered:too-short": tuple({"doc_id": f"{u}:{i}"} for i in range(2))},
+                           peak_rss_mb=float(rng.integers(50, 500)), nodes=frozenset({f"n{u % 2}"}),
+                           pairs=tuple({"removed": int(k), "kept": 0, "kind": "near"} for k in rng.integers(0, 1000, 5)),
+                           cpu_s={"read": 0.5, "clean": float(u)}))
+    total = Tally.total(units)
+    assert total.kept == sum(t.kept for t in units)
+    assert total.filtered == {r: sum(t.filtered[r] for t in units) for r in ("too-short", "c4-bad-phrase")}
+    assert total.cpu_s == {"read": 3.0, "clean": 15.0}
+    assert len(total.samples["filtered:too-short"]) == SAMPLES_PER_REASON
+    assert total.peak_rss_mb == max(t.peak_rss_mb for t in units) and total.nodes == {"n0", "n1"}
+    every = sorted(p["removed"] for t in units for p in t.pairs)
+    assert [p["removed"] for p in total.pairs] == every[:AUDIT_PAIRS]
+    docs = accounting(total)
+    assert docs.read == docs.kept + docs.filtered + docs.duplicate + docs.rejected == total.read()
+    with pytest.raises(RuntimeError, match="does not balance"):  # a unit that lost a document is a bug
+        accounting(total + Tally(kept=1))
