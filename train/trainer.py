@@ -33,7 +33,7 @@ def run(spec: RunSpec, *, run_name: str, storage: Storage, workers: int | None =
     the run's lease: one writer per run."""
     run_dir = storage.run(run_name)
     if not read_launches(run_dir) and spec.train.max_repeat and spec.train.batch_size and workers:
-        _check_repeats(spec, spec.train, workers)  # refused before the run exists
+        _check_repeats(spec, workers)  # refused before the run exists
     with Job("train", run_name, storage, holds=run_dir, what=f"training run {run_name}") as job:
         return _run_leased(spec, run_name=run_name, run_dir=run_dir, job=job, workers=workers, use_gpu=use_gpu,
                            cpus_per_worker=cpus_per_worker, max_failures=max_failures, allow_change=allow_change,
@@ -56,7 +56,7 @@ def _run_leased(spec: RunSpec, *, run_name, run_dir, job: Job, workers, use_gpu,
     if launches:
         spec = _continuation(spec, launches[-1]["config"], run_name, allow_change, reschedule)
     if spec.train.max_repeat and spec.train.batch_size:
-        _check_repeats(spec, spec.train, workers)
+        _check_repeats(spec, workers)
     size = describe(spec.model)
     resume_from = _newest_intact(run_dir)
     if resume_from:
@@ -177,8 +177,9 @@ def _worker_refusal(e) -> Exception | None:
     return None
 
 
-def _check_repeats(spec: RunSpec, train_cfg: TrainConfig, workers: int) -> None:
+def _check_repeats(spec: RunSpec, workers: int) -> None:
     """Refuse a run that would pass over a dataset more than --max-repeat times."""
+    train_cfg = spec.train
     accum = accumulation(train_cfg, train_cfg.batch_size, workers, spec.model.seq_len)
     rows = train_cfg.max_steps * accum * train_cfg.batch_size * workers
     over = {ref: r for ref, r in spec.repeats(rows, workers).items() if r > train_cfg.max_repeat}
