@@ -494,7 +494,9 @@ def write_shard(batch: dict, *, staging: str, packed_files: list[str]) -> dict:
     table = pa.concat_tables(parts).sort_by("key").select(["tokens"])
     name = f"{split}-{shard:05d}.parquet"
     fs, path = filesystem(join(staging, name))
-    pq.write_table(table, path, filesystem=fs)
+    # Row groups of ROW_GROUP_ROWS rows: a trainer reads (and a resume seeks to) a few of them, never a
+    # whole shard (train/data.py).
+    pq.write_table(table, path, filesystem=fs, row_group_size=ROW_GROUP_ROWS)
     row_len = table.schema.field("tokens").type.list_size
     tally = Tally(nodes=frozenset([_node()]), cpu_s={"shuffle-write": time.process_time() - cpu0})
     return {"out": [Output(tally=tally, shard=(name, split, table.num_rows, table.num_rows * row_len))]}

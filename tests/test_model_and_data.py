@@ -93,6 +93,39 @@ def test_resume_from_a_step_replays_the_same_batches(shards):
         assert np.array_equal(next(resumed), straight[k])
 
 
+@pytest.mark.parametrize("batch,buffer,world", [(4, 16, 1), (3, 16, 2), (5, 12, 1), (4, 4, 1)])
+def test_a_resume_seeks_to_its_batch_and_reads_a_bounded_number_of_rows(batch, buffer, world):
+    """Starting an epoch at batch k gives batches k, k+1, ... of the whole epoch exactly, for buffers that
+    carry rows over (buffer % batch) and that do not, and reads about a buffer's rows to get there: as few
+    row groups (of 8 rows, say) near the end of the epoch as near its start; it never reads the rows
+    before its position."""
+    data = {f"s{i}": np.repeat(np.arange(1000 * i, 1000 * i + n), 2).reshape(n, 2) for i, n in enumerate((90, 41, 130, 7))}
+    read_log = []
+
+    def read(path, start=0, stop=None):
+        rows = data[path][start:stop]
+        read_log.append({(path, r // 8) for r in range(start, start + len(rows))})  # the row groups it touches
+        return rows
+
+    refs = [ShardRef(path, len(rows)) for path, rows in data.items()]
+    for rank in range(world):
+        loader = TokenBatches(refs, batch_size=batch, rank=rank, world_size=world, seed=7, shuffle_buffer=buffer,
+                              read=read)
+        whole = list(loader.epoch(1))
+        assert len(whole) == loader.steps_per_epoch
+        cost = {}
+        for skip in range(len(whole)):
+            read_log.clear()
+            first = next(loader.epoch(1, skip))
+            cost[skip] = len(set().union(*read_log))
+            assert np.array_equal(first, whole[skip]), (rank, skip)
+            assert all(np.array_equal(b, w) for b, w in zip(loader.epoch(1, skip), whole[skip:], strict=True))
+        # At most two buffers' row groups, one per shard boundary and one per row the buffer carries over,
+        # wherever the batch is; reading up to it would touch up to the rank's whole share (268 / world rows).
+        bound = (2 * buffer) // 8 + 2 * len(refs) + batch
+        assert max(cost.values()) <= bound < 268 // world // 8, cost
+
+
 def test_too_small_a_dataset_is_a_clear_error(shards):
     with pytest.raises(ValueError, match="cannot give 8 worker"):
         TokenBatches(shards[2:], batch_size=4, world_size=8)
@@ -313,3 +346,24 @@ def test_padded_rows_are_masked_by_their_pad_value():
     x, y = to_xy(rows, torch.device("cpu"))
     assert y.tolist() == [[6, 7, 8, 9], [2, 3, IGNORE, IGNORE]]
     assert x.tolist() == [[5, 6, 7, 8], [1, 2, 3, 0]]
+
+
+def test_a_row_range_reads_only_its_row_groups(tmp_path, monkeypatch):
+    """strata.dataset.read_rows(path, start, stop) decodes just the row groups that hold the range, and the
+    next range within them decodes nothing."""
+    import strata.dataset as dataset
+
+    rows = np.arange(100 * (SEQ + 1), dtype=np.uint16).reshape(100, SEQ + 1)
+    table = pa.Table.from_arrays([pa.FixedSizeListArray.from_arrays(pa.array(rows.ravel()), SEQ + 1)],
+                                 schema=arrow_schema(SEQ, "uint16"))
+    path = str(tmp_path / "s.parquet")
+    pq.write_table(table, path, row_group_size=16)
+    decoded = []
+    real = pq.ParquetFile.read_row_groups
+    monkeypatch.setattr(pq.ParquetFile, "read_row_groups",
+                        lambda self, groups, **kw: decoded.append(list(groups)) or real(self, groups, **kw))
+    for a, b, groups in ((40, 50, [2, 3]), (41, 47, None), (90, 100, [5, 6]), (0, 1, [0]), (15, 17, [0, 1])):
+        decoded.clear()
+        assert np.array_equal(dataset.read_rows(path, a, b), rows[a:b])
+        assert decoded == ([groups] if groups else []), (a, b, decoded)
+    assert np.array_equal(dataset.read_rows(path), rows)

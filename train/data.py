@@ -3,8 +3,12 @@
 Every epoch orders the shards by a seeded permutation and gives each rank an
 equal, contiguous range of rows, so every rank runs the same number of steps
 (a collective on unequal counts hangs). Rows are shuffled in a seeded buffer.
-The position is (epoch, batch index): skipping to it replays the same order,
-so a resumed run sees exactly the batches an uninterrupted one would.
+The position is (epoch, batch index): a resumed run sees exactly the batches an
+uninterrupted one would. It seeks there without reading what comes before:
+which rows each shuffle buffer held follows from the seed alone, so a resume
+reads the few rows the buffer carries over and then only the row ranges from
+its position on (strata.dataset.read_rows reads just the row groups that hold
+a range), whatever its position in the epoch.
 """
 
 from __future__ import annotations
@@ -50,7 +54,9 @@ class Source:
         return cls(version.ref, weight, split("train"), split("validation"))
 
 
-Reader = Callable[[str], np.ndarray]
+Reader = Callable[..., np.ndarray]
+"""`read(path, start=0, stop=None)`: rows [start, stop) of a shard (strata.dataset.read_rows)."""
+READ_ROWS = 4096  # rows read at a time: four of a shard's row groups (pipelines/pack.py), never a whole shard
 
 
 class ShardCache:
@@ -61,7 +67,10 @@ class ShardCache:
         self.max_rows, self.rows = max_rows, 0
         self.shards: OrderedDict[str, np.ndarray] = OrderedDict()
 
-    def __call__(self, path: str) -> np.ndarray:
+    def __call__(self, path: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        return self._whole(path)[start:stop]
+
+    def _whole(self, path: str) -> np.ndarray:
         if (rows := self.shards.get(path)) is not None:
             self.shards.move_to_end(path)
             return rows
@@ -97,25 +106,59 @@ class TokenBatches:
             raise ValueError(f"{sum(s.rows for s in shards)} rows cannot give {world_size} worker(s) "
                              f"one batch of {batch_size}: use a smaller batch or a larger dataset")
 
-    def _rows(self, epoch: int) -> Iterator[np.ndarray]:
-        """This rank's rows for `epoch` in stream order, as (n, seq_len + 1) arrays."""
-        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
-        lo, hi = self.rank * self.rows_per_rank, (self.rank + 1) * self.rows_per_rank
+    def _order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
+
+    def _rows(self, epoch: int, first: int = 0) -> Iterator[np.ndarray]:
+        """This rank's rows for `epoch` in stream order from its `first`, as (n, seq_len + 1) arrays read
+        READ_ROWS (or a shuffle buffer, if smaller) at a time, aligned to the shard's row groups."""
+        piece = min(READ_ROWS, self.shuffle_buffer)
+        lo, hi = self.rank * self.rows_per_rank + first, (self.rank + 1) * self.rows_per_rank
         start = 0
-        for i in order:
+        for i in self._order(epoch):
             shard = self.shards[i]
             end = start + shard.rows
             if end > lo and start < hi:
-                rows = self.read(shard.path)
-                yield rows[max(lo - start, 0): min(hi, end) - start]
+                a, b = max(lo - start, 0), min(hi, end) - start
+                while a < b:
+                    stop = min(b, (a // piece + 1) * piece)
+                    yield self.read(shard.path, a, stop)
+                    a = stop
             start = end
+
+    def _rows_at(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """The rows at these positions of this rank's stream for `epoch`, each read on its own."""
+        order = self._order(epoch)
+        starts = np.cumsum([0] + [self.shards[i].rows for i in order])
+        out = []
+        for p in positions + self.rank * self.rows_per_rank:
+            k = int(np.searchsorted(starts, p, side="right")) - 1
+            at = int(p - starts[k])
+            out.append(self.read(self.shards[order[k]].path, at, at + 1))
+        return np.concatenate(out)
+
+    def _seek(self, rng: np.random.Generator, skip: int) -> tuple[int, np.ndarray, int]:
+        """Pass over the full shuffle buffers before batch `skip` without reading them: (buffers passed, the
+        stream positions of the rows the last one carries over, the stream position after it). Each buffer
+        holds the rows the previous one carried over, then the next rows of the stream; `rng` is left where
+        reading them would have left it."""
+        size, per = self.shuffle_buffer, self.shuffle_buffer // self.batch_size
+        carried = size - per * self.batch_size
+        full = 0 if self.rows_per_rank < size else 1 + (self.rows_per_rank - size) // (size - carried)
+        left, at = np.zeros(0, dtype=np.int64), 0
+        for _ in range(min(skip // per, full)):
+            held = np.concatenate([left, np.arange(at, at + size - len(left))])
+            at += size - len(left)
+            left = held[rng.permutation(size)][per * self.batch_size:]
+        return min(skip // per, full), left, at
 
     def epoch(self, epoch: int, skip: int = 0) -> Iterator[np.ndarray]:
         """Batches (batch_size, seq_len + 1) of `epoch`, starting after `skip` batches."""
         rng = np.random.default_rng([self.seed, epoch, self.rank])
-        pending = np.zeros((0, 0), dtype=np.int64)
-        emitted = 0
-        for rows in self._rows(epoch):
+        passed, left, at = self._seek(rng, skip)
+        emitted = passed * (self.shuffle_buffer // self.batch_size)
+        pending = self._rows_at(epoch, left) if len(left) else np.zeros((0, 0), dtype=np.int64)
+        for rows in self._rows(epoch, at):
             pending = rows if pending.size == 0 else np.concatenate([pending, rows])
             while len(pending) >= self.shuffle_buffer:
                 chunk, pending = pending[: self.shuffle_buffer], pending[self.shuffle_buffer:]
