@@ -43,9 +43,6 @@ class RunSpec:
     init: object = None
     """The starting weights (train.pretrained) when `init_from`, or an ObjectRef of them once put."""
 
-    def with_(self, **changes) -> RunSpec:
-        return replace(self, **changes)
-
     def repeats(self, rows_drawn: int, world: int) -> dict[str, float]:
         """Passes over each dataset's training rows after `rows_drawn` rows in all (every rank's)."""
         out = {}
@@ -66,8 +63,8 @@ def resolve(storage: Storage, dataset: str, model: GPTConfig, train: TrainConfig
     - `weighted=False`: a sweep's datasets at weight 1 each (its trials weigh them).
     """
     flags = model_flags or {}
-    if run_name is not None:
-        dataset = _continued_dataset(storage, run_name, dataset, allow_change)
+    if run_name is not None and (launches := read_launches(storage.run(run_name))):
+        dataset = continued_dataset(launches[-1]["config"].get("dataset", ""), dataset, run_name, allow_change)
     versions = mixture.resolve_all(storage, dataset, weighted)
     m = versions[0][0].manifest  # every dataset of a mixture shares its tokenizer and seq_len
     weights = None
@@ -93,13 +90,9 @@ def resolve(storage: Storage, dataset: str, model: GPTConfig, train: TrainConfig
                    init_from=init_from, init=weights)
 
 
-def _continued_dataset(storage: Storage, run_name: str, dataset: str, allow_change: bool) -> str:
-    """The datasets a continued run reads: the snapshots it started on, unless asked to change them."""
-    launches = read_launches(storage.run(run_name))
-    if not launches:
-        return dataset
-    old = launches[-1]["config"].get("dataset", "")
-    if dataset == old or allow_change:
+def continued_dataset(old: str, dataset: str, run_name: str, allow_change: bool) -> str:
+    """The datasets a continued run that started on `old` reads: those snapshots, unless asked to change them."""
+    if not old or dataset == old or allow_change:
         return dataset
     if mixture.spec(mixture.split(dataset)) == mixture.unpinned(old):
         log("train").info(f"run {run_name} continues on {old}, the snapshot it started on "

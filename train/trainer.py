@@ -21,7 +21,7 @@ from train.loop import train_loop_per_worker
 from train.model import GPTConfig, describe
 from train.placement import place
 from train.progress import Progress
-from train.spec import RunSpec
+from train.spec import RunSpec, continued_dataset
 
 _log = _logger("train")
 
@@ -74,7 +74,7 @@ def _run_leased(spec: RunSpec, *, run_name, run_dir, job: Job, workers, use_gpu,
                         "use_gpu": use_gpu, "cpus_per_worker": cpus_per_worker, **size})
     record_launch(run_dir, len(launches), record)
     # Starting weights go to the object store once; every worker takes them from there.
-    spec = spec.with_(init=ray.put(spec.init) if spec.init is not None and not resume_from else None)
+    spec = replace(spec, init=ray.put(spec.init) if spec.init is not None and not resume_from else None)
     started = time.time()
     with job.working():
         try:
@@ -233,14 +233,11 @@ DATA_ORDER = ("batch_size", "grad_accum", "seed")
 
 
 def _continuation(spec: RunSpec, before: dict, run_name: str, allow_change: bool, reschedule: bool) -> RunSpec:
-    """The spec a continued run goes on with (see _check_continuation); its datasets are those it started
-    on unless allowed to change (train.spec.resolve with the run's name picks those)."""
-    old = before.get("dataset", "")
-    if old and spec.dataset != old and not allow_change:
-        raise ValueError(f"run {run_name} trains on {old}, not {spec.dataset}: continue it with --dataset {old}, "
-                         "start a new --run, or pass --allow-change")
-    return spec.with_(train=_check_continuation(before, run_name, spec.model, spec.train, spec.tokenizer.hash,
-                                                allow_change, reschedule))
+    """The spec a continued run goes on with (see _check_continuation), on the datasets it started on unless
+    allowed to change (train.spec.resolve with the run's name picks those)."""
+    continued_dataset(before.get("dataset", ""), spec.dataset, run_name, allow_change)
+    return replace(spec, train=_check_continuation(before, run_name, spec.model, spec.train, spec.tokenizer.hash,
+                                                   allow_change, reschedule))
 
 
 def _check_continuation(before: dict, run_name: str, model_cfg: GPTConfig, train_cfg: TrainConfig,

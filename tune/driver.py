@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 from ray.tune import Callback
@@ -84,7 +84,7 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
         job.connect(quiet=True)
         check_driver_node()
         # The starting weights go to the object store once; each trial process fetches them once.
-        base = base.with_(init=ray.put(base.init) if base.init is not None else None)
+        base = replace(base, init=ray.put(base.init) if base.init is not None else None)
         trial_spec = TrialSpec(run=base, sweep=cfg, val_rows=np.concatenate(val_rows), out=sweep_dir)
         return _run_leased(job, cfg, space, base.dataset, trial_spec, sweep_name, sweep_dir, model_preset, progress)
 
