@@ -9,11 +9,11 @@
    left of each split, shorter than a row, is a tail: `pack_tails` then packs
    every unit's tails together, so at most one partial row per split per
    version is left over, and counted.
-3. `write_shard`: a shard owns a slice of the 64-bit key space and reads it
-   from every packed file (sorted by key, so row-group statistics skip the
-   rest), then writes it sorted by key. Every shard is thus a random sample of
-   the whole version in random order, the same for the same seed, without a
-   shuffle through the object store.
+3. `shuffle` and `write_shards`: a shard owns a slice of the 64-bit key space
+   (`ShardPlan`); Ray Data's sort by (shard, key) reads every packed file once
+   and brings each shard's rows, in key order, to one writer. Every shard is
+   thus a random sample of the whole version in random order, the same for the
+   same seed, and the requests grow as shards + work files, not their product.
 
 Work files are named by a digest of what they hold, so a retried task rewrites
 the same file instead of adding one.
@@ -26,6 +26,7 @@ import json
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from itertools import islice
 
 import numpy as np
@@ -39,7 +40,7 @@ from pipelines.stats import SAMPLES_PER_REASON, Output, Tally, audit_sample
 from strata.connect import fetch_once
 from strata.dataset import arrow_schema, token_dtype
 from strata.procs import peak_rss_mb
-from strata.storage import filesystem, join
+from strata.storage import filesystem, join, read_bytes
 
 SPLIT_IDS = {"train": 0, "validation": 1}
 ROW_GROUP_ROWS = 1024
@@ -47,6 +48,16 @@ ROW_GROUP_ROWS = 1024
 
 def digest(obj) -> str:
     return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def docs_name(unit: list[dict]) -> str:
+    """Pass 1's work file for a unit: named by what the unit holds (a retried or resumed unit rewrites it)."""
+    return f"docs-{digest(unit)}.parquet"
+
+
+def packed_name(docs_file: str) -> str:
+    """Pass 2's work file for the documents of `docs_file` (pass 1's name, or, fused, the unit's)."""
+    return docs_file.replace("docs-", "packed-", 1)
 
 
 def mix64(x: np.ndarray) -> np.ndarray:
@@ -170,7 +181,7 @@ def read_clean_sign(batch: dict, *, read: ReadConfig, clean: CleanConfig, dedup:
                     contamination: dict | None = None) -> dict:
     """Pass 1 over one work unit (Ray Data `map_batches`, batch_size=1); the configs travel typed."""
     unit = json.loads(batch["unit"][0])
-    name = f"docs-{digest(unit)}.parquet"
+    name = docs_name(unit)
     return {"out": [with_deferral(unit, read, lambda files: _read_clean_sign(files, read, clean, dedup, work_dir,
                                                                              name, contamination))]}
 
@@ -303,12 +314,12 @@ class DedupTokenizePack:
         if "docs_file" in batch:
             return {"out": [self._pack(batch, str(batch["docs_file"][0]))]}
         unit = json.loads(batch["unit"][0])
-        name = f"docs-{digest(unit)}"
+        name = docs_name(unit)
         return {"out": [with_deferral(unit, self.read, lambda files: self._pack({"unit": [json.dumps(files)]}, name))]}
 
     def _pack(self, batch: dict, name: str) -> Output:
         started = time.perf_counter()
-        out_name = name.replace("docs-", "packed-").removesuffix(".parquet") + ".parquet"
+        out_name = packed_name(name)
         fs, out_path = filesystem(join(self.work_dir, "packed", out_name))
         stats, removed_by_path, clusters = Counter(), Counter(), Counter()  # stats: Tally's whole-number fields
         duplicate, split_tokens, split_rows, seen = Counter(), Counter(), Counter(), Outcomes()
@@ -361,10 +372,8 @@ class DedupTokenizePack:
             clock.lap("pack")
         # What is left of each split is shorter than a row: it is packed with the other units' in `pack_tails`.
         write_tails(join(self.work_dir, "tails", out_name), carry)
-        # Sorted by (split, key) in small row groups, so each shard reads just its key range.
         table = pa.concat_tables(tables) if tables else self.schema.empty_table()
-        table = table.sort_by([("split", "ascending"), ("key", "ascending")])
-        pq.write_table(table, out_path, filesystem=fs, row_group_size=ROW_GROUP_ROWS)
+        pq.write_table(table, out_path, filesystem=fs)  # pass 3's shuffle reads it once, whole
         if removed_rows["doc_id"] and self.removed_dir:  # every removed document, for whoever audits dedup
             rfs, rpath = filesystem(join(self.removed_dir, out_name))
             pq.write_table(pa.table({**removed_rows, "kept": pa.array(removed_rows["kept"], pa.uint64())}), rpath,
@@ -454,8 +463,7 @@ def pack_tails(work_dir: str, names: list[str], *, seq_len: int, dtype: str, see
     packed_file = ""
     if tables:
         fs, p = filesystem(join(work_dir, "packed", TAILS_FILE))
-        table = pa.concat_tables(tables).sort_by([("split", "ascending"), ("key", "ascending")])
-        pq.write_table(table, p, filesystem=fs, row_group_size=ROW_GROUP_ROWS)
+        pq.write_table(pa.concat_tables(tables), p, filesystem=fs)
         packed_file = TAILS_FILE
     figures = {k: v[""] if k.endswith("documents") else dict(v) for k, v in out.items()}
     return Output(tally=Tally(**figures, cpu_s={"pack": time.process_time() - cpu0}), packed_file=packed_file)
@@ -473,30 +481,87 @@ def read_tails(path: str) -> dict[str, np.ndarray]:
 # ---------------------------------------------------------------- pass 3
 
 
+@dataclass(frozen=True)
+class ShardPlan:
+    """Where each packed row goes: shard i of a split owns the i-th of `n` equal slices of the 64-bit key
+    space (a row's key is random, so a shard is a random sample of the split). For the shuffle the shards
+    are numbered across splits in SPLIT_IDS order: `ids[s]` is the first number of split `s`."""
+
+    counts: tuple[tuple[str, int], ...]
+    """(split, shards) of each split that has rows."""
+
+    @property
+    def total(self) -> int:
+        return sum(n for _, n in self.counts)
+
+    def first_ids(self) -> dict[str, int]:
+        at, out = 0, {}
+        for split, n in self.counts:
+            out[split], at = at, at + n
+        return out
+
+    def name(self, shard: int) -> tuple[str, int]:
+        """The split of global shard number `shard`, and its number within the split."""
+        for split, first in reversed(self.first_ids().items()):
+            if shard >= first:
+                return split, shard - first
+        raise ValueError(shard)
+
+    def assign(self, batch: pa.Table) -> pa.Table:
+        """A batch of packed rows (key, split, tokens) with their global shard number in place of the split."""
+        split, key = batch["split"].to_numpy(), batch["key"].to_numpy()
+        shard = np.full(len(key), -1, np.int64)
+        for name, first in self.first_ids().items():
+            n = dict(self.counts)[name]
+            lows = np.array([key_range(i, n)[0] for i in range(n)], dtype=np.uint64)
+            mine = split == SPLIT_IDS[name]
+            shard[mine] = first + np.searchsorted(lows, key[mine], side="right") - 1
+        if (shard < 0).any():
+            raise RuntimeError(f"packed rows of a split with no shards: {sorted(set(split[shard < 0].tolist()))}")
+        return pa.table({"shard": shard, "key": batch["key"], "tokens": batch["tokens"]})
+
+
 def key_range(shard: int, shards: int) -> tuple[int, int]:
     """The slice [lo, hi) of the 64-bit key space that a shard owns."""
     return shard * (1 << 64) // shards, (shard + 1) * (1 << 64) // shards
 
 
+def read_packed(batch: dict, *, plan: ShardPlan) -> pa.Table:
+    """One packed work file's rows, each with its shard number: the file is fetched whole, in one request
+    (Ray Data's parquet reader would open it three times, and read part of it twice, to plan the read)."""
+    return plan.assign(pq.read_table(pa.BufferReader(read_bytes(str(batch["path"][0]))), columns=["key", "split", "tokens"]))
+
+
+def shuffle(packed: list[str], plan: ShardPlan):
+    """The packed rows in shards: Ray Data's own sort by (shard, key), its partitions cut at shard numbers.
+    Each packed file is read once, each row travels through the object store once to its shard's reducer,
+    and the shards come out with their rows in key order (the same order for the same seed)."""
+    import ray
+
+    ds = ray.data.from_items([{"path": p} for p in packed], override_num_blocks=len(packed))
+    ds = ds.map_batches(read_packed, batch_size=1, fn_kwargs={"plan": plan})
+    return ds.sort(["shard", "key"], boundaries=list(range(1, plan.total + 1)))
+
+
 @profiled
-def write_shard(batch: dict, *, staging: str, packed_files: list[str]) -> dict:
-    """Pass 3, one shard: its key range of one split from every packed file, sorted by key."""
+def write_shards(batch: pa.Table, *, staging: str, plan: ShardPlan) -> dict:
+    """Pass 3's writer: the shards' rows of one sorted block (each shard's rows in key order) to a file per
+    shard. A shard the shuffle cut into several blocks becomes several files, each named by its shard and
+    its first key, so a rerun writes the same names."""
     cpu0 = time.process_time()
-    split, shard, shards = str(batch["split"][0]), int(batch["shard"][0]), int(batch["shards"][0])
-    lo, hi = key_range(shard, shards)
-    filters = [("split", "=", SPLIT_IDS[split]), ("key", ">=", pa.scalar(lo, pa.uint64()))]
-    if hi < 1 << 64:
-        filters.append(("key", "<", pa.scalar(hi, pa.uint64())))
-    parts = []
-    for path in packed_files:
-        fs, p = filesystem(path)
-        parts.append(pq.read_table(p, filesystem=fs, columns=["key", "tokens"], filters=filters))
-    table = pa.concat_tables(parts).sort_by("key").select(["tokens"])
-    name = f"{split}-{shard:05d}.parquet"
-    fs, path = filesystem(join(staging, name))
-    # Row groups of ROW_GROUP_ROWS rows: a trainer reads (and a resume seeks to) a few of them, never a
-    # whole shard (train/data.py).
-    pq.write_table(table, path, filesystem=fs, row_group_size=ROW_GROUP_ROWS)
-    row_len = table.schema.field("tokens").type.list_size
-    tally = Tally(nodes=frozenset([_node()]), cpu_s={"shuffle-write": time.process_time() - cpu0})
-    return {"out": [Output(tally=tally, shard=(name, split, table.num_rows, table.num_rows * row_len))]}
+    shard, out = batch["shard"].to_numpy(), []
+    cuts = np.flatnonzero(np.diff(shard)) + 1
+    for a, b in zip([0, *cuts], [*cuts, len(shard)], strict=True):
+        split, number = plan.name(int(shard[a]))
+        part = batch.slice(a, b - a)
+        name = f"{split}-{number:05d}-{part['key'][0].as_py():016x}.parquet"
+        fs, path = filesystem(join(staging, name))
+        # Row groups of ROW_GROUP_ROWS rows: a trainer reads (and a resume seeks to) a few of them, never a
+        # whole shard (train/data.py).
+        pq.write_table(part.select(["tokens"]), path, filesystem=fs, row_group_size=ROW_GROUP_ROWS)
+        row_len = part.schema.field("tokens").type.list_size
+        out.append(Output(tally=Tally(), shard=(name, split, part.num_rows, part.num_rows * row_len)))
+    if out:
+        out[0] = Output(tally=Tally(nodes=frozenset([_node()]), cpu_s={"shuffle-write": time.process_time() - cpu0}),
+                        shard=out[0].shard)
+    return {"out": out}

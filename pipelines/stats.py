@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
 from strata.dataset import DOCUMENT_STATUSES, DocumentCounts
 from strata.storage import basename
@@ -116,6 +116,15 @@ class Tally:
     def read(self) -> int:
         return self.kept + sum(self.filtered.values()) + sum(self.rejected.values())
 
+    def to_json(self) -> dict:
+        """As JSON values: a finished unit's record (`_work/done/`), read back by a resumed run."""
+        return {**asdict(self), "nodes": sorted(self.nodes), "clusters": {str(k): v for k, v in self.clusters.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Tally:
+        return cls(**{**d, "samples": {k: tuple(v) for k, v in d["samples"].items()}, "pairs": tuple(d["pairs"]),
+                      "clusters": {int(k): v for k, v in d["clusters"].items()}, "nodes": frozenset(d["nodes"])})
+
 
 @dataclass(frozen=True, kw_only=True)
 class Output:
@@ -132,6 +141,14 @@ class Output:
     """Pass 2: the work file of packed rows."""
     shard: tuple = ()
     """Pass 3: (path, split, rows, tokens) of the shard written."""
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "tally": self.tally.to_json()}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Output:
+        return cls(**{**d, "tally": Tally.from_json(d["tally"]), "unit_files": tuple(d["unit_files"]),
+                      "shard": tuple(d["shard"])})
 
 
 def outputs(rows: list[dict]) -> list[Output]:

@@ -293,7 +293,14 @@ def latest(storage: Storage, name: str) -> DatasetVersion | None:
     return resolve(storage, f"{name}@{versions[-1]}") if versions else None
 
 
-FAILPOINT = "STRATA_FAILPOINT"  # `before-commit`: the process kills itself there (crash tests)
+FAILPOINT = "STRATA_FAILPOINT"  # the process kills itself where `failpoint` names it (crash tests)
+
+
+def failpoint(name: str) -> None:
+    """With $STRATA_FAILPOINT equal to `name` (say `before-commit`, or `pass1:3`: the third unit of pass
+    1 recorded), the process kills itself here, as a crash or a kill -9 would."""
+    if os.environ.get(FAILPOINT) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def commit(storage: Storage, name: str, files: str, manifest_fields: dict, *, lease=None,
@@ -326,8 +333,7 @@ def commit(storage: Storage, name: str, files: str, manifest_fields: dict, *, le
     if fields.get("dedup", {}).get("files"):
         fields["dedup"] = {**fields["dedup"], "files": {t: [f"{rel}/{p}" for p in ps]
                                                        for t, ps in fields["dedup"]["files"].items()}}
-    if os.environ.get(FAILPOINT) == "before-commit":
-        os.kill(os.getpid(), signal.SIGKILL)
+    failpoint("before-commit")
     if built_on and built_on not in list_versions(storage, name):
         raise DatasetError(f"{name}@{built_on}, the version this run deduplicated against, was deleted while it ran: "
                            "nothing was committed (what it dropped as duplicates of that version would be lost). "

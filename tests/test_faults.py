@@ -15,8 +15,8 @@ import sys
 import boto3
 import pytest
 from conftest import REPO, ensure_local_ray, make_corpus
-from netfaults import ResettingProxy
 
+from bench.s3proxy import ResettingProxy
 from pipelines.config import debug
 from pipelines.driver import UNIT_RETRIES
 from pipelines.driver import run as preprocess

@@ -1,7 +1,10 @@
-"""A TCP proxy on 127.0.0.1 that resets a share of the connections through it, mid-response.
+"""A TCP proxy on 127.0.0.1 in front of the test S3 server (AWS_ENDPOINT_URL pointing at it) that logs
+every request, and can make the faults an object store shows under load: a connection reset by peer
+after part of a response has arrived.
 
-Put in front of the test S3 server (AWS_ENDPOINT_URL pointing at the proxy), it makes the faults an
-object store shows under load: a connection reset by peer after part of a response has arrived.
+The log is what `bench.scale` and the growth-law tests count: method, path, bytes sent (the request)
+and received (the response). A client waits for a response before it sends the next request on the same
+connection, so each response's bytes belong to the last request line seen on it.
 """
 
 from __future__ import annotations
@@ -10,8 +13,19 @@ import select
 import socket
 import struct
 import threading
+from collections import Counter
+from dataclasses import dataclass
 
 METHODS = (b"GET ", b"HEAD ", b"PUT ", b"POST ", b"DELETE ")
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    """The object's key with its bucket, without the query."""
+    sent: int = 0
+    received: int = 0
 
 
 class ResettingProxy:
@@ -23,6 +37,7 @@ class ResettingProxy:
     def __init__(self, upstream: tuple[str, int], every: int = 4, cut: int = 300, poison: bytes = b""):
         self.upstream, self.every, self.cut, self.poison = upstream, every, cut, poison
         self.connections = self.resets = self.poisoned = 0
+        self.log: list[Request] = []
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.lock, self.stopped = threading.Lock(), False
@@ -47,7 +62,7 @@ class ResettingProxy:
 
     def _relay(self, client: socket.socket, server: socket.socket, cut: int | None) -> None:
         """Both directions in one thread (so a reset closes both sockets at once, with nobody blocked on them)."""
-        sent = 0
+        sent, current = 0, Request("", "")
         try:
             while True:
                 ready, _, _ = select.select([client, server], [], [], 30)
@@ -57,6 +72,12 @@ class ResettingProxy:
                     if not (data := client.recv(65536)):
                         break
                     line = data.split(b"\r\n", 1)[0]
+                    if line.startswith(METHODS):
+                        method, _, rest = line.decode("latin-1").partition(" ")
+                        current = Request(method, rest.rsplit(" ", 1)[0].split("?", 1)[0])
+                        with self.lock:
+                            self.log.append(current)
+                    current.sent += len(data)
                     if self.poison and line.startswith(METHODS) and self.poison in line:
                         with self.lock:
                             self.poisoned += 1
@@ -72,6 +93,7 @@ class ResettingProxy:
                         break
                     client.sendall(data)
                     sent += len(data)
+                    current.received += len(data)
         except OSError:
             pass
         client.close()
@@ -86,3 +108,12 @@ class ResettingProxy:
     def close(self) -> None:
         self.stopped = True
         self.listener.close()
+
+
+def tally(log: list[Request], contains: str = "") -> dict:
+    """Requests by method, and bytes read (GET responses) and written (PUT and POST bodies), of the logged
+    requests whose path holds `contains`."""
+    picked = [r for r in log if contains in r.path]
+    return {"requests": dict(Counter(r.method for r in picked)),
+            "read_bytes": sum(r.received for r in picked if r.method == "GET"),
+            "written_bytes": sum(r.sent for r in picked if r.method in ("PUT", "POST"))}

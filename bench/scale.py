@@ -1,0 +1,255 @@
+"""Growth laws of tier 1 and of training reads: what a version costs as history and input grow.
+
+    python -m bench.scale [--mb 2] [--versions 8] [--sizes 1,4,16] [--storage local,s3] [--json]
+
+Each run is the real command, `python -m pipelines.preprocess`, in its own process with its own
+embedded Ray, timed on the wall clock. On `s3` the storage root is on moto's S3 API server on
+127.0.0.1, reached through a proxy that logs every request (bench/s3proxy.py); on `local` it is a
+directory (no requests to count).
+
+- History: versions 1..N of one dataset, each adding `--mb` MB of new input (a tenth of it copies of
+  version 1's documents, for dedup to find). Per version: requests by type, MB read and written, peak
+  RSS of the driver and of the largest worker, wall seconds.
+- Input: one version of `--mb` x each of `--sizes`: the same figures.
+- Resume: row groups a training reader reads to give its first batch at the start of an epoch and at
+  its last batch (`train.data.TokenBatches` over the newest version's shards).
+
+Small work units and shards (`--split-bytes 524288 --shard-bytes 1048576`) give the file counts of a
+large input from a small one. The targets: version N costs at most 1.2x version 1 in requests, bytes
+and memory; requests and bytes grow at most linearly with input; a resume at the end of an epoch reads
+no more than one at its start. The last line prints the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "bench" / "results"
+KNOBS = ["--split-bytes", str(512 << 10), "--shard-bytes", str(1 << 20)]
+WORDS = [f"{a}{b}{c}" for a in ("ka", "lo", "mi", "ne", "ru", "ta", "po", "el") for b in ("n", "r", "s", "t", "")
+         for c in ("a", "e", "i", "o", "u", "y", "an", "or")]
+
+
+def corpus(path: Path, mb: float, seed: int, copies_of: list[str] | None = None) -> list[str]:
+    """`mb` MB of JSONL documents; a tenth of the documents copied from `copies_of`. Returns its texts."""
+    rng = random.Random(seed)
+    path.mkdir(parents=True, exist_ok=True)
+    texts, size = [], 0
+    with open(path / "part.jsonl", "w") as f:
+        while size < mb * 2**20:
+            if copies_of and rng.random() < 0.1:
+                text = rng.choice(copies_of)
+            else:
+                text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(50, 300))) + f" {seed}-{len(texts)}."
+            texts.append(text)
+            line = json.dumps({"text": text}) + "\n"
+            f.write(line)
+            size += len(line)
+    return texts
+
+
+class Sampler:
+    """Peak RSS of a process (the driver) and of the largest of its descendants (Ray's workers)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.driver, self.worker, self.stop = pid, 0.0, 0.0, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        from strata.procs import processes, tree
+
+        while not self.stop.wait(0.25):
+            procs = processes()
+            if self.pid not in procs:
+                continue
+            self.driver = max(self.driver, procs[self.pid].rss_mb)
+            workers = [procs[p].rss_mb for p in tree(self.pid, procs) if procs[p].cmdline.startswith("ray::")]
+            self.worker = max([self.worker, *workers])
+
+    def done(self) -> tuple[float, float]:
+        self.stop.set()
+        self.thread.join()
+        return round(self.driver, 1), round(self.worker, 1)
+
+
+def preprocess(inputs: Path, dataset: str, root: str, env: dict, proxy=None) -> dict:
+    """One run of the command; its figures."""
+    first = len(proxy.log) if proxy else 0
+    started = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "pipelines.preprocess", "--input", str(inputs), "--dataset",
+                             dataset, "--json", *KNOBS], cwd=REPO, env={**env, "STRATA_STORAGE": root},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sampler = Sampler(proc.pid)
+    out, err = proc.communicate()
+    wall = time.time() - started
+    driver, worker = sampler.done()
+    if proc.returncode:
+        raise RuntimeError(f"preprocess failed: {err[-3000:]}")
+    summary = json.loads(out.strip().splitlines()[-1])
+    row = {"wall_s": round(wall, 2), "driver_rss_mb": driver, "worker_rss_mb": worker, "shards": summary["shards"],
+           "work_units": summary["units"]["total"], "version": summary["version"]}
+    if proxy:
+        from bench.s3proxy import tally
+
+        t = tally(proxy.log[first:])
+        row.update(requests=t["requests"], total_requests=sum(t["requests"].values()),
+                   read_mb=round(t["read_bytes"] / 2**20, 2), written_mb=round(t["written_bytes"] / 2**20, 2))
+    return row
+
+
+def resume_reads(root: str, dataset: str) -> dict:
+    """Row groups read to give the first batch at the start of an epoch and at its last batch."""
+    from strata.dataset import read_rows, resolve
+    from strata.storage import Storage
+    from train.data import ShardRef, TokenBatches
+
+    v = resolve(Storage(root), dataset)
+    refs = [ShardRef(v.file(s.path), s.rows) for s in v.manifest.shards if s.split == "train"]
+    groups: set = set()
+
+    def read(path, start=0, stop=None):
+        rows = read_rows(path, start, stop)
+        groups.update((path, r // 1024) for r in range(start, start + len(rows)))
+        return rows
+
+    loader = TokenBatches(refs, batch_size=8, rank=0, world_size=1, seed=3, shuffle_buffer=2048, read=read)
+    out = {}
+    for name, at in (("start", 0), ("end", loader.steps_per_epoch - 1)):
+        groups.clear()
+        next(loader.epoch(1, at))
+        out[name] = len(groups)
+    return {"row_groups_at_start": out["start"], "row_groups_at_end": out["end"], "rows": sum(r.rows for r in refs)}
+
+
+def s3_server():
+    """moto's S3 server and a logging proxy before it, both on 127.0.0.1; a fresh bucket."""
+    import socket
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from bench.s3proxy import ResettingProxy
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    creds = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+             "AWS_EC2_METADATA_DISABLED": "true"}
+    boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", aws_access_key_id="bench",
+                 aws_secret_access_key="bench", region_name="us-east-1").create_bucket(Bucket="scale")
+    proxy = ResettingProxy(("127.0.0.1", port), every=0)
+    return server, proxy, {**creds, "AWS_ENDPOINT_URL": proxy.endpoint}
+
+
+def ratio(a: float, b: float) -> float:
+    return round(a / b, 3) if b else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mb", type=float, default=2.0, help="new input per version, MB (default 2)")
+    p.add_argument("--versions", type=int, default=8)
+    p.add_argument("--sizes", default="1,4,16", help="input multiples for the single-version runs")
+    p.add_argument("--storage", default="local,s3")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    sizes = [int(x) for x in a.sizes.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="strata-scale-"))
+    first = corpus(work / "in" / "v1", a.mb, seed=1)
+    for v in range(2, a.versions + 1):
+        corpus(work / "in" / f"v{v}", a.mb, seed=v, copies_of=first)
+    for k in sizes:
+        corpus(work / "in" / f"x{k}", a.mb * k, seed=100 + k)
+    results: dict = {"mb_per_version": a.mb, "knobs": KNOBS, "history": {}, "input": {}}
+    server = proxy = None
+    try:
+        for kind in a.storage.split(","):
+            env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+            if kind == "s3":
+                server, proxy, s3_env = s3_server()
+                env.update(s3_env)
+                root = "s3://scale/strata"
+            else:
+                root = str(work / "local")
+            history = results["history"][kind] = []
+            for v in range(1, a.versions + 1):
+                history.append(preprocess(work / "in" / f"v{v}", "grow", root, env, proxy))
+                print(f"[scale] {kind} version {v}: {json.dumps(history[-1])}", file=sys.stderr, flush=True)
+            results["input"][kind] = {}
+            for k in sizes:
+                results["input"][kind][k] = preprocess(work / "in" / f"x{k}", f"x{k}", root, env, proxy)
+                print(f"[scale] {kind} input x{k}: {json.dumps(results['input'][kind][k])}", file=sys.stderr, flush=True)
+            if kind == "local":
+                results["resume"] = resume_reads(root, "grow")
+    finally:
+        if proxy:
+            proxy.close()
+        if server:
+            server.stop()
+    results["ratios"] = ratios(results, sizes)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "scale.json").write_text(json.dumps(results, indent=1) + "\n")
+    (OUT / "scale.md").write_text(tables(results) + "\n")
+    print(tables(results))
+    if a.json:
+        print(json.dumps(results))
+    r = results["ratios"]
+    print("ratio " + ", ".join(f"{k} {v}" for k, v in r.items()))
+    return 0
+
+
+def ratios(results: dict, sizes: list[int]) -> dict:
+    """Version N / version 1 (target <= 1.2), the largest input's cost per MB / the smallest's (<= 1), and
+    the resume's row groups at the end / at the start (<= 1)."""
+    out = {}
+    for kind, history in results["history"].items():
+        last, one = history[-1], history[0]
+        for key in ("total_requests", "read_mb", "written_mb", "driver_rss_mb", "worker_rss_mb", "wall_s"):
+            if key in one:
+                out[f"{kind} v{len(history)}/v1 {key}"] = ratio(last[key], one[key])
+        small, big = results["input"][kind][sizes[0]], results["input"][kind][sizes[-1]]
+        for key in ("total_requests", "read_mb", "written_mb", "wall_s"):
+            if key in small:
+                out[f"{kind} x{sizes[-1]}/x{sizes[0]} {key} per MB"] = ratio(big[key] / sizes[-1], small[key] / sizes[0])
+    if "resume" in results:
+        out["resume end/start row groups"] = ratio(results["resume"]["row_groups_at_end"],
+                                                  results["resume"]["row_groups_at_start"])
+    return out
+
+
+def tables(results: dict) -> str:
+    lines = []
+    cols = ("total_requests", "read_mb", "written_mb", "driver_rss_mb", "worker_rss_mb", "wall_s", "shards")
+    for kind, history in results["history"].items():
+        shown = [c for c in cols if c in history[0]]
+        lines += [f"History on {kind} ({results['mb_per_version']} MB new input per version):", "",
+                  "| version | " + " | ".join(shown) + " |", "|---" * (len(shown) + 1) + "|"]
+        lines += [f"| {i + 1} | " + " | ".join(str(r[c]) for c in shown) + " |" for i, r in enumerate(history)]
+        lines += ["", f"Input size on {kind}:", "", "| input | " + " | ".join(shown) + " |", "|---" * (len(shown) + 1) + "|"]
+        lines += [f"| x{k} | " + " | ".join(str(r[c]) for c in shown) + " |" for k, r in results["input"][kind].items()]
+        lines.append("")
+    if "resume" in results:
+        r = results["resume"]
+        lines.append(f"Resume: {r['row_groups_at_start']} row groups read for the first batch of an epoch, "
+                     f"{r['row_groups_at_end']} for its last ({r['rows']:,} train rows).")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Growth laws, counted on the S3 API server: what a run costs in requests and bytes grows with the work,
+not with a product of file counts.
+
+A preprocess process (its own embedded Ray, as cron or `ray job submit` starts it) reaches the server
+through a proxy that logs every request (bench/s3proxy.py). Small work units and shards make the file
+counts of a large input from a small one.
+"""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import boto3
+import pytest
+from conftest import REPO
+
+from bench.s3proxy import ResettingProxy, tally
+
+pytestmark = pytest.mark.slow
+
+
+def _preprocess(proxy, s3_root: str, inputs: str, *flags: str) -> dict:
+    env = {**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint, "STRATA_STORAGE": s3_root}
+    proc = subprocess.run([sys.executable, "-m", "pipelines.preprocess", "--input", inputs, "--json", *flags],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_final_pass_reads_each_packed_file_once(s3_root):
+    bucket = s3_root.split("/")[2]
+    rng = random.Random(7)
+    lines = "".join(json.dumps({"text": f"doc {i} " + " ".join(f"w{rng.randrange(3000)}" for _ in range(60))}) + "\n"
+                    for i in range(2000))
+    boto3.client("s3").put_object(Bucket=bucket, Key="raw/a.jsonl", Body=lines.encode())
+    upstream = os.environ["AWS_ENDPOINT_URL"].rsplit("/", 1)[1].split(":")
+    proxy = ResettingProxy((upstream[0], int(upstream[1])), every=0)
+    try:
+        out = _preprocess(proxy, s3_root, f"s3://{bucket}/raw", "--dataset", "g", "--split-bytes", str(64 << 10),
+                          "--shard-bytes", str(16 << 10))
+    finally:
+        proxy.close()
+    packed = {r.path for r in proxy.log if "/_work/packed/" in r.path and r.method == "PUT"}
+    shards = out["shards"]
+    assert len(packed) >= 8 and shards >= 16  # shards x files would be >= 128 files opened, >= 640 requests
+    reads = tally(proxy.log, "/_work/packed/")
+    opened = sum(n for m, n in reads["requests"].items() if m in ("GET", "HEAD"))
+    assert opened <= 6 * len(packed), reads  # each packed file is opened once, not once per shard
+    written = sum(r.sent for r in proxy.log if "/_work/packed/" in r.path and r.method in ("PUT", "POST"))
+    assert reads["read_bytes"] <= 1.5 * written, (reads, written)  # each row is read once
