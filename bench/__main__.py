@@ -37,6 +37,9 @@ BENCHMARKS = {
     "train.checkpoint": ("bench.train.checkpoint", [], "wall time blocked by checkpoints", "< 1%"),
     "train.startup": ("bench.train.startup", [], "time to the first step, plain PyTorch / python -m train "
                       "(debug preset, embedded Ray; median of 3 launches)", "first step <= 10 s"),
+    "scale": ("bench.scale", [], "growth laws on local disk and the S3 API server: version 8 / version 1 (requests, "
+              "bytes, memory), cost per MB of a 16x / 1x input, a resume's row groups at the end / start of an epoch",
+              "<= 1.2; <= 1.05; <= 1"),
     "tune": ("bench.tune", ["--asha-trials", "12"], "50,000-trial sweep: overhead per trial, driver memory",
              "<= 10 ms, <= 60 MB/1,000"),
 }

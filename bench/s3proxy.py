@@ -23,7 +23,8 @@ METHODS = (b"GET ", b"HEAD ", b"PUT ", b"POST ", b"DELETE ")
 class Request:
     method: str
     path: str
-    """The object's key with its bucket, without the query."""
+    """The object's key with its bucket."""
+    query: str = ""
     sent: int = 0
     received: int = 0
 
@@ -74,7 +75,8 @@ class ResettingProxy:
                     line = data.split(b"\r\n", 1)[0]
                     if line.startswith(METHODS):
                         method, _, rest = line.decode("latin-1").partition(" ")
-                        current = Request(method, rest.rsplit(" ", 1)[0].split("?", 1)[0])
+                        path, _, query = rest.rsplit(" ", 1)[0].partition("?")
+                        current = Request(method, path, query)
                         with self.lock:
                             self.log.append(current)
                     current.sent += len(data)

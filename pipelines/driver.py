@@ -534,7 +534,8 @@ class Preprocess:
         figures.update(tokens_per_s=m.tokens / max(usage.ended - usage.started, 1e-9), version=m.version)
         cost = self.job.finish(beside=join(self.storage.dataset(self.cfg.dataset), f"{m.version}.record.json"),
                                work_nodes=sorted(self.tally.nodes), figures=figures)
-        return {**_summary(version), **cost, "units": self.unit_counts()}
+        return {**_summary(version), **cost, "units": self.unit_counts(),
+                "dedup_index_entries": max((sum(n.values()) for n in self.sizes), default=0)}
 
     def unit_counts(self) -> dict:
         """Work units, and how many a killed run of the same work had finished (its first pass reused;

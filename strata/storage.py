@@ -71,7 +71,8 @@ def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
     """A pyarrow filesystem and the path inside it, for a local path or a URI.
 
     s3:// gets a client that retries a failed request S3_ATTEMPTS times (pyarrow's default gives up
-    after 3 attempts, or once its retry quota is spent), one per bucket and process.
+    after 3 attempts, or once its retry quota is spent), one per bucket and process, which writes a small
+    file in one request.
     """
     if path.startswith("s3://"):
         bucket = path[5:].partition("/")[0]
@@ -85,7 +86,9 @@ def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
 @functools.lru_cache(maxsize=64)
 def _s3_filesystem(bucket: str, endpoint: str) -> pafs.S3FileSystem:
     region = pafs.FileSystem.from_uri(f"s3://{bucket}")[0].region  # the bucket's own (one request)
-    return pafs.S3FileSystem(region=region, endpoint_override=endpoint or None,
+    # allow_delayed_open: a file smaller than one upload part (manifests, records, work-unit records,
+    # small shards) is written with one PutObject at close, not a multipart upload's three requests.
+    return pafs.S3FileSystem(region=region, endpoint_override=endpoint or None, allow_delayed_open=True,
                              retry_strategy=pafs.AwsDefaultS3RetryStrategy(max_attempts=S3_ATTEMPTS))
 
 
