@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--versions", type=int, default=8)
     p.add_argument("--sizes", default="1,4,16", help="input multiples for the single-version runs")
     p.add_argument("--storage", default="local,s3")
+    p.add_argument("--out", default=str(OUT), help="results directory (default bench/results)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     sizes = [int(x) for x in a.sizes.split(",")]
@@ -223,9 +224,10 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     results["ratios"] = ratios(results, sizes)
     results["date"] = time.strftime("%Y-%m-%d")
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "scale.json").write_text(json.dumps(results, indent=1) + "\n")
-    (OUT / "scale.md").write_text(tables(results) + "\n")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scale.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "scale.md").write_text(tables(results) + "\n")
     print(tables(results))
     if a.json:
         print(json.dumps(results))

@@ -69,6 +69,17 @@ def test_tune_benchmark_extrapolates_to_50000_trials_last():
     assert lines[-1].startswith("extrapolated to 50,000 trials (packs of 50): ")
 
 
+@pytest.mark.bench  # about 2 minutes
+def test_scale_benchmark_counts_requests_per_version_and_prints_its_targets_last(tmp_path):
+    lines = _run("bench.scale", "--mb", "0.5", "--versions", "2", "--sizes", "1,2", "--out", str(tmp_path), "--json")
+    result = json.loads(lines[-2])
+    s3 = result["history"]["s3"]
+    assert [r["version"] for r in s3] == ["v0001", "v0002"] and all(r["total_requests"] > 0 for r in s3)
+    assert s3[1]["index_entries"] > s3[0]["index_entries"]  # the second version's index holds the first's keys
+    assert set(result["input"]["local"]) == {"1", "2"} and result["resume"]["row_groups_at_start"] > 0
+    assert lines[-1].startswith("ratio targets met ") and (tmp_path / "scale.md").exists()
+
+
 def test_the_results_table_has_a_row_per_benchmark_run():
     sys.path.insert(0, REPO)
     from bench.__main__ import BENCHMARKS, markdown
