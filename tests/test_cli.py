@@ -167,7 +167,8 @@ def test_training_prints_its_progress_and_no_ray_noise_and_ctrl_c_says_how_to_co
                   "(RayTrainWorker"):
         assert noise not in out.stderr, f"{noise!r} in:\n{out.stderr[-3000:]}"
     record = find_record(Storage(storage_root), "train/watched")
-    assert 0.8 * wall <= record["seconds"] <= wall, (record["seconds"], wall)  # the command, not the fit alone
+    # The command, not the fit alone (the record rounds to 0.1 s).
+    assert 0.8 * wall <= record["seconds"] <= wall + 0.05, (record["seconds"], wall)
 
     joined = {**env, "RAY_ADDRESS": local_ray.get_runtime_context().gcs_address}
     proc, lines = _follow(["train", "--dataset", dataset["ref"], "--max-steps", "5000", "--checkpoint-every", "10",
