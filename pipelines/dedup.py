@@ -162,58 +162,60 @@ class MinHasher:
 
 
 class DedupIndex:
-    """One shard of the global index: key -> winning (priority, doc key). A Ray actor.
+    """One slice of the global index (a Ray actor): for each key of this run in its slice of the 64-bit key
+    space, the winning doc key and whether an earlier version holds the key.
 
-    It builds itself from files: the work files of this run (priority 1) and the
-    saved state of earlier versions (priority 0). So a restarted actor (its node
-    died) rebuilds the same index, and pass 2 goes on.
+    It holds only this run's keys. Earlier versions' keys stay in the dataset's index segments (below),
+    sorted by key, which it streams a row group at a time, reading just the row groups of its slice: its
+    memory grows with the new data, not with history. It builds itself from files (this run's work files and
+    the segments), so a restarted actor (its node died) rebuilds the same index, and pass 2 goes on. The
+    winner of a key is the earlier versions' entry with the smallest doc key if there is one (anything
+    already in the dataset wins), else this run's with the smallest doc key: the same input keeps the same
+    documents, whatever the number of actors.
     """
 
-    def __init__(self, shard: int, shards: int, work_files: list[str], prior: dict[str, list[str]],
+    def __init__(self, shard: int, shards: int, work_files: list[str], prior: dict[str, list[dict]],
                  tables: tuple[str, ...]):
-        self.shard, self.shards = shard, shards
-        self.parts = {t: [] for t in tables}
-        self.tables: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        for table in tables:
-            for path in prior.get(table, []):
-                t = _read(path, ["key", "doc"])
-                self.register(table, t.column("key").to_numpy(), t.column("doc").to_numpy(), 0)
+        self.lo, self.hi = key_range(shard, shards)
+        self.tables: dict[str, dict[str, np.ndarray]] = {}
+        parts = {t: [] for t in tables}
         for path in work_files:
             t = _read(path, ["doc", "exact", "bands"])
             docs = t.column("doc").to_numpy()
-            if "exact" in self.parts:
-                self.register("exact", t.column("exact").to_numpy(), docs, 1)
-            if "band" in self.parts:
+            if "exact" in parts:
+                parts["exact"].append((t.column("exact").to_numpy(), docs))
+            if "band" in parts:
                 bands = t.column("bands").combine_chunks()
-                self.register("band", bands.flatten().to_numpy(), np.repeat(docs, bands.type.list_size), 1)
-        self.finalize()
-
-    def register(self, table: str, keys: np.ndarray, docs: np.ndarray, priority: int) -> None:
-        """Keep the entries this shard owns."""
-        keys, docs = keys.astype(np.uint64), docs.astype(np.uint64)
-        mine = shard_of(keys, self.shards) == self.shard
-        self.parts[table].append((keys[mine], docs[mine], np.full(int(mine.sum()), priority, dtype=np.uint8)))
-
-    def finalize(self) -> dict:
-        """Reduce each table to one winner per key; sorted for binary search."""
-        sizes = {}
-        for table, parts in self.parts.items():
-            if parts:
-                keys, docs, prio = (np.concatenate(x) for x in zip(*parts, strict=True))
-            else:
-                keys = docs = np.zeros(0, np.uint64)
-                prio = np.zeros(0, np.uint8)
-            order = np.lexsort((docs, prio, keys))
-            keys, docs, prio = keys[order], docs[order], prio[order]
+                parts["band"].append((bands.flatten().to_numpy(), np.repeat(docs, bands.type.list_size)))
+        for table, entries in parts.items():
+            keys, docs = (np.concatenate([e[i] for e in entries]).astype(np.uint64) if entries
+                          else np.zeros(0, np.uint64) for i in (0, 1))
+            mine = self.owns(keys)
+            keys, docs = keys[mine], docs[mine]
+            order = np.lexsort((docs, keys))
+            keys, docs = keys[order], docs[order]
             first = np.ones(len(keys), dtype=bool)
             first[1:] = keys[1:] != keys[:-1]
-            self.tables[table] = (keys[first], docs[first], prio[first])
-            sizes[table] = int(first.sum())
-        self.parts = {t: [] for t in self.parts}
-        return sizes
+            self.tables[table] = {"keys": keys[first], "docs": docs[first], "earlier": np.zeros(int(first.sum()), bool),
+                                  "earlier_docs": np.full(int(first.sum()), np.iinfo(np.uint64).max, np.uint64)}
+            for segment in prior.get(table, []):
+                for keys, docs in segment_rows(segment, self.lo, self.hi):
+                    self._mark_earlier(table, keys, docs)
+
+    def owns(self, keys: np.ndarray) -> np.ndarray:
+        return (keys >= np.uint64(self.lo)) & (keys <= np.uint64(self.hi - 1))
+
+    def _mark_earlier(self, table: str, keys: np.ndarray, docs: np.ndarray) -> None:
+        t = self.tables[table]
+        if not len(t["keys"]) or not len(keys):
+            return
+        i = np.minimum(np.searchsorted(t["keys"], keys), len(t["keys"]) - 1)
+        hit = t["keys"][i] == keys
+        t["earlier"][i[hit]] = True
+        np.minimum.at(t["earlier_docs"], i[hit], docs[hit])
 
     def sizes(self) -> dict[str, int]:
-        return {t: len(v[0]) for t, v in self.tables.items()}
+        return {t: len(v["keys"]) for t, v in self.tables.items()}
 
     def cpu_s(self) -> float:
         """CPU seconds of this actor's process: building the index and answering lookups."""
@@ -222,7 +224,7 @@ class DedupIndex:
         return time.process_time()
 
     def peak_rss_mb(self) -> float:
-        """The most memory this actor's process has held (its index is held in memory, whole)."""
+        """The most memory this actor's process has held."""
         from strata.procs import peak_rss_mb
 
         return peak_rss_mb()
@@ -230,22 +232,39 @@ class DedupIndex:
     def winners(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(doc key, from an earlier version) of the winner of each key; a (key, doc) of this run lost
         its key when the winner is another document or an earlier version's."""
-        k, d, p = self.tables[table]
-        i = np.searchsorted(k, keys.astype(np.uint64))  # every key asked for was registered
-        return d[i], p[i] != 1
+        t = self.tables[table]
+        i = np.searchsorted(t["keys"], keys.astype(np.uint64))  # every key asked for was registered
+        earlier = t["earlier"][i]
+        return np.where(earlier, t["earlier_docs"][i], t["docs"][i]), earlier
 
-    def save(self, table: str, path: str) -> int:
-        """Write the entries this run added (priority 1 winners) for later runs to load."""
+    def save(self, table: str, path: str) -> dict:
+        """Write the keys this run adds to the index (those no earlier version holds), sorted, for later runs;
+        returns the file's entry in an index segment."""
+        t = self.tables[table]
+        new = ~t["earlier"]
+        return write_index_file(path, t["keys"][new], t["docs"][new], self.lo, self.hi)
+
+    def merge(self, table: str, segments: list[dict], path: str) -> dict:
+        """Compaction: this slice of `segments` as one sorted file (the winner per key: its smallest doc key),
+        read and written a bounded number of rows at a time."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         from strata.storage import filesystem
 
-        k, d, p = self.tables[table]
-        new = p == 1
         fs, target = filesystem(path)
-        pq.write_table(pa.table({"key": k[new], "doc": d[new]}), target, filesystem=fs)
-        return int(new.sum())
+        rows = 0
+        with pq.ParquetWriter(target, pa.schema([("key", pa.uint64()), ("doc", pa.uint64())]), filesystem=fs) as w:
+            for lo, hi in _sub_ranges(segments, self.lo, self.hi):
+                parts = [kd for segment in segments for kd in segment_rows(segment, lo, hi)]
+                keys, docs = (np.concatenate([p[i] for p in parts]) if parts else np.zeros(0, np.uint64) for i in (0, 1))
+                order = np.lexsort((docs, keys))
+                keys, docs = keys[order], docs[order]
+                first = np.ones(len(keys), dtype=bool)
+                first[1:] = keys[1:] != keys[:-1]
+                w.write_table(pa.table({"key": keys[first], "doc": docs[first]}), row_group_size=INDEX_ROW_GROUP)
+                rows += int(first.sum())
+        return {"path": path, "lo": self.lo, "hi": self.hi, "rows": rows}
 
 
 def _read(path: str, columns: list[str]):
@@ -257,13 +276,95 @@ def _read(path: str, columns: list[str]):
     return pq.read_table(p, filesystem=fs, columns=columns)
 
 
+INDEX_ROW_GROUP = 65536  # rows per row group of an index file: what an actor streams at a time
+MERGE_ROWS = 1 << 20  # rows a compaction holds at a time, at most (about), per actor
+
+
+def key_range(shard: int, shards: int) -> tuple[int, int]:
+    """The slice [lo, hi) of the 64-bit key space that index actor `shard` of `shards` owns."""
+    return shard * (1 << 64) // shards, (shard + 1) * (1 << 64) // shards
+
+
 def shard_of(keys: np.ndarray, n: int) -> np.ndarray:
-    """Which index shard owns each key."""
-    return (keys.astype(np.uint64) % np.uint64(n)).astype(np.int64)
+    """Which index actor owns each key (the one whose slice of the key space holds it)."""
+    lows = np.array([key_range(s, n)[0] for s in range(n)], dtype=np.uint64)
+    return np.searchsorted(lows, keys.astype(np.uint64), side="right") - 1
 
 
-def suggested_shards(cpus: float) -> int:
-    return max(1, math.floor(cpus / 2))
+def write_index_file(path: str, keys: np.ndarray, docs: np.ndarray, lo: int, hi: int) -> dict:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from strata.storage import filesystem
+
+    fs, target = filesystem(path)
+    pq.write_table(pa.table({"key": keys, "doc": docs}), target, filesystem=fs, row_group_size=INDEX_ROW_GROUP)
+    return {"path": path, "lo": lo, "hi": hi, "rows": len(keys)}
+
+
+def segment_rows(segment: dict, lo: int, hi: int):
+    """(keys, docs) of a segment's entries in [lo, hi), a row group at a time: only the files whose slice
+    meets it, and in them only the row groups whose key statistics do."""
+    import pyarrow.parquet as pq
+
+    from strata.storage import filesystem
+
+    for f in segment["files"]:
+        if f["hi"] <= lo or f["lo"] >= hi:
+            continue
+        fs, p = filesystem(f["path"])
+        pf = pq.ParquetFile(fs.open_input_file(p))
+        for g in range(pf.metadata.num_row_groups):
+            stats = pf.metadata.row_group(g).column(0).statistics
+            if stats is not None and stats.has_min_max and (stats.max < lo or stats.min >= hi):
+                continue
+            t = pf.read_row_group(g, columns=["key", "doc"])
+            keys, docs = t.column("key").to_numpy(), t.column("doc").to_numpy()
+            mine = (keys >= np.uint64(lo)) & (keys <= np.uint64(hi - 1))
+            yield keys[mine], docs[mine]
+
+
+def _sub_ranges(segments: list[dict], lo: int, hi: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut into slices of about MERGE_ROWS entries of `segments` each (keys are uniform)."""
+    rows = sum(f["rows"] * (min(hi, f["hi"]) - max(lo, f["lo"])) // max(1, f["hi"] - f["lo"])
+               for s in segments for f in s["files"] if f["hi"] > lo and f["lo"] < hi)
+    n = max(1, -(-rows // MERGE_ROWS))
+    return [(lo + (hi - lo) * i // n, lo + (hi - lo) * (i + 1) // n) for i in range(n)]
+
+
+INDEX_FAN_IN = 4  # segments of a size merged into one (see `compaction`)
+
+
+def legacy_segment(paths: list[str], params) -> dict:
+    """A version's dedup files from before the index (keys of every slice in each) as one segment."""
+    import pyarrow.parquet as pq
+
+    from strata.storage import filesystem
+
+    files = []
+    for path in paths:
+        fs, p = filesystem(path)
+        files.append({"path": path, "lo": 0, "hi": 1 << 64, "rows": pq.ParquetFile(fs.open_input_file(p)).metadata.num_rows})
+    return {"versions": 1, "params": params, "files": files}
+
+
+def compaction(segments: list[dict], fan_in: int) -> int:
+    """How many of the newest segments to merge into one: `fan_in` of them when they cover the same number
+    of versions (a counter in base `fan_in`), else none. So a dataset of N versions has at most
+    (fan_in - 1) x log_fan_in(N) + 1 segments per table, and each key is rewritten log_fan_in(N) times."""
+    if len(segments) < fan_in:
+        return 0
+    last = segments[-fan_in:]
+    return fan_in if len({s["versions"] for s in last}) == 1 else 0
+
+
+def suggested_shards(cpus: float, new_bytes: int) -> int:
+    """Index actors: one per two cpu-tier CPUs, and at most one per INDEX_BYTES of new input, so a bigger
+    cluster does not cut the same input's index into more files."""
+    return max(1, min(math.floor(cpus / 2), -(-new_bytes // INDEX_BYTES)))
+
+
+INDEX_BYTES = 256 << 20
 
 
 def jaccard(a: np.ndarray, b: np.ndarray) -> float:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict
 
 from pipelines import decontam
 from pipelines.config import PreprocessConfig
-from pipelines.dedup import suggested_shards
+from pipelines.dedup import INDEX_FAN_IN, suggested_shards
 from pipelines.sources import InputMissing, InputUnreadable, check_outside, list_inputs, plan_units
 from pipelines.stats import Output, Tally, accounting, outputs, summary_table, without_deferred
 from strata import tiers
@@ -143,7 +144,7 @@ class Preprocess:
         self.p1: list[Output] = []
         self.p2: list[Output] = []
         self.shards: list[Output] = []
-        self.index, self.sizes, self.dedup_files, self.index_rss = [], [], {"exact": [], "band": []}, 0.0
+        self.index, self.sizes, self.segments, self.index_rss = [], [], {}, 0.0
         self.definition, self.tok, self.audit = None, None, {}
         self.evaluation, self.staging, self.units = None, None, []
         self.cpus, self.total_bytes, self.pass2_utilization = 0.0, 0, 0.0
@@ -313,10 +314,11 @@ class Preprocess:
         from pipelines.dedup import DedupIndex
 
         docs = self.docs_files()
-        n = (self.cfg.dedup.index_shards or suggested_shards(self.cpus)) if self.tables and docs else 0
+        n = (self.cfg.dedup.index_shards or suggested_shards(self.cpus, self.total_bytes)) if self.tables and docs else 0
         actor = ray.remote(DedupIndex).options(num_cpus=0, label_selector=tiers.selector(tiers.Tier.CPU),
                                                max_restarts=-1, max_task_retries=-1)
-        prior = _prior_state(self.earlier, self.cfg)
+        self.segments = _index_segments(self.parent, self.earlier, self.cfg)
+        prior = self.segments if self.cfg.dedup.against_previous else {}
         self.index = [actor.remote(s, n, [join(self.work, "docs", f) for f in docs], prior, self.tables)
                       for s in range(n)]
         self.sizes = ray.get([i.sizes.remote() for i in self.index])
@@ -412,14 +414,23 @@ class Preprocess:
                                    tails_out=join(self.staging, TAILS_FILE)))
 
     def save_index(self) -> None:
-        """Each index actor's keys, beside the version: the next version's dedup reads them."""
+        """The keys this run adds, as a new segment of the dataset's dedup index (a file per actor, beside
+        the version), then compaction: the newest INDEX_FAN_IN segments that cover as many versions each
+        are merged into one, so the segments a run reads stay few however long the history."""
         import ray
 
-        for s, i in enumerate(self.index):
-            for t in self.tables:
-                name = f"dedup/{t}-{s:04d}.parquet"
-                ray.get(i.save.remote(t, join(self.staging, name)))
-                self.dedup_files[t].append(name)
+        from pipelines.dedup import compaction
+
+        for t in self.tables if self.index else ():
+            files = ray.get([i.save.remote(t, join(self.staging, f"dedup/{t}-{s:04d}.parquet"))
+                             for s, i in enumerate(self.index)])
+            segments = [*self.segments.get(t, []), {"versions": 1, "params": self.cfg.dedup.params(), "files": files}]
+            while k := compaction(segments, INDEX_FAN_IN):
+                merged = ray.get([i.merge.remote(t, segments[-k:], join(self.staging, f"dedup/{t}-m{len(segments)}-{s:04d}.parquet"))
+                                  for s, i in enumerate(self.index)])
+                segments = [*segments[:-k], {"versions": sum(x["versions"] for x in segments[-k:]),
+                                             "params": self.cfg.dedup.params(), "files": merged}]
+            self.segments[t] = segments
         self.tally += Tally(cpu_s={"dedup-index": sum(ray.get([i.cpu_s.remote() for i in self.index]))})
         self.index_rss = max(ray.get([i.peak_rss_mb.remote() for i in self.index]), default=0.0)
 
@@ -515,7 +526,10 @@ class Preprocess:
         record = self.job.info  # the run's record (job.finish) says so too
         record.update(finished_at=time.time(), work_nodes=sorted(self.tally.nodes))
         tails = TAILS_FILE if exists(join(self.staging, TAILS_FILE)) else ""
-        dedup = {"params": self.cfg.dedup.params(), "files": self.dedup_files, "index_entries": self.sizes, **audit}
+        root = self.storage.dataset(self.cfg.dataset)
+        index = {t: [{**seg, "files": [{**f, "path": f["path"][len(root):].strip("/").replace(os.sep, "/")}
+                                       for f in seg["files"]]} for seg in segs] for t, segs in self.segments.items()}
+        dedup = {"params": self.cfg.dedup.params(), "index": index, "index_entries": self.sizes, **audit}
         return commit(self.storage, self.cfg.dataset, self.staging, dict(
             tokenizer=self.tok.info(), seq_len=self.cfg.pack.seq_len, dtype=token_dtype(self.tok.vocab_size),
             shards=shards, documents=docs, tokens=table["tokens"], inputs=files, run=record, stats=table,
@@ -573,20 +587,27 @@ def _tier_cpus() -> float:
                if n["Alive"] and tiers.Tier.CPU in tiers.tiers_of(n.get("Labels", {})))
 
 
-def _prior_state(earlier: list, cfg: PreprocessConfig) -> dict[str, list[str]]:
-    """Dedup state files of earlier versions with comparable parameters."""
-    files = {"exact": [], "band": []}
-    if not cfg.dedup.against_previous:
-        return files
-    for v in earlier:
-        state = v.manifest.dedup
-        for table in files:
-            if table == "band" and state.get("params") != cfg.dedup.params():
-                _say(f"near-dedup against {v.ref} skipped: its MinHash/LSH parameters {state.get('params')} "
-                     f"differ from this run's {cfg.dedup.params()} (pass --bands/--rows/--num-perm to match)")
-                continue  # different shingles/bands: signatures are not comparable
-            files[table] += [v.file(p) for p in state.get("files", {}).get(table, [])]
-    return files
+def _index_segments(parent, earlier: list, cfg: PreprocessConfig) -> dict[str, list[dict]]:
+    """The dataset's dedup index as of `parent`, by table: its segments, each a file per slice of the key
+    space (paths made whole). Band segments of other MinHash/LSH parameters are left out: their keys are
+    not comparable. A dataset made before the index (each version's own dedup files, in `files`) gives
+    a segment per earlier version whose files each span the whole key space."""
+    from pipelines.dedup import legacy_segment
+
+    state = parent.manifest.dedup if parent else {}
+    if "index" in state:
+        segments = {t: [{**seg, "files": [{**f, "path": parent.file(f["path"])} for f in seg["files"]]} for seg in segs]
+                    for t, segs in state["index"].items()}
+    else:
+        segments = {t: [legacy_segment([v.file(p) for p in v.manifest.dedup["files"][t]], v.manifest.dedup.get("params"))
+                        for v in earlier if v.manifest.dedup.get("files", {}).get(t)] for t in ("exact", "band")}
+    band = segments.get("band", [])
+    if other := [seg for seg in band if seg["params"] != cfg.dedup.params()]:
+        _say(f"near-dedup against {sum(seg['versions'] for seg in other)} earlier version(s) skipped: their "
+             f"MinHash/LSH parameters {other[0]['params']} differ from this run's {cfg.dedup.params()} "
+             "(pass --bands/--rows/--num-perm to match)")
+        segments["band"] = [seg for seg in band if seg["params"] == cfg.dedup.params()]
+    return segments
 
 
 def _train_tokenizer(paths: list[str], vocab: int, sample_bytes: int) -> str:

@@ -150,7 +150,9 @@ class Manifest:
     stats: dict = field(default_factory=dict)
     """The run's summary table: counts by rule and reason, bytes, tokens, throughput."""
     dedup: dict = field(default_factory=dict)
-    """Dedup parameters, the state files later versions deduplicate against, `audit`: the run's dedup
+    """Dedup parameters, `index`: the dataset's dedup index as of this version (per table, segments of
+    sorted key files, one per slice of the key space: what later versions deduplicate against; versions
+    made before it have `files` instead, their own keys), `audit`: the run's dedup
     audit (removal rates per source, duplicate-cluster sizes, sampled pairs with their Jaccard), and
     `removed`: a directory of parquet parts listing every document dedup removed."""
     rejects: str = ""

@@ -1,12 +1,13 @@
 """Cleaning rules, MinHash/LSH dedup logic and tokenizers, without Ray."""
 
+import math
 import random
 
 import numpy as np
 import pytest
 
 from pipelines.clean import WEB, CleanConfig, normalize, quality_reason
-from pipelines.dedup import DedupConfig, DedupIndex, MinHasher, exact_key
+from pipelines.dedup import DedupConfig, DedupIndex, MinHasher, exact_key, legacy_segment, shard_of
 from strata.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
@@ -164,9 +165,9 @@ def test_index_keeps_one_winner_per_key_and_earlier_versions_win(tmp_path):
                                         schema=docs_schema(2)), tmp_path / "work.parquet")
     pq.write_table(pa.table({"key": pa.array([30], pa.uint64()), "doc": pa.array([99], pa.uint64())}),
                    tmp_path / "prior.parquet")  # an earlier version holds key 30
-    shards = [DedupIndex(s, 2, [str(tmp_path / "work.parquet")], {"exact": [str(tmp_path / "prior.parquet")]},
-                         ("exact", "band")) for s in range(2)]
-    owner = np.array(exact, dtype=np.uint64) % 2
+    prior = {"exact": [legacy_segment([str(tmp_path / "prior.parquet")], None)]}
+    shards = [DedupIndex(s, 2, [str(tmp_path / "work.parquet")], prior, ("exact", "band")) for s in range(2)]
+    owner = shard_of(np.array(exact, dtype=np.uint64), 2)
     winner, earlier = np.zeros(4, dtype=np.uint64), np.zeros(4, dtype=bool)
     for s, idx in enumerate(shards):
         mine = owner == s
@@ -175,7 +176,54 @@ def test_index_keeps_one_winner_per_key_and_earlier_versions_win(tmp_path):
     assert lost.tolist() == [True, False, False, True]  # doc 3 beats doc 5; key 30 was taken earlier
     assert winner[lost].tolist() == [3, 99] and earlier[lost].tolist() == [False, True]
     assert sum(i.sizes()["exact"] for i in shards) == 3 and sum(i.sizes()["band"] for i in shards) == 7
-    assert shards[0].save("exact", str(tmp_path / "s0.parquet")) + shards[1].save("exact", str(tmp_path / "s1.parquet")) == 2
+    saved = [i.save("exact", str(tmp_path / f"s{s}.parquet"))["rows"] for s, i in enumerate(shards)]
+    assert sum(saved) == 2  # keys 10 and 20: 30 is an earlier version's
+
+
+def test_the_index_holds_only_new_keys_and_compaction_keeps_its_segments_few(tmp_path, monkeypatch):
+    """Twelve versions, each with 300 new keys and 20 of version 1's again: each actor holds this run's keys
+    only, streams earlier ones a row group at a time, still finds every repeat, and after compaction the
+    index has at most (fan_in - 1) x log_fan_in(versions) + 1 segments."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipelines import dedup
+    from pipelines.pack import docs_schema
+
+    monkeypatch.setattr(dedup, "INDEX_ROW_GROUP", 64)
+    monkeypatch.setattr(dedup, "MERGE_ROWS", 200)
+    streamed = []
+    rows = dedup.segment_rows
+    monkeypatch.setattr(dedup, "segment_rows", lambda *a: (streamed.append(len(kd[0])) or kd for kd in rows(*a)))
+    rng = np.random.default_rng(0)
+    first = rng.integers(0, 2**63, 300, dtype=np.uint64) * np.uint64(2)
+    segments, fan_in = [], 2
+    for version in range(1, 13):
+        keys = first if version == 1 else np.concatenate([rng.integers(0, 2**63, 300, dtype=np.uint64), first[:20]])
+        docs = np.arange(len(keys), dtype=np.uint64) + np.uint64(1000 * version)
+        work = tmp_path / f"work-{version}.parquet"
+        pq.write_table(pa.Table.from_arrays([pa.array([str(d) for d in docs]), pa.array(docs), pa.array(keys),
+                                             pa.FixedSizeListArray.from_arrays(pa.array(keys), 1),
+                                             pa.array([""] * len(keys), pa.large_string())], schema=docs_schema(1)), work)
+        streamed.clear()
+        actors = [DedupIndex(s, 3, [str(work)], {"exact": segments}, ("exact",)) for s in range(3)]
+        assert sum(a.sizes()["exact"] for a in actors) == len(keys)  # this run's keys, not history's
+        assert max(streamed, default=0) <= 64  # earlier keys arrive a row group at a time
+        owner = shard_of(keys, 3)
+        earlier = np.zeros(len(keys), bool)
+        for s, a in enumerate(actors):
+            earlier[owner == s] = a.winners("exact", keys[owner == s])[1]
+        assert earlier.sum() == (0 if version == 1 else 20)  # every repeat of version 1 is found
+        files = [a.save("exact", str(tmp_path / f"v{version}-{s}.parquet")) for s, a in enumerate(actors)]
+        segments = [*segments, {"versions": 1, "params": None, "files": files}]
+        while k := dedup.compaction(segments, fan_in):
+            merged = [a.merge("exact", segments[-k:], str(tmp_path / f"v{version}-m{len(segments)}-{s}.parquet"))
+                      for s, a in enumerate(actors)]
+            segments = [*segments[:-k], {"versions": sum(x["versions"] for x in segments[-k:]), "params": None,
+                                         "files": merged}]
+        assert len(segments) <= (fan_in - 1) * math.log(version, fan_in) + 1
+        assert sum(x["versions"] for x in segments) == version
+        assert sum(f["rows"] for x in segments for f in x["files"]) == 300 * version  # each key once
 
 
 def test_tokenizers_round_trip_and_identify_themselves(tmp_path):

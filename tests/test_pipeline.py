@@ -212,7 +212,7 @@ def test_without_dedup_one_fused_pass_keeps_the_accounting(local_ray, corpus):
     assert (d["rejected"], d["filtered"]) == (sum(corpus["rejected"].values()), sum(corpus["filtered"].values()))
     assert d["read"] == d["kept"] + d["filtered"] + d["rejected"] + d["unpacked"]
     v = resolve(Storage.from_env(), f"fused@{out['version']}")
-    assert v.manifest.dedup["files"] == {"exact": [], "band": []}
+    assert v.manifest.dedup["index"] == {"exact": [], "band": []}  # no keys: nothing deduplicated
     assert sum(len(_rows(p)) for p in v.shard_paths("train") + v.shard_paths("validation")) == out["sequences"]
 
 
