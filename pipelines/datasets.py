@@ -18,7 +18,7 @@ import sys
 import time
 
 from strata.cli import parser as cli_parser
-from strata.dataset import DatasetError, delete_version, list_versions, resolve
+from strata.dataset import DatasetError, delete_version, history, list_versions, resolve
 from strata.lease import LeaseBusy
 from strata.shell import EXIT_BUSY, Command
 from strata.storage import Storage, list_dir
@@ -49,15 +49,14 @@ def _main(cmd: Command) -> None:
             for name in datasets(storage):
                 print(f"{name:<24} {len(list_versions(storage, name))} version(s)")
         elif args.command == "list":
-            versions = list_versions(storage, args.name)
+            versions = history(storage, args.name)
             if not versions:
                 raise DatasetError(f"dataset {args.name!r} has no committed version under {storage.datasets()}")
             print(f"{'version':<9}{'created (UTC)':<21}{'added docs':>11}{'added rows':>11}"
                   f"{'snapshot rows':>14}{'shards':>8}")
-            for v in versions:
-                m = resolve(storage, f"{args.name}@{v}").manifest
+            for m in (v.manifest for v in versions):
                 created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m.created_at))
-                print(f"{v:<9}{created:<21}{m.documents.kept:>11,}{sum(s.rows for s in m.added()):>11,}"
+                print(f"{m.version:<9}{created:<21}{m.documents.kept:>11,}{sum(s.rows for s in m.added()):>11,}"
                       f"{sum(s.rows for s in m.shards):>14,}{len(m.shards):>8}")
         elif args.command == "delete":
             name, _, version = args.ref.partition("@")

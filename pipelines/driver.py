@@ -33,8 +33,7 @@ from strata.dataset import (
     check_extends,
     commit,
     failpoint,
-    list_versions,
-    resolve,
+    history,
     token_dtype,
 )
 from strata.shell import Job
@@ -135,7 +134,7 @@ class Preprocess:
                  dashboard: bool = True):
         self.cfg, self.storage, self.job, self.run_id, self.started = cfg, storage, job, run_id, started
         self.dashboard = dashboard
-        self.earlier = [resolve(storage, f"{cfg.dataset}@{v}") for v in list_versions(storage, cfg.dataset)]
+        self.earlier = history(storage, cfg.dataset)
         self.parent = self.earlier[-1] if self.earlier else None
         self.tables = tuple(t for t, on in (("exact", cfg.dedup.exact_dedup), ("band", cfg.dedup.near_dedup)) if on)
         # Without dedup or tokenizer training nothing global sits between reading and packing: fuse them.

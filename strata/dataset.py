@@ -286,8 +286,17 @@ def resolve(storage: Storage, ref: str) -> DatasetVersion:
     version = version or versions[-1]
     if version not in versions:
         raise DatasetError(f"dataset {name!r} has no version {version!r}; committed: {', '.join(versions)}")
-    path = join(storage.dataset(name), version)
+    return _load(join(storage.dataset(name), version))
+
+
+def _load(path: str) -> DatasetVersion:
     return DatasetVersion(path, Manifest.from_dict(read_json(join(path, MANIFEST))))
+
+
+def history(storage: Storage, name: str) -> list[DatasetVersion]:
+    """Every committed version of `name`, oldest first, in one listing and a read per version (`resolve`
+    lists the versions each time: N of them would make N^2 requests)."""
+    return [_load(join(storage.dataset(name), v)) for v in list_versions(storage, name)]
 
 
 def latest(storage: Storage, name: str) -> DatasetVersion | None:
@@ -415,7 +424,7 @@ def _delete_leased(storage: Storage, name: str, version: str) -> list[str]:
 def abandoned_run_files(storage: Storage, name: str, before_gen: int) -> list[str]:
     """Run directories under `data/` that no committed version references and that writers holding
     an older lease generation left (crashed or killed before commit)."""
-    referenced = {resolve(storage, f"{name}@{v}").manifest.files for v in list_versions(storage, name)}
+    referenced = {v.manifest.files for v in history(storage, name)}
     out = []
     for tag, d in list_dir(join(storage.dataset(name), "data")):
         m = re.match(r"^g(\d{8})-", tag)
