@@ -167,8 +167,9 @@ def test_training_prints_its_progress_and_no_ray_noise_and_ctrl_c_says_how_to_co
                   "(RayTrainWorker"):
         assert noise not in out.stderr, f"{noise!r} in:\n{out.stderr[-3000:]}"
     record = find_record(Storage(storage_root), "train/watched")
-    # The command, not the fit alone (the record rounds to 0.1 s).
-    assert 0.8 * wall <= record["seconds"] <= wall + 0.05, (record["seconds"], wall)
+    # The command, not the fit alone. Its start is the process's (strata.shell.process_started), which psutil
+    # derives from the kernel's boot time in whole seconds: up to a second early (CI saw 28.7 s for 28.57).
+    assert 0.8 * wall <= record["seconds"] <= wall + 1.0, (record["seconds"], wall)
 
     joined = {**env, "RAY_ADDRESS": local_ray.get_runtime_context().gcs_address}
     proc, lines = _follow(["train", "--dataset", dataset["ref"], "--max-steps", "5000", "--checkpoint-every", "10",
