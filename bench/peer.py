@@ -127,20 +127,24 @@ def run_strata(corpus: str, tok: str, work: str, workload: str, cores: int) -> d
         cmd += ["--no-exact-dedup", "--no-near-dedup"]
     seconds, out = timed(cmd, {"STRATA_STORAGE": storage, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
     s = json.loads(out.strip().splitlines()[-1])
-    return {"seconds": seconds, "tokens": s["tokens"], "documents": s["documents"], "removed": _removed_ids(s["path"]),
+    return {"seconds": seconds, "tokens": s["tokens"], "documents": s["documents"],
+            "removed": _removed_ids(storage, f"{s['dataset']}@{s['version']}"),
             "largest_mb": LARGEST["mb"],
             "stages": s["stats"].get("cpu_s_by_stage", {}), "steps": s["stats"].get("wall_s_by_step", []),
             "peak_worker_rss_mb": s["stats"]["peak_worker_rss_mb"]}
 
 
-def _removed_ids(version_path: str) -> list[str]:
+def _removed_ids(storage: str, ref: str) -> list[str]:
     """The corpus ids of the documents strata's dedup removed: its list beside the version names records
     `PATH:OFFSET`, and each record's `id` is read back from there."""
     import pyarrow.parquet as pq
 
-    with open(os.path.join(version_path, "manifest.json")) as f:
-        removed = json.load(f)["dedup"].get("removed")
-    parts = sorted(glob.glob(os.path.join(os.path.dirname(version_path), removed, "*.parquet"))) if removed else []
+    from strata.dataset import resolve
+    from strata.storage import Storage
+
+    v = resolve(Storage(storage), ref)
+    removed = v.manifest.dedup.get("removed")
+    parts = sorted(glob.glob(os.path.join(v.file(removed), "*.parquet"))) if removed else []
     if not parts:  # nothing removed: the directory has no parts
         return []
     ids = []

@@ -115,17 +115,18 @@ def preprocess(inputs: Path, dataset: str, root: str, env: dict, proxy=None) -> 
     return row
 
 
-KINDS = ("listings", "work files", "dedup state", "manifests", "leases", "other")
+KINDS = ("listings", "work files", "dedup state", "delta log", "leases", "other")
 
 
 def kind_of(r) -> str:
     """What a request was for, from its object's key."""
     if "list-type" in r.query:
         return "listings"
-    for kind, part in (("work files", "/_work/"), ("dedup state", "/dedup/"), ("leases", "/_lease/")):
+    for kind, part in (("work files", "/_work/"), ("dedup state", "/dedup/"), ("leases", "/_lease/"),
+                       ("delta log", "/_delta_log/")):
         if part in r.path:
             return kind
-    return "manifests" if r.path.endswith("manifest.json") else "other"
+    return "other"
 
 
 def resume_reads(root: str, dataset: str) -> dict:
@@ -135,7 +136,7 @@ def resume_reads(root: str, dataset: str) -> dict:
     from train.data import ShardRef, TokenBatches
 
     v = resolve(Storage(root), dataset)
-    refs = [ShardRef(v.file(s.path), s.rows) for s in v.manifest.shards if s.split == "train"]
+    refs = [ShardRef(v.file(s.path), s.rows) for s in v.shards if s.split == "train"]
     groups: set = set()
 
     def read(path, start=0, stop=None):

@@ -4,11 +4,13 @@
     python -m pipelines.datasets show NAME[@VERSION] [--json]
     python -m pipelines.datasets delete NAME@VERSION
 
-A version is a snapshot: every shard of the versions before it plus what its
-own run added. `show` says which version added which shards. Only the newest
-version can be deleted (every later snapshot references the earlier shards);
-deleting it removes its manifest, then the files its run added, and the input
-files it consumed count as new again.
+A dataset is a Delta Lake table; a version is one of its commits, a snapshot:
+every shard of the versions before it plus what its own run added. `show` says
+which version added which shards. Only the newest version can be deleted (every
+later snapshot references the earlier shards): a Delta commit removes the files
+its run added, then they are deleted, and the input files it consumed count as
+new again. A dataset of the format before Delta Lake is listed as such:
+convert it with `python -m strata migrate NAME`.
 """
 
 from __future__ import annotations
@@ -18,14 +20,27 @@ import sys
 import time
 
 from strata.cli import parser as cli_parser
-from strata.dataset import DatasetError, delete_version, history, list_versions, resolve
+from strata.dataset import DatasetError, delete_version, history, latest, resolve
 from strata.lease import LeaseBusy
 from strata.shell import EXIT_BUSY, Command
 from strata.storage import Storage, list_dir
 
 
-def datasets(storage: Storage) -> list[str]:
-    return [n for n, d in list_dir(storage.datasets()) if d and list_versions(storage, n)]
+def datasets(storage: Storage) -> list[tuple[str, str]]:
+    """(name, what it holds) of every dataset: its newest version and how many it has, or why it cannot
+    be read (a dataset of the format before Delta Lake says how to convert it)."""
+    out = []
+    for name, d in list_dir(storage.datasets()):
+        if not d:
+            continue
+        try:
+            newest = latest(storage, name)
+        except DatasetError as e:
+            out.append((name, str(e)))
+            continue
+        if newest:
+            out.append((name, f"{newest.manifest.totals.get('versions', 1)} version(s), newest {newest.manifest.version}"))
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -40,24 +55,26 @@ def _main(cmd: Command) -> None:
     show = sub.add_parser("show", help="a version's manifest (latest if no @VERSION)")
     show.add_argument("ref", help="NAME or NAME@VERSION")
     show.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
-    rm = sub.add_parser("delete", help="delete the newest version (its manifest, then its run's files)")
+    rm = sub.add_parser("delete", help="delete the newest version (a Delta commit removes its files, then they go)")
     rm.add_argument("ref", help="NAME@VERSION")
     args = parser.parse_args(cmd.argv)
     storage = Storage.from_env(args.storage)
     try:
         if args.command == "list" and not args.name:
-            for name in datasets(storage):
-                print(f"{name:<24} {len(list_versions(storage, name))} version(s)")
+            for name, what in datasets(storage):
+                print(f"{name:<24} {what}")
         elif args.command == "list":
             versions = history(storage, args.name)
             if not versions:
                 raise DatasetError(f"dataset {args.name!r} has no committed version under {storage.datasets()}")
             print(f"{'version':<9}{'created (UTC)':<21}{'added docs':>11}{'added rows':>11}"
                   f"{'snapshot rows':>14}{'shards':>8}")
-            for m in (v.manifest for v in versions):
+            for v in versions:
+                m = v.manifest
                 created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m.created_at))
-                print(f"{m.version:<9}{created:<21}{m.documents.kept:>11,}{sum(s.rows for s in m.added()):>11,}"
-                      f"{sum(s.rows for s in m.shards):>14,}{len(m.shards):>8}")
+                rows = m.totals.get("rows", {})
+                print(f"{m.version:<9}{created:<21}{m.documents.kept:>11,}{sum(s.rows for s in v.added):>11,}"
+                      f"{sum(rows.values()):>14,}{m.totals.get('shards', 0):>8}")
         elif args.command == "delete":
             name, _, version = args.ref.partition("@")
             if not version:
@@ -74,10 +91,10 @@ def _main(cmd: Command) -> None:
             t = m.tokenizer
             print(f"{v.ref}  {v.path}\ntokenizer {t.kind} vocab {t.vocab_size} eot {t.eot_id} hash {t.hash}\n"
                   f"seq_len {m.seq_len} dtype {m.dtype}; snapshot of {m.totals.get('versions', 1)} version(s): "
-                  f"rows train {m.rows('train'):,} validation {m.rows('validation'):,} in {len(m.shards)} shards")
+                  f"rows train {v.rows('train'):,} validation {v.rows('validation'):,} in {len(v.shards)} shards")
             print(f"{'shards by version':<20}{'shards':>8}{'rows':>12}{'tokens':>14}  files")
-            for added_in in sorted({s.version for s in m.shards}):
-                mine = [s for s in m.shards if s.version == added_in]
+            for added_in in sorted({s.version for s in v.shards}):
+                mine = [s for s in v.shards if s.version == added_in]
                 where = sorted({s.path.rsplit("/", 1)[0] for s in mine})
                 print(f"{added_in:<20}{len(mine):>8}{sum(s.rows for s in mine):>12,}"
                       f"{sum(s.tokens for s in mine):>14,}  {', '.join(where)}")

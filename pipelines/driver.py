@@ -29,11 +29,14 @@ from strata.cost import ray_daemon_cpu
 from strata.dataset import (
     DatasetError,
     Shard,
-    abandoned_run_files,
+    abandoned_runs,
     check_extends,
     commit,
+    delete_run,
     failpoint,
     history,
+    latest,
+    slot_version,
     token_dtype,
 )
 from strata.shell import Job
@@ -41,7 +44,6 @@ from strata.shell import log as _logger
 from strata.storage import (
     Storage,
     basename,
-    delete,
     delete_dir,
     exists,
     filesystem,
@@ -134,8 +136,7 @@ class Preprocess:
                  dashboard: bool = True):
         self.cfg, self.storage, self.job, self.run_id, self.started = cfg, storage, job, run_id, started
         self.dashboard = dashboard
-        self.earlier = history(storage, cfg.dataset)
-        self.parent = self.earlier[-1] if self.earlier else None
+        self.parent = latest(storage, cfg.dataset)
         self.tables = tuple(t for t, on in (("exact", cfg.dedup.exact_dedup), ("band", cfg.dedup.near_dedup)) if on)
         # Without dedup or tokenizer training nothing global sits between reading and packing: fuse them.
         self.fused = not self.tables and not cfg.pack.tokenizer.startswith("train:")
@@ -145,13 +146,13 @@ class Preprocess:
         self.shards: list[Output] = []
         self.index, self.sizes, self.segments, self.index_rss = [], [], {}, 0.0
         self.definition, self.tok, self.audit = None, None, {}
-        self.evaluation, self.staging, self.units = None, None, []
+        self.evaluation, self.tag, self.staging, self.shard_dir, self.units = None, None, None, None, []
         self.cpus, self.total_bytes, self.pass2_utilization = 0.0, 0, 0.0
         self.done: dict[str, Output] = {}  # what a killed run of the same work finished, by record name
         self.reused: dict[str, int] = {}
 
     def run(self, files: list[dict]) -> dict:
-        if self.run_id and (done := next((v for v in self.earlier if v.manifest.run_id == self.run_id), None)):
+        if self.run_id and (done := slot_version(self.storage, self.cfg.dataset, self.run_id)):
             _say(f"run {self.run_id!r} already produced {done.ref}: nothing to do")
             return {**_summary(done), "already_existed": True}
         self.check_tokenizer()
@@ -164,12 +165,13 @@ class Preprocess:
                 self.passes()
             files = self.consumed(files)
             if not self.shards:
-                delete_dir(self.staging)
+                delete_run(self.storage, self.cfg.dataset, self.tag)
                 _say("no document survived: no version created")
                 return self.empty("no rows")
             version = self.commit(files)
         except Exception:
-            delete_dir(self.staging)  # a failed run leaves nothing behind
+            if self.tag:
+                delete_run(self.storage, self.cfg.dataset, self.tag)  # a failed run leaves nothing behind
             raise  # (a killed or interrupted one leaves its work units, for a rerun of the same work to reuse)
         return self.finish(version)
 
@@ -184,7 +186,8 @@ class Preprocess:
         """With --incremental, the files no earlier version consumed (same path, size and mtime)."""
         if not self.cfg.read.incremental:
             return files
-        consumed = {_identity(f) for v in self.earlier for f in v.manifest.inputs if "mtime_ns" in f}
+        consumed = {_identity(f) for v in history(self.storage, self.cfg.dataset) for f in v.manifest.inputs
+                    if "mtime_ns" in f}
         new = [f for f in files if _identity(f) not in consumed]
         if len(new) < len(files):
             _say(f"{len(files) - len(new)} of {len(files)} input files were consumed by earlier versions: skipped")
@@ -211,7 +214,9 @@ class Preprocess:
         self.cpus, self.units = cpus, plan_units(files, self.cfg.read)
         self.total_bytes = sum(f["size"] for f in files)
         _say(f"{len(files)} input files, {self.total_bytes / 1e6:.1f} MB in {len(self.units)} work units")
-        self.staging = self.run_directory(files)
+        self.tag = self.run_tag(files)
+        self.staging = self.storage.run_files(self.cfg.dataset, self.tag)
+        self.shard_dir = self.storage.run_shards(self.cfg.dataset, self.tag)
         self.work = join(self.staging, "_work")
         make_dirs(*(join(self.work, d) for d in ("docs", "packed", "tails", "done")), join(self.staging, "dedup"),
                   join(self.staging, REMOVED_DIR))
@@ -220,24 +225,25 @@ class Preprocess:
         write_json_atomic(join(self.staging, "run.json"), self.job.begin({**asdict(self.cfg), "run_id": self.run_id}))
         self.contamination = {"ref": ray.put(self.evaluation)} if self.evaluation else None  # one copy per node
 
-    def run_directory(self, files: list[dict]) -> str:
-        """This run's directory under the dataset's `data/`: named by the work (config, input files,
-        parent), so a rerun of the same work after a kill finds the units its predecessor finished. Other
-        runs' leftovers (crashed or killed before their commit, or another work) are deleted."""
+    def run_tag(self, files: list[dict]) -> str:
+        """This run's name (`g<lease generation>-<work>`; its shards go to `data/<tag>`, its own files to
+        `_strata/<tag>`): named by the work (config, input files, parent), so a rerun of the same work
+        after a kill finds the units its predecessor finished. Other runs' leftovers (crashed or killed
+        before their commit, or another work) are deleted."""
         from pipelines.pack import digest
 
         work = digest({"config": asdict(self.cfg), "inputs": [_identity(f) for f in files],
                        "parent": self.parent.manifest.version if self.parent else ""})
-        leftovers = abandoned_run_files(self.storage, self.cfg.dataset, self.job.lease.gen)
-        mine = [d for d in leftovers if basename(d).endswith(f"-{work}")][-1:]
+        leftovers = abandoned_runs(self.storage, self.cfg.dataset, self.job.lease.gen)
+        mine = [t for t in leftovers if t.endswith(f"-{work}")][-1:]
         for leftover in leftovers:
             if leftover not in mine:
-                _say(f"deleting {leftover}: files of a run that ended before its commit")
-                delete_dir(leftover)
+                _say(f"deleting run {leftover}'s files: it ended before its commit")
+                delete_run(self.storage, self.cfg.dataset, leftover)
         if mine:
-            _say(f"resuming the work of a run that ended before its commit ({basename(mine[0])})")
+            _say(f"resuming the work of a run that ended before its commit ({mine[0]})")
             return mine[0]
-        return self.storage.run_files(self.cfg.dataset, f"g{self.job.lease.gen:08d}-{work}")
+        return f"g{self.job.lease.gen:08d}-{work}"
 
     # ------------------------------------------------------------ the passes
 
@@ -316,7 +322,7 @@ class Preprocess:
         n = (self.cfg.dedup.index_shards or suggested_shards(self.cpus, self.total_bytes)) if self.tables and docs else 0
         actor = ray.remote(DedupIndex).options(num_cpus=0, label_selector=tiers.selector(tiers.Tier.CPU),
                                                max_restarts=-1, max_task_retries=-1)
-        self.segments = _index_segments(self.parent, self.earlier, self.cfg)
+        self.segments = _index_segments(self.parent, lambda: history(self.storage, self.cfg.dataset), self.cfg)
         prior = self.segments if self.cfg.dedup.against_previous else {}
         self.index = [actor.remote(s, n, [join(self.work, "docs", f) for f in docs], prior, self.tables)
                       for s in range(n)]
@@ -438,9 +444,7 @@ class Preprocess:
         from pipelines.pack import ShardPlan, shuffle, write_shards
 
         _say("pass 3/3: shuffle rows into shards")
-        for name, is_dir in list_dir(self.staging):  # a killed run's shards (a rerun writes the same ones)
-            if not is_dir and name.endswith(".parquet") and name != TAILS_FILE:
-                delete(join(self.staging, name))
+        delete_dir(self.shard_dir)  # a killed run's shards (a rerun writes the same ones)
         row_bytes = (self.cfg.pack.seq_len + 1) * {"uint8": 1, "uint16": 2, "uint32": 4}[token_dtype(self.tok.vocab_size)]
         per_shard = max(1, self.cfg.pack.shard_bytes // row_bytes)
         rows = self.tally.rows
@@ -450,7 +454,8 @@ class Preprocess:
         if plan.counts and packed:
             self.shards = outputs(shuffle(packed, plan).map_batches(
                 write_shards, batch_format="pyarrow", batch_size=None,
-                fn_kwargs={"staging": self.staging, "plan": plan}).take_all())
+                fn_kwargs={"directory": self.shard_dir, "plan": plan,
+                           "dtype": token_dtype(self.tok.vocab_size)}).take_all())
             self.tally += Tally.total(o.tally for o in self.shards)
         written = {split: sum(o.shard[2] for o in self.shards if o.shard[1] == split) for split in rows}
         if written != {split: n for split, n in rows.items()}:
@@ -512,8 +517,8 @@ class Preprocess:
 
     def commit(self, files: list[dict]):
         docs = accounting(self.tally)
-        shards = sorted((Shard(path=p, split=split, rows=rows, tokens=tokens)
-                         for p, split, rows, tokens in (o.shard for o in self.shards)), key=lambda s: s.path)
+        shards = sorted((Shard(path=p, split=split, rows=rows, tokens=tokens, bytes=size)
+                         for p, split, rows, tokens, size in (o.shard for o in self.shards)), key=lambda s: s.path)
         if self.definition:
             write_bytes_atomic(join(self.staging, TOKENIZER_FILE), self.definition.encode())
         table = self.table()
@@ -529,7 +534,7 @@ class Preprocess:
         index = {t: [{**seg, "files": [{**f, "path": f["path"][len(root):].strip("/").replace(os.sep, "/")}
                                        for f in seg["files"]]} for seg in segs] for t, segs in self.segments.items()}
         dedup = {"params": self.cfg.dedup.params(), "index": index, "index_entries": self.sizes, **audit}
-        return commit(self.storage, self.cfg.dataset, self.staging, dict(
+        return commit(self.storage, self.cfg.dataset, self.tag, dict(
             tokenizer=self.tok.info(), seq_len=self.cfg.pack.seq_len, dtype=token_dtype(self.tok.vocab_size),
             shards=shards, documents=docs, tokens=table["tokens"], inputs=files, run=record, stats=table,
             rejects="rejects.json", run_id=self.run_id, tails=tails, dedup=dedup),
@@ -545,7 +550,7 @@ class Preprocess:
                                                "tokens_per_s_per_cpu", "peak_worker_rss_mb")}
         usage = self.job.usage
         figures.update(tokens_per_s=m.tokens / max(usage.ended - usage.started, 1e-9), version=m.version)
-        cost = self.job.finish(beside=join(self.storage.dataset(self.cfg.dataset), f"{m.version}.record.json"),
+        cost = self.job.finish(beside=join(self.staging, "record.json"),
                                work_nodes=sorted(self.tally.nodes), figures=figures)
         return {**_summary(version), **cost, "units": self.unit_counts(),
                 "dedup_index_entries": max((sum(n.values()) for n in self.sizes), default=0)}
@@ -586,11 +591,11 @@ def _tier_cpus() -> float:
                if n["Alive"] and tiers.Tier.CPU in tiers.tiers_of(n.get("Labels", {})))
 
 
-def _index_segments(parent, earlier: list, cfg: PreprocessConfig) -> dict[str, list[dict]]:
+def _index_segments(parent, earlier, cfg: PreprocessConfig) -> dict[str, list[dict]]:
     """The dataset's dedup index as of `parent`, by table: its segments, each a file per slice of the key
     space (paths made whole). Band segments of other MinHash/LSH parameters are left out: their keys are
     not comparable. A dataset made before the index (each version's own dedup files, in `files`) gives
-    a segment per earlier version whose files each span the whole key space."""
+    a segment per earlier version whose files each span the whole key space (`earlier()` reads them)."""
     from pipelines.dedup import legacy_segment
 
     state = parent.manifest.dedup if parent else {}
@@ -598,8 +603,9 @@ def _index_segments(parent, earlier: list, cfg: PreprocessConfig) -> dict[str, l
         segments = {t: [{**seg, "files": [{**f, "path": parent.file(f["path"])} for f in seg["files"]]} for seg in segs]
                     for t, segs in state["index"].items()}
     else:
+        versions = earlier() if parent else []
         segments = {t: [legacy_segment([v.file(p) for p in v.manifest.dedup["files"][t]], v.manifest.dedup.get("params"))
-                        for v in earlier if v.manifest.dedup.get("files", {}).get(t)] for t in ("exact", "band")}
+                        for v in versions if v.manifest.dedup.get("files", {}).get(t)] for t in ("exact", "band")}
     band = segments.get("band", [])
     if other := [seg for seg in band if seg["params"] != cfg.dedup.params()]:
         _say(f"near-dedup against {sum(seg['versions'] for seg in other)} earlier version(s) skipped: their "
@@ -647,5 +653,5 @@ def _summary(version) -> dict:
     m = version.manifest
     return {"dataset": m.dataset, "version": m.version, "path": version.path, "parent": m.parent,
             "documents": m.stats["documents"], "reasons": m.documents.reasons, "tokens": m.tokens,
-            "sequences": sum(s.rows for s in m.added()), "shards": len(m.added()), "stats": m.stats,
+            "sequences": sum(s.rows for s in version.added), "shards": len(version.added), "stats": m.stats,
             "snapshot": m.totals, "run_id": m.run_id, "already_existed": False}

@@ -38,9 +38,9 @@ from pipelines.dedup import DedupConfig, MinHasher, exact_key, hash64, key_range
 from pipelines.sources import ReadConfig, read_file, with_deferral
 from pipelines.stats import SAMPLES_PER_REASON, Output, Tally, audit_sample
 from strata.connect import fetch_once
-from strata.dataset import arrow_schema, token_dtype
+from strata.dataset import arrow_schema, shard_schema, token_dtype
 from strata.procs import peak_rss_mb
-from strata.storage import filesystem, join, read_bytes
+from strata.storage import filesystem, join, make_dirs, read_bytes
 
 SPLIT_IDS = {"train": 0, "validation": 1}
 ROW_GROUP_ROWS = 1024
@@ -539,23 +539,30 @@ def shuffle(packed: list[str], plan: ShardPlan):
 
 
 @profiled
-def write_shards(batch: pa.Table, *, staging: str, plan: ShardPlan) -> dict:
+def write_shards(batch: pa.Table, *, directory: str, plan: ShardPlan, dtype: str) -> dict:
     """Pass 3's writer: the shards' rows of one sorted block (each shard's rows in key order) to a file per
-    shard. A shard the shuffle cut into several blocks becomes several files, each named by its shard and
-    its first key, so a rerun writes the same names."""
+    shard, in the table's schema (strata.dataset.shard_schema). A shard the shuffle cut into several
+    blocks becomes several files, each named by its shard and its first key, so a rerun writes the same
+    names. Each output says (name, split, rows, tokens, bytes)."""
     cpu0 = time.process_time()
     shard, out = batch["shard"].to_numpy(), []
     cuts = np.flatnonzero(np.diff(shard)) + 1
+    schema = shard_schema(dtype)
+    make_dirs(directory)
     for a, b in zip([0, *cuts], [*cuts, len(shard)], strict=True):
         split, number = plan.name(int(shard[a]))
         part = batch.slice(a, b - a)
         name = f"{split}-{number:05d}-{part['key'][0].as_py():016x}.parquet"
-        fs, path = filesystem(join(staging, name))
+        fs, path = filesystem(join(directory, name))
+        tokens = part.column("tokens").combine_chunks()
+        row_len = tokens.type.list_size
+        table = pa.Table.from_arrays([tokens.cast(schema.field(0).type)], schema=schema)
         # Row groups of ROW_GROUP_ROWS rows: a trainer reads (and a resume seeks to) a few of them, never a
         # whole shard (train/data.py).
-        pq.write_table(part.select(["tokens"]), path, filesystem=fs, row_group_size=ROW_GROUP_ROWS)
-        row_len = part.schema.field("tokens").type.list_size
-        out.append(Output(tally=Tally(), shard=(name, split, part.num_rows, part.num_rows * row_len)))
+        with fs.open_output_stream(path) as f:
+            pq.write_table(table, f, row_group_size=ROW_GROUP_ROWS)
+            size = f.tell()
+        out.append(Output(tally=Tally(), shard=(name, split, part.num_rows, part.num_rows * row_len, size)))
     if out:
         out[0] = Output(tally=Tally(nodes=frozenset([_node()]), cpu_s={"shuffle-write": time.process_time() - cpu0}),
                         shard=out[0].shard)

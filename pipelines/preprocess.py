@@ -18,7 +18,7 @@ from pipelines.driver import run
 from pipelines.stats import format_table
 from strata.cli import add_config_arguments, finish, overrides
 from strata.cli import parser as cli_parser
-from strata.dataset import DatasetError, list_versions
+from strata.dataset import DatasetError, latest
 from strata.lease import LeaseBusy
 from strata.shell import EXIT_BUSY, Command
 from strata.shell import log as _logger
@@ -71,8 +71,8 @@ def _main(cmd: Command) -> dict:
 
 
 def _newest(storage: Storage, dataset: str) -> str | None:
-    versions = list_versions(storage, dataset)
-    return versions[-1] if versions else None
+    newest = latest(storage, dataset)
+    return newest.manifest.version if newest else None
 
 
 def _interrupted(storage: Storage, dataset: str, before: str | None, again: str) -> str:

@@ -1,4 +1,4 @@
-"""strata's own commands: demo, submit, runs, report, plan (`python -m strata` lists them)."""
+"""strata's own commands: demo, submit, runs, report, plan, migrate (`python -m strata` lists them)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ def main() -> None:
                 "submit": "submit preprocess, train or tune to a Ray cluster (see submit --help)",
                 "runs": "list every recorded run with its cost and key figures",
                 "report": "summarise one run and write an HTML report with plots: report RUN",
-                "plan": "estimate wall time and cost of a workload on each node type"}
+                "plan": "estimate wall time and cost of a workload on each node type",
+                "migrate": "convert a dataset of the format before Delta Lake: migrate NAME"}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         print("usage: python -m strata COMMAND [args]\n\ncommands:")
         for name, what in commands.items():
@@ -27,6 +28,10 @@ def main() -> None:
         sys.exit(report(sys.argv[1:]))
     elif sys.argv[1] == "plan":  # the planner thinks in model FLOPs, so it lives in train: run it, never import it
         os.execv(sys.executable, [sys.executable, "-m", "train.plan", *sys.argv[2:]])
+    elif sys.argv[1] == "migrate":
+        from strata.migrate import main as migrate
+
+        sys.exit(migrate(sys.argv[2:]))
     elif sys.argv[1] == "submit":
         from strata.submit import main as submit
 

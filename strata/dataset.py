@@ -1,15 +1,23 @@
 """The versioned dataset contract between tier 1 (writes) and tier 2 (reads).
 
-A dataset is a directory of immutable versions; each version is a snapshot of
-the whole dataset: the previous version's shards (referenced, never copied)
-plus what its run added. A run writes its files under `data/<tag>/`, then
-publishes the version by creating `vNNNN/manifest.json` with one conditional
-create (`create_exclusive`): exactly one writer gets a number, and a version
-is visible whole or not at all. A crashed run leaves only unreferenced files
-under `data/`, which the next writer holding the dataset's lease deletes.
+A dataset is a Delta Lake table (delta-rs) at `<root>/datasets/<name>`: parquet shards under
+`data/<run>/` and one commit per version in `_delta_log/`. A version is the table as of its commit, a
+snapshot (the parent's shards, referenced, never copied, plus what its run added), named `vNNNN` after
+its Delta version number. It is readable by that number (time travel), by strata, by Ray Data
+(`ray.data.read_delta`) and by any Delta reader (Spark, DuckDB, Polars, Trino) without strata.
 
-One parquet row is one packed training sequence: `seq_len + 1` token ids in a
-fixed-size list column (inputs are row[:-1], targets row[1:]).
+A run writes its shards, then publishes them in one commit: a conditional create of the next log
+entry, so exactly one writer gets a number and a version is visible whole or not at all (on S3 too:
+delta-rs needs no lock table). The commit carries the version's manifest (document accounting, inputs,
+run, dedup index) in its `strata` field, and application transactions that say which run directory,
+and which scheduled slot, it committed. strata's other files (tails, dedup index, rejects, work units)
+live under `_strata/<run>/`, which Delta's vacuum leaves alone. A crashed run leaves only files no
+commit references, which the next writer holding the dataset's lease deletes.
+
+One row is one packed training sequence: `seq_len + 1` token ids (inputs are row[:-1], targets
+row[1:]) in a list column (Delta has no fixed-size list, nor unsigned integers); the partition columns
+say its split and the version that added it. Table properties (`strata.*`) carry the tokenizer's
+identity, seq_len and the token type.
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ import signal
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 
 import numpy as np
 import pyarrow as pa
@@ -30,24 +39,32 @@ import pyarrow.parquet as pq
 
 from strata.shell import StrataError
 from strata.storage import (
+    S3_ATTEMPTS,
     Storage,
-    create_exclusive,
-    delete,
     delete_dir,
-    exists,
+    delta_options,
     filesystem,
     is_uri,
     join,
     list_dir,
     read_bytes,
-    read_json,
 )
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 TOKENS = "tokens"
 SPLITS = ("train", "validation")
-MANIFEST = "manifest.json"
-_VERSION_RE = re.compile(r"^v(\d{4,})$")
+PARTITIONS = ["split", "version"]
+LOG = "_delta_log"
+CHECKPOINT_INTERVAL = 10
+"""A log checkpoint every 10 commits: opening any version reads a checkpoint and at most 10 log entries."""
+LOG_RETENTION = "interval 36500 days"
+"""Delta's default (30 days) lets delta-rs delete old log entries at a checkpoint, and with them the
+versions' manifests and time travel: here a version lasts until it is deleted."""
+RUN_APP = "strata-run:"  # an application transaction per run directory: the version that committed it
+SLOT_APP = "strata-slot:"  # and per scheduled slot (run id)
+DTYPE_KEY = b"strata.dtype"  # a shard file's metadata: its ids' unsigned type
+LEGACY_MANIFEST = "manifest.json"  # a version of the format before Delta Lake: vNNNN/manifest.json
+LEGACY_VERSION_RE = re.compile(r"^v(\d{4,})$")
 
 
 class DatasetError(StrataError):
@@ -69,8 +86,25 @@ def pad_value(dtype) -> int:
 
 
 def arrow_schema(seq_len: int, dtype: str) -> pa.Schema:
-    """The shard schema: one fixed-size list of `seq_len + 1` token ids per row."""
+    """Rows in memory and in the work files: one fixed-size list of `seq_len + 1` token ids per row."""
     return pa.schema([pa.field(TOKENS, pa.list_(pa.type_for_alias(dtype), seq_len + 1), nullable=False)])
+
+
+def delta_type(dtype: str) -> pa.DataType:
+    """The token ids' type in the table: Delta has no unsigned integers, and the pad value (the largest
+    of `dtype`) must fit."""
+    return pa.int64() if dtype == "uint32" else pa.int32()
+
+
+def shard_schema(dtype: str) -> pa.Schema:
+    """A shard file's schema: a list of token ids per row (the partition columns are not in the files),
+    and the ids' own type in its metadata (read_rows gives them back in it)."""
+    return pa.schema([pa.field(TOKENS, pa.list_(pa.field("element", delta_type(dtype), nullable=False)),
+                               nullable=False)], metadata={DTYPE_KEY: dtype.encode()})
+
+
+def table_schema(dtype: str) -> pa.Schema:
+    return shard_schema(dtype).remove_metadata().append(pa.field("split", pa.string())).append(pa.field("version", pa.int64()))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +133,8 @@ class Shard:
     """Token ids in the file (rows * (seq_len + 1))."""
     version: str = ""
     """The version whose run added this shard."""
+    bytes: int = 0
+    """The file's size."""
 
 
 DOCUMENT_STATUSES = ("read", "kept", "filtered", "duplicate", "rejected", "unpacked")
@@ -131,8 +167,6 @@ class Manifest:
     tokenizer: TokenizerInfo
     seq_len: int
     dtype: str
-    shards: list[Shard]
-    """Every shard of the snapshot: the parent's, then this run's (each says which version added it)."""
     documents: DocumentCounts
     """This run's documents: every one read is kept, filtered, duplicate or rejected."""
     tokens: int
@@ -146,7 +180,8 @@ class Manifest:
     totals: dict = field(default_factory=dict)
     """The whole snapshot: versions, inputs, documents by status, tokens, rows by split, shards."""
     files: str = ""
-    """This run's directory, relative to the dataset directory (`data/<tag>`)."""
+    """This run's own files, relative to the dataset directory (`_strata/<tag>`; its shards are in
+    `data/<tag>`)."""
     stats: dict = field(default_factory=dict)
     """The run's summary table: counts by rule and reason, bytes, tokens, throughput."""
     dedup: dict = field(default_factory=dict)
@@ -164,16 +199,6 @@ class Manifest:
     the dataset directory: the next version packs them first, so no kept document is left out for good."""
     schema_version: int = SCHEMA_VERSION
 
-    def rows(self, split: str) -> int:
-        return sum(s.rows for s in self.shards if s.split == split)
-
-    def packed_tokens(self, split: str | None = None) -> int:
-        return sum(s.tokens for s in self.shards if split in (None, s.split))
-
-    def added(self) -> list[Shard]:
-        """The shards this version's run added."""
-        return [s for s in self.shards if s.version == self.version]
-
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -184,27 +209,53 @@ class Manifest:
                 f"dataset {d.get('dataset')}@{d.get('version')} has schema version "
                 f"{d.get('schema_version')}; this strata reads version {SCHEMA_VERSION}")
         d = dict(d)
+        d.pop("shards", None)  # a manifest of the format before Delta Lake (strata migrate)
         d["tokenizer"] = TokenizerInfo(**d["tokenizer"])
-        d["shards"] = [Shard(**s) for s in d["shards"]]
         d["documents"] = DocumentCounts(**d["documents"])
         return cls(**d)
 
 
 @dataclass(frozen=True)
 class DatasetVersion:
-    """A committed version: its directory (where the manifest is), the dataset's, and the manifest."""
+    """A committed version: the dataset's directory (the Delta table), its manifest, and the shards its
+    run added; `shards`, the whole snapshot's, is read from the table when first asked for."""
 
     path: str
     manifest: Manifest
+    added: tuple[Shard, ...] = ()
+    table: object = field(default=None, compare=False, repr=False)
+    """The DeltaTable as of this version, when the reader already opened it."""
 
     @property
     def ref(self) -> str:
         return f"{self.manifest.dataset}@{self.manifest.version}"
 
     @property
+    def number(self) -> int:
+        """The Delta version."""
+        return int(self.manifest.version[1:])
+
+    @property
     def root(self) -> str:
         """The dataset directory, which every path in the manifest is relative to."""
-        return self.path.rstrip("/").rsplit("/", 1)[0] if "://" in self.path else os.path.dirname(self.path)
+        return self.path
+
+    @cached_property
+    def shards(self) -> list[Shard]:
+        """Every shard of the snapshot, in the order of the versions that added them, then by name."""
+        table = pa.table(retrying((self.table or open_table(self.path, self.number)).get_add_actions, flatten=True))
+        row_len = self.manifest.seq_len + 1
+        shards = []
+        for path, size, rows, split, version in zip(*(table.column(c).to_pylist() for c in (
+                "path", "size_bytes", "num_records", "partition.split", "partition.version")), strict=True):
+            if rows is None:  # a file a foreign writer added without statistics
+                rows = _footer_rows(self.file(path))
+            shards.append(Shard(path=path, split=split, rows=rows, tokens=rows * row_len,
+                                version=f"v{int(version):04d}", bytes=size))
+        return sorted(shards, key=lambda s: (int(s.version[1:]), s.path))
+
+    def rows(self, split: str) -> int:
+        return sum(s.rows for s in self.shards if s.split == split)
 
     def file(self, rel: str) -> str:
         """A path the manifest names, under the dataset's directory; a manifest is data read back from
@@ -223,13 +274,18 @@ class DatasetVersion:
         return path
 
     def shard_paths(self, split: str) -> list[str]:
-        return [self.file(s.path) for s in self.manifest.shards if s.split == split]
+        return [self.file(s.path) for s in self.shards if s.split == split]
 
     def tokenizer_definition(self) -> str | None:
         """The tokenizer file's text, for tokenizers that have one."""
         if not self.manifest.tokenizer.file:
             return None
         return read_bytes(self.file(self.manifest.tokenizer.file)).decode()
+
+
+def _footer_rows(path: str) -> int:
+    fs, p = filesystem(path)
+    return pq.ParquetFile(fs.open_input_file(p)).metadata.num_rows
 
 
 _GROUPS: OrderedDict[str, tuple[int, np.ndarray]] = OrderedDict()  # the last row groups read, per shard (2)
@@ -242,8 +298,8 @@ def read_rows(path: str, start: int = 0, stop: int | None = None) -> np.ndarray:
     shard written as one row group, as before 2026-12-02, is then decoded once, not once per range)."""
     fs, p = filesystem(path)
     if start == 0 and stop is None:
-        col = pq.read_table(p, filesystem=fs, columns=[TOKENS]).column(TOKENS).combine_chunks()
-        return col.values.to_numpy().reshape(len(col), -1)
+        table = pq.read_table(p, filesystem=fs, columns=[TOKENS])
+        return _ids(table.column(TOKENS).combine_chunks(), table.schema)
     with _GROUPS_LOCK:
         held = _GROUPS.get(path)
     if stop is not None and held and held[0] <= start and stop <= held[0] + len(held[1]):
@@ -257,8 +313,7 @@ def read_rows(path: str, start: int = 0, stop: int | None = None) -> np.ndarray:
             groups.append(g)
             first = at if first is None else first
         at += n
-    col = f.read_row_groups(groups, columns=[TOKENS]).column(TOKENS).combine_chunks()
-    rows, first = col.values.to_numpy().reshape(len(col), -1), first or 0
+    rows, first = _ids(f.read_row_groups(groups, columns=[TOKENS]).column(TOKENS).combine_chunks(), f.schema_arrow), first or 0
     with _GROUPS_LOCK:
         _GROUPS[path] = (first, rows)
         _GROUPS.move_to_end(path)
@@ -267,41 +322,165 @@ def read_rows(path: str, start: int = 0, stop: int | None = None) -> np.ndarray:
     return rows[start - first: stop - first]
 
 
-def list_versions(storage: Storage, name: str) -> list[str]:
-    """Committed versions of `name`, oldest first. Directories without a manifest are skipped."""
-    base = storage.dataset(name)
-    found = [(int(m.group(1)), n) for n, d in list_dir(base) if d and (m := _VERSION_RE.match(n))]
-    return [v for _, v in sorted(found) if exists(join(base, v, MANIFEST))]
+def _ids(col: pa.Array, schema: pa.Schema) -> np.ndarray:
+    """A tokens column as an (n, seq_len + 1) array of the dataset's unsigned type (the file's metadata
+    names it: Delta stores them signed); its pad value (the type's largest) is what training masks."""
+    rows = col.flatten().to_numpy().reshape(len(col), -1)
+    dtype = (schema.metadata or {}).get(DTYPE_KEY)
+    return rows.astype(dtype.decode()) if dtype and rows.dtype.kind == "i" else rows
+
+
+# ---- the table ---------------------------------------------------------------------------------
+
+def transient(e: BaseException) -> bool:
+    """An I/O error of delta-rs (a connection reset, a timeout): an OSError, or its generic DeltaError
+    that says the object store failed (a lost race, a missing table or a bad schema are not)."""
+    return isinstance(e, OSError) or (type(e).__name__ == "DeltaError" and "object store" in str(e))
+
+
+def retrying(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`, again after a transient I/O error, S3_ATTEMPTS times in all with backoff:
+    delta-rs gives up on the first reset (measured through the resetting proxy, tests/test_faults.py),
+    where pyarrow's S3 client retries."""
+    for attempt in range(S3_ATTEMPTS):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            if attempt == S3_ATTEMPTS - 1 or not transient(e):
+                raise
+            time.sleep(min(2.0, 0.05 * 2**attempt))
+    raise AssertionError("unreachable")
+
+
+def open_table(path: str, version: int | None = None):
+    """The Delta table at `path` (as of `version`), or None when there is none."""
+    from deltalake import DeltaTable
+    from deltalake.exceptions import TableNotFoundError
+
+    try:
+        return retrying(DeltaTable, path, version=version, storage_options=delta_options(path))
+    except TableNotFoundError:
+        return None
+
+
+def _entry(path: str, number: int) -> tuple[dict, list[dict]]:
+    """Commit `number`'s commit info and the files it added: one read of its log entry."""
+    info, adds = {}, []
+    for line in read_bytes(join(path, LOG, f"{number:020d}.json")).splitlines():
+        if line.strip():
+            action = json.loads(line)
+            info = action.get("commitInfo", info)
+            if "add" in action:
+                adds.append(action["add"])
+    return info, adds
+
+
+def _strata(info: dict) -> dict | None:
+    """What strata wrote in a commit: {"manifest", "deleted"} for a version, {"delete", "live",
+    "deleted"} for a deletion; None for another writer's commit (say an OPTIMIZE)."""
+    value = info.get("strata")
+    return json.loads(value) if isinstance(value, str) else value
+
+
+@dataclass(frozen=True)
+class _Head:
+    table: object  # the newest DeltaTable, None when the dataset has none
+    live: int | None  # the newest version (None: none, or every one deleted)
+    deleted: tuple[str, ...]  # versions deleted so far
+
+
+def _head(path: str, name: str) -> _Head:
+    """The table's newest state: its newest strata commit, one log entry read (more only past other
+    writers' commits)."""
+    table = open_table(path)
+    if table is None:
+        _refuse_legacy(path, name)
+        return _Head(None, None, ())
+    for number in range(table.version(), 0, -1):
+        if (st := _strata(_entry(path, number)[0])) is not None:
+            live = st["live"] if "delete" in st else number
+            return _Head(table, live, tuple(st.get("deleted", ())))
+    return _Head(table, None, ())
+
+
+def _refuse_legacy(path: str, name: str) -> None:
+    if any(d and LEGACY_VERSION_RE.match(n) for n, d in list_dir(path)):
+        raise DatasetError(f"dataset {name!r} ({path}) is in strata's format before Delta Lake (a manifest per "
+                           f"version): convert it with `python -m strata migrate {name}`")
+
+
+def _load(path: str, number: int, name: str, head: _Head | None = None) -> DatasetVersion:
+    info, adds = _entry(path, number)
+    st = _strata(info)
+    if not st or "manifest" not in st:
+        raise DatasetError(f"dataset {name!r}: Delta version {number} is not a strata version")
+    manifest = Manifest.from_dict(st["manifest"])
+    row_len = manifest.seq_len + 1
+    added = tuple(sorted((Shard(path=a["path"], split=a["partitionValues"]["split"], version=manifest.version,
+                                rows=(rows := json.loads(a.get("stats") or "{}").get("numRecords", 0)),
+                                tokens=rows * row_len, bytes=a["size"]) for a in adds), key=lambda s: s.path))
+    table = head.table if head and head.table.version() == number else None  # no second opening of the table
+    return DatasetVersion(path, manifest, added, table)
+
+
+def label(number: int) -> str:
+    return f"v{number:04d}"
 
 
 def resolve(storage: Storage, ref: str) -> DatasetVersion:
-    """`NAME` (the newest snapshot) or `NAME@VERSION` to a committed version."""
+    """`NAME` (the newest snapshot) or `NAME@VERSION` (`v0003`, or `3`) to a committed version."""
     name, _, version = ref.partition("@")
-    versions = list_versions(storage, name)
-    if not versions:
+    path = storage.dataset(name)
+    head = _head(path, name)
+    if head.live is None:
         others = sorted(n for n, d in list_dir(storage.datasets()) if d and n != name)
         there = (f"datasets there: {', '.join(others[:20])}{', ...' if len(others) > 20 else ''}" if others
                  else "there are none yet: make one with python -m pipelines.preprocess")
         raise DatasetError(f"dataset {name!r} has no committed version under {storage.datasets()}; {there}")
-    version = version or versions[-1]
-    if version not in versions:
-        raise DatasetError(f"dataset {name!r} has no version {version!r}; committed: {', '.join(versions)}")
-    return _load(join(storage.dataset(name), version))
-
-
-def _load(path: str) -> DatasetVersion:
-    return DatasetVersion(path, Manifest.from_dict(read_json(join(path, MANIFEST))))
+    if not version:
+        return _load(path, head.live, name, head)
+    m = re.fullmatch(r"v?(\d+)", version)
+    number = int(m.group(1)) if m else -1
+    if 1 <= number <= head.table.version() and label(number) not in head.deleted:
+        try:
+            return _load(path, number, name)
+        except DatasetError:
+            pass  # a deletion's commit, or another writer's
+    raise DatasetError(f"dataset {name!r} has no version {version!r}; committed: "
+                       f"{', '.join(list_versions(storage, name))}")
 
 
 def history(storage: Storage, name: str) -> list[DatasetVersion]:
-    """Every committed version of `name`, oldest first, in one listing and a read per version (`resolve`
-    lists the versions each time: N of them would make N^2 requests)."""
-    return [_load(join(storage.dataset(name), v)) for v in list_versions(storage, name)]
+    """Every committed version of `name`, oldest first (one log entry read per version: each names its
+    parent). Without the snapshots' shard lists (`shards` reads one when asked)."""
+    path = storage.dataset(name)
+    out, number = [], _head(path, name).live
+    while number is not None:
+        out.append(v := _load(path, number, name))
+        number = int(v.manifest.parent[1:]) if v.manifest.parent else None
+    return out[::-1]
+
+
+def list_versions(storage: Storage, name: str) -> list[str]:
+    """Committed versions of `name`, oldest first."""
+    return [v.manifest.version for v in history(storage, name)]
 
 
 def latest(storage: Storage, name: str) -> DatasetVersion | None:
-    versions = list_versions(storage, name)
-    return resolve(storage, f"{name}@{versions[-1]}") if versions else None
+    path = storage.dataset(name)
+    head = _head(path, name)
+    return _load(path, head.live, name, head) if head.live is not None else None
+
+
+def slot_version(storage: Storage, name: str, run_id: str) -> DatasetVersion | None:
+    """The version a scheduled slot (run id) committed, if it is still there: Delta's application
+    transaction, read from the table's state (no history read)."""
+    path = storage.dataset(name)
+    head = _head(path, name)
+    number = retrying(head.table.transaction_version, SLOT_APP + run_id) if head.table else None
+    if number is None or label(number) in head.deleted:
+        return None
+    return _load(path, number, name)
 
 
 FAILPOINT = "STRATA_FAILPOINT"  # the process kills itself where `failpoint` names it (crash tests)
@@ -314,30 +493,65 @@ def failpoint(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def commit(storage: Storage, name: str, files: str, manifest_fields: dict, *, lease=None,
-           built_on: str | None = None) -> DatasetVersion:
-    """Publish this run's shards as the next snapshot, in one conditional create of its manifest.
+def properties(tokenizer: TokenizerInfo, seq_len: int, dtype: str) -> dict[str, str]:
+    """The table's properties: Delta's log settings, and what every version must share."""
+    return {"delta.checkpointInterval": str(CHECKPOINT_INTERVAL), "delta.logRetentionDuration": LOG_RETENTION,
+            "strata.schemaVersion": str(SCHEMA_VERSION), "strata.tokenizer.kind": tokenizer.kind,
+            "strata.tokenizer.vocabSize": str(tokenizer.vocab_size), "strata.tokenizer.eotId": str(tokenizer.eot_id),
+            "strata.tokenizer.hash": tokenizer.hash, "strata.seqLen": str(seq_len), "strata.dtype": dtype}
 
-    `files` is the run's directory (`storage.run_files`); `manifest_fields` are the
-    Manifest fields except `dataset`, `version`, `created_at`, `parent`, `totals`
-    and `files`, with shard, tokenizer and rejects paths relative to `files`. The
-    snapshot is built on the newest version at the moment of commit; a writer that
-    loses the race for a number rebuilds on the winner and takes the next. With a
-    `lease`, a writer that lost it commits nothing. `built_on` is the version the run built on (deduplicated against):
-    if it is gone (deleted meanwhile), the run's idea of what is new is wrong and it commits nothing.
+
+def create_table(path: str, name: str, tokenizer: TokenizerInfo, seq_len: int, dtype: str):
+    """The table, created (version 0: schema and properties, no rows) unless another writer just did."""
+    from deltalake import DeltaTable
+
+    try:
+        return retrying(DeltaTable.create, path, table_schema(dtype), mode="error", partition_by=PARTITIONS, name=name,
+                        configuration=properties(tokenizer, seq_len, dtype), storage_options=delta_options(path),
+                        raise_if_key_not_exists=False)
+    except Exception:
+        if (table := open_table(path)) is None:
+            raise
+        return table  # another writer created it first
+
+
+def _check_table(table, name: str, tokenizer: TokenizerInfo, seq_len: int, dtype: str) -> None:
+    """Every version shares the table's token ids, row length and type (its properties say which)."""
+    conf = retrying(table.metadata).configuration
+    mine = properties(tokenizer, seq_len, dtype)
+    keys = ("strata.tokenizer.hash", "strata.seqLen", "strata.dtype")
+    if "strata.schemaVersion" not in conf:
+        raise DatasetError(f"{name!r} is a Delta table strata did not make (no strata.* properties): refused")
+    if any(conf.get(k) != mine[k] for k in keys):
+        raise DatasetError(f"dataset {name!r} is a table of tokenizer {conf.get('strata.tokenizer.kind')} "
+                           f"{conf.get('strata.tokenizer.hash')}, seq_len {conf.get('strata.seqLen')} and "
+                           f"{conf.get('strata.dtype')} ids; this run's are {tokenizer.kind} {tokenizer.hash}, "
+                           f"{seq_len} and {dtype}: use the same tokenizer and seq_len, or another dataset name")
+
+
+def commit(storage: Storage, name: str, tag: str, manifest_fields: dict, *, lease=None,
+           built_on: str | None = None) -> DatasetVersion:
+    """Publish this run's shards as the next version, in one Delta commit.
+
+    `tag` names the run's directories: its shards in `data/<tag>` and its own files in `_strata/<tag>`.
+    `manifest_fields` are the Manifest fields except `dataset`, `version`, `created_at`, `parent`,
+    `totals` and `files`, plus `shards`: Shard records with paths relative to `data/<tag>` (and their
+    sizes); the tokenizer, rejects, tails, audit and removed paths are relative to `_strata/<tag>`.
+    The commit is built on the newest version at the moment of commit; a writer that loses the race for
+    a number builds again on the winner and takes the next. With a `lease`, a writer that lost it commits
+    nothing. `built_on` is the version the run built on (deduplicated against): if it was deleted
+    meanwhile, the run's idea of what is new is wrong, and it commits nothing.
     """
-    base = storage.dataset(name)
-    rel = files[len(base):].strip("/").replace(os.sep, "/")
-    if not files.startswith(base) or not rel:
-        raise DatasetError(f"{files} is not a run directory of dataset {name!r}")
+    from deltalake.exceptions import CommitFailedError
+
+    path, rel = storage.dataset(name), f"_strata/{tag}"
     fields = dict(manifest_fields)
-    new_shards = [Shard(**{**asdict(s), "path": f"{rel}/{s.path}"}) for s in fields.pop("shards")]
+    new = [replace(s, path=f"data/{tag}/{s.path}") for s in fields.pop("shards")]
     if (tok := fields["tokenizer"]).file:
-        fields["tokenizer"] = TokenizerInfo(**{**asdict(tok), "file": f"{rel}/{tok.file}"})
-    if fields.get("rejects"):
-        fields["rejects"] = f"{rel}/{fields['rejects']}"
-    if fields.get("tails"):
-        fields["tails"] = f"{rel}/{fields['tails']}"
+        fields["tokenizer"] = replace(tok, file=f"{rel}/{tok.file}")
+    for key in ("rejects", "tails"):
+        if fields.get(key):
+            fields[key] = f"{rel}/{fields[key]}"
     for key in ("audit", "removed"):
         if fields.get("dedup", {}).get(key):
             fields["dedup"] = {**fields["dedup"], key: f"{rel}/{fields['dedup'][key]}"}
@@ -345,41 +559,85 @@ def commit(storage: Storage, name: str, files: str, manifest_fields: dict, *, le
         fields["dedup"] = {**fields["dedup"], "files": {t: [f"{rel}/{p}" for p in ps]
                                                        for t, ps in fields["dedup"]["files"].items()}}
     failpoint("before-commit")
-    if built_on and built_on not in list_versions(storage, name):
-        raise DatasetError(f"{name}@{built_on}, the version this run deduplicated against, was deleted while it ran: "
-                           "nothing was committed (what it dropped as duplicates of that version would be lost). "
-                           "Run it again")
+    failures = 0
     for _ in range(1000):
-        parent = latest(storage, name)
+        head = _head(path, name)
+        if built_on and (built_on in head.deleted or head.table is None):
+            raise DatasetError(f"{name}@{built_on}, the version this run deduplicated against, was deleted while it "
+                               "ran: nothing was committed (what it dropped as duplicates of that version would be "
+                               "lost). Run it again")
+        parent = _load(path, head.live, name) if head.live is not None else None
         if parent:
             check_extends(parent, fields["tokenizer"], fields["seq_len"])
-        version = f"v{int(parent.manifest.version[1:]) + 1 if parent else 1:04d}"
-        shards = (parent.manifest.shards if parent else []) + [Shard(**{**asdict(s), "version": version})
-                                                                for s in new_shards]
-        manifest = Manifest(dataset=name, version=version, created_at=time.time(), shards=shards, files=rel,
+        table = head.table or create_table(path, name, fields["tokenizer"], fields["seq_len"], fields["dtype"])
+        _check_table(table, name, fields["tokenizer"], fields["seq_len"], fields["dtype"])
+        number = table.version() + 1
+        manifest = Manifest(dataset=name, version=label(number), created_at=time.time(), files=rel,
                             parent=parent.manifest.version if parent else "",
-                            totals=_totals(parent, shards, fields), **fields)
+                            totals=_totals(parent, new, fields), **fields)
         if lease is not None:
             lease.check()
-        path = join(base, version)
-        data = (json.dumps(manifest.to_dict(), indent=2, sort_keys=True) + "\n").encode()
-        if create_exclusive(join(path, MANIFEST), data):
-            return DatasetVersion(path, manifest)
+        done = DatasetVersion(path, manifest, tuple(replace(s, version=manifest.version) for s in new))
+        try:
+            write_commit(table, manifest.dtype, add_actions(new, number),
+                         {"manifest": manifest.to_dict(), "deleted": list(head.deleted)},
+                         app_transactions(tag, manifest.run_id, number))
+        except Exception as e:
+            if not (isinstance(e, CommitFailedError) or transient(e)):
+                raise
+            now = open_table(path)
+            if retrying(now.transaction_version, RUN_APP + tag) == number:
+                return done  # it was committed; the answer was lost (a connection reset)
+            if now.version() < number and not transient(e):
+                raise  # not a lost race: nothing else committed
+            failures += transient(e)
+            if failures >= S3_ATTEMPTS:
+                raise
+            continue  # another writer took the number, or the write failed: build again
+        return done
     raise DatasetError(f"could not commit a version of dataset {name!r}: 1000 writers won the race first")
 
 
-def _totals(parent: DatasetVersion | None, shards: list[Shard], fields: dict) -> dict:
+def add_actions(shards: list[Shard], number: int) -> list:
+    """Delta add actions for the shards version `number` adds (their row counts as statistics)."""
+    from deltalake.transaction import AddAction
+
+    now_ms = int(time.time() * 1000)
+    return [AddAction(s.path, s.bytes, {"split": s.split, "version": str(number)}, now_ms, True,
+                      json.dumps({"numRecords": s.rows})) for s in shards]
+
+
+def app_transactions(tag: str, run_id: str, number: int) -> list:
+    """The application transactions of version `number`: its run directory's, and its slot's."""
+    from deltalake import Transaction
+
+    return [Transaction(RUN_APP + tag, number)] + ([Transaction(SLOT_APP + run_id, number)] if run_id else [])
+
+
+def write_commit(table, dtype: str, actions: list, meta: dict, apps: list | None = None) -> None:
+    """One Delta commit of `actions` with strata's `meta`, at the version after `table`'s (no retry: a
+    writer that lost the race sees CommitFailedError and builds its commit again)."""
+    from deltalake import CommitProperties
+
+    table.create_write_transaction(actions, "append", table_schema(dtype), partition_by=PARTITIONS,
+                                   commit_properties=CommitProperties(
+                                       custom_metadata={"strata": json.dumps(meta, sort_keys=True)},
+                                       app_transactions=apps or None, max_commit_retries=0))
+
+
+def _totals(parent: DatasetVersion | None, new: list[Shard], fields: dict) -> dict:
+    """The snapshot's totals: the parent's, plus this version's."""
     before = parent.manifest.totals if parent else {}
     docs = fields["documents"]
     return {
         "versions": before.get("versions", 0) + 1,
         "inputs": before.get("inputs", 0) + len(fields["inputs"]),
-        "documents": {k: before.get("documents", {}).get(k, 0) + getattr(docs, k)
-                      for k in DOCUMENT_STATUSES},
+        "documents": {k: before.get("documents", {}).get(k, 0) + getattr(docs, k) for k in DOCUMENT_STATUSES},
         "tokens": before.get("tokens", 0) + fields["tokens"],
-        "rows": {split: sum(s.rows for s in shards if s.split == split) for split in SPLITS},
-        "packed_tokens": sum(s.tokens for s in shards),
-        "shards": len(shards),
+        "rows": {split: before.get("rows", {}).get(split, 0) + sum(s.rows for s in new if s.split == split)
+                 for split in SPLITS},
+        "packed_tokens": before.get("packed_tokens", 0) + sum(s.tokens for s in new),
+        "shards": before.get("shards", 0) + len(new),
     }
 
 
@@ -396,9 +654,10 @@ def check_extends(parent: DatasetVersion, tokenizer: TokenizerInfo, seq_len: int
 def delete_version(storage: Storage, name: str, version: str) -> list[str]:
     """Delete a version: only the newest, since every later snapshot references earlier shards.
 
-    It holds the dataset's lease while it deletes, so it never pulls a version from under a run that
-    deduplicates against it (a run in progress makes it refuse, LeaseBusy). Its manifest goes first (the
-    version disappears at once), then the files its run added. Returns the deleted run directory."""
+    A Delta commit removes the files its run added (the version disappears at once, and the table is
+    its parent's snapshot again); then those files, and the run's own, are deleted. It holds the
+    dataset's lease while it does, so it never pulls a version from under a run that deduplicates
+    against it (a run in progress makes it refuse, LeaseBusy). Returns the deleted run directories."""
     from strata.lease import Lease
 
     with Lease(storage.dataset(name), f"dataset {name}", purpose=f"delete {version}").acquire(wait=False):
@@ -406,31 +665,50 @@ def delete_version(storage: Storage, name: str, version: str) -> list[str]:
 
 
 def _delete_leased(storage: Storage, name: str, version: str) -> list[str]:
+    from deltalake.transaction import RemoveAction
+
+    path = storage.dataset(name)
     versions = list_versions(storage, name)
     if version not in versions:
         raise DatasetError(f"dataset {name!r} has no version {version!r}")
     if version != versions[-1]:
         raise DatasetError(f"{name}@{version} is part of the later snapshots {', '.join(versions[versions.index(version) + 1:])}; "
                            f"only the newest version ({versions[-1]}) can be deleted")
-    v = resolve(storage, f"{name}@{version}")
-    files = v.file(v.manifest.files) if v.manifest.files else None  # checked to be inside, before any delete
-    delete(join(v.path, MANIFEST))
-    delete_dir(v.path)
-    if files:
-        delete_dir(files)
-    return [files] if files else []
+    head = _head(path, name)
+    v = _load(path, head.live, name)
+    dirs = sorted({posixpath.dirname(s.path) for s in v.added} | ({v.manifest.files} if v.manifest.files else set()))
+    dirs = [v.file(d) for d in dirs]  # each checked to be inside, before anything is deleted
+    now_ms = int(time.time() * 1000)
+    removes = [RemoveAction(s.path, True, now_ms, s.bytes, {"split": s.split, "version": str(v.number)})
+               for s in v.added]
+    parent = int(v.manifest.parent[1:]) if v.manifest.parent else None
+    write_commit(head.table, v.manifest.dtype, removes, {"delete": version, "live": parent, "deleted": [*head.deleted, version]})
+    for d in dirs:
+        delete_dir(d)
+    return dirs
 
 
-def abandoned_run_files(storage: Storage, name: str, before_gen: int) -> list[str]:
-    """Run directories under `data/` that no committed version references and that writers holding
-    an older lease generation left (crashed or killed before commit)."""
-    referenced = {v.manifest.files for v in history(storage, name)}
-    out = []
-    for tag, d in list_dir(join(storage.dataset(name), "data")):
-        m = re.match(r"^g(\d{8})-", tag)
-        if d and m and int(m.group(1)) < before_gen and f"data/{tag}" not in referenced:
-            out.append(storage.run_files(name, tag))
-    return out
+def abandoned_runs(storage: Storage, name: str, before_gen: int) -> list[str]:
+    """Run tags (`g<gen>-<work>`) with files under `data/` or `_strata/` that no version committed (or
+    whose version was deleted), left by writers of an older lease generation (crashed or killed before
+    their commit). The table's application transactions say which runs committed: no history read."""
+    path = storage.dataset(name)
+    head = _head(path, name)
+    out = set()
+    for sub in ("data", "_strata"):
+        for tag, d in list_dir(join(path, sub)):
+            m = re.match(r"^g(\d{8})-", tag)
+            if d and m and int(m.group(1)) < before_gen:
+                number = retrying(head.table.transaction_version, RUN_APP + tag) if head.table else None
+                if number is None or label(number) in head.deleted:
+                    out.add(tag)
+    return sorted(out)
+
+
+def delete_run(storage: Storage, name: str, tag: str) -> None:
+    """Delete what a run wrote: its shards and its own files."""
+    delete_dir(storage.run_shards(name, tag))
+    delete_dir(storage.run_files(name, tag))
 
 
 def check_compatible(version: DatasetVersion, *, vocab_size: int, seq_len: int,

@@ -7,8 +7,10 @@ S3-compatible stores (MinIO, Ceph, moto) are reached through the standard
 `AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY` and
 `AWS_DEFAULT_REGION` variables, which pyarrow, boto3 and Ray all read.
 
-    <root>/datasets/<name>/vNNNN/manifest.json   a committed dataset version (a snapshot)
-    <root>/datasets/<name>/data/<id>/            the files one preprocess run wrote
+    <root>/datasets/<name>/                      a dataset: a Delta Lake table (strata/dataset.py)
+    <root>/datasets/<name>/_delta_log/           its transaction log: one commit per version
+    <root>/datasets/<name>/data/<id>/            the shards one preprocess run wrote (the table's files)
+    <root>/datasets/<name>/_strata/<id>/         that run's other files (tails, dedup index, rejects, work)
     <root>/datasets/<name>/_lease/               who is writing the dataset now
     <root>/runs/<name>/                          a training run
     <root>/sweeps/<name>/                        a sweep
@@ -92,6 +94,21 @@ def _s3_filesystem(bucket: str, endpoint: str) -> pafs.S3FileSystem:
                              retry_strategy=pafs.AwsDefaultS3RetryStrategy(max_attempts=S3_ATTEMPTS))
 
 
+def delta_options(path: str) -> dict[str, str] | None:
+    """The `storage_options` that take delta-rs (which has its own S3 client) to the same store as
+    `filesystem`: the endpoint, region and credentials from the standard AWS variables."""
+    if not path.startswith("s3://"):
+        return None
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+    options = {"AWS_REGION": _s3_filesystem(path[5:].partition("/")[0], endpoint).region}
+    if endpoint:
+        options.update(AWS_ENDPOINT_URL=endpoint, AWS_ALLOW_HTTP=str(endpoint.startswith("http://")).lower())
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        if os.environ.get(key):
+            options[key] = os.environ[key]
+    return options
+
+
 def join(base: str, *parts: str) -> str:
     """Join path parts with `/` (object-store URIs) or the OS separator (local)."""
     if is_uri(base):
@@ -128,7 +145,12 @@ class Storage:
         return join(self.root, "datasets", check_name(name, "dataset name"))
 
     def run_files(self, name: str, tag: str) -> str:
-        """Where one preprocess run writes its files (referenced by manifests, never moved)."""
+        """Where one preprocess run writes its own files (tails, dedup index, rejects, work units): a
+        directory whose name starts with `_`, which Delta's vacuum leaves alone."""
+        return join(self.dataset(name), "_strata", tag)
+
+    def run_shards(self, name: str, tag: str) -> str:
+        """Where one preprocess run writes its shards, the table's data files."""
         return join(self.dataset(name), "data", tag)
 
     def runs(self) -> str:

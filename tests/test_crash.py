@@ -41,7 +41,7 @@ def _cfg(name, root):
 def _shards(storage, summary):
     v = resolve(storage, f"{summary['dataset']}@{summary['version']}")
     out = {}
-    for s in v.manifest.shards:
+    for s in v.shards:
         with open(v.file(s.path), "rb") as f:
             out[os.path.basename(s.path)] = f.read()
     return out
@@ -49,7 +49,7 @@ def _shards(storage, summary):
 
 def _wait_for_work(storage, name, timeout=120):
     """Block until the run has written its first work file (so it is mid-run)."""
-    staging = os.path.join(storage.dataset(name), "data")
+    staging = os.path.join(storage.dataset(name), "_strata")
     deadline = time.time() + timeout
     while time.time() < deadline:
         if os.path.isdir(staging):
@@ -90,7 +90,7 @@ def test_a_killed_driver_publishes_nothing_and_a_rerun_is_correct(crash_env):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert list_versions(storage, "driver-killed") == []  # nothing visible
-    staged = os.listdir(os.path.join(storage.dataset("driver-killed"), "data"))
+    staged = os.listdir(os.path.join(storage.dataset("driver-killed"), "_strata"))
     assert staged, "the killed run should have left its (invisible) files behind"
     rerun = run(_cfg("driver-killed", root), storage)
     assert list_versions(storage, "driver-killed") == [rerun["version"]]
@@ -121,5 +121,7 @@ def test_a_rerun_after_a_kill_redoes_only_the_unfinished_units(crash_env, point)
     assert rerun["documents"] == ref["documents"] and rerun["tokens"] == ref["tokens"]
     assert rerun["stats"]["rows"] == ref["stats"]["rows"]
     assert _shards(storage, rerun) == _shards(storage, ref)  # the very same rows, in the same shards
-    files = resolve(storage, f"{name}@{rerun['version']}").manifest.files
-    assert ["data/" + d for d in os.listdir(os.path.join(storage.dataset(name), "data"))] == [files]
+    files = resolve(storage, f"{name}@{rerun['version']}").manifest.files  # _strata/<tag>: no other run's files
+    tag = files.removeprefix("_strata/")
+    assert [f"{d}/{t}" for d in ("_strata", "data") for t in os.listdir(os.path.join(storage.dataset(name), d))] == [
+        files, f"data/{tag}"]

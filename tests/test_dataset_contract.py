@@ -1,5 +1,6 @@
-"""The versioned dataset contract: cumulative snapshots committed in one conditional create,
-on local disk and on an S3 API server; one writer at a time through a lease in storage."""
+"""The versioned dataset contract: cumulative snapshots committed as Delta Lake commits (one
+conditional create of a log entry), on local disk and on an S3 API server; one writer at a time
+through a lease in storage."""
 
 import os
 import subprocess
@@ -15,18 +16,17 @@ import pytest
 from conftest import REPO
 
 from strata.dataset import (
-    MANIFEST,
     DatasetError,
     DocumentCounts,
     Shard,
-    abandoned_run_files,
-    arrow_schema,
+    abandoned_runs,
     check_compatible,
     commit,
     delete_version,
     list_versions,
     read_rows,
     resolve,
+    shard_schema,
     token_dtype,
 )
 from strata.lease import Lease, LeaseBusy, LeaseLost
@@ -39,27 +39,31 @@ from strata.storage import (
     filesystem,
     join,
     list_dir,
+    make_dirs,
     read_bytes,
     read_jsonl,
     storage_root,
+    write_json_atomic,
 )
 from strata.tokenizer import ByteTokenizer
 
 
 def _stage(storage: Storage, name: str, rows: int = 3, seq_len: int = 8, gen: int = 0, first: int = 0):
-    """A run's files with one train shard whose first token is `first` (to tell shards apart)."""
-    files = storage.run_files(name, f"g{gen:08d}-{uuid.uuid4().hex[:8]}")
+    """A run's tag and manifest fields, its one train shard written (its first token is `first`, to tell
+    shards apart), and a file of its own."""
+    tag = f"g{gen:08d}-{uuid.uuid4().hex[:8]}"
     ids = pa.array([first + i for i in range(rows * (seq_len + 1))], type=pa.uint16())
-    table = pa.Table.from_arrays([pa.FixedSizeListArray.from_arrays(ids, seq_len + 1)],
-                                 schema=arrow_schema(seq_len, "uint16"))
-    fs, p = filesystem(join(files, "train-0.parquet"))
-    if not files.startswith("s3://"):
-        os.makedirs(os.path.dirname(p), exist_ok=True)
-    pq.write_table(table, p, filesystem=fs)
+    rows_ = pa.FixedSizeListArray.from_arrays(ids, seq_len + 1).cast(shard_schema("uint16").field(0).type)
+    make_dirs(storage.run_shards(name, tag), storage.run_files(name, tag))
+    fs, p = filesystem(join(storage.run_shards(name, tag), "train-0.parquet"))
+    pq.write_table(pa.Table.from_arrays([rows_], schema=shard_schema("uint16")), p, filesystem=fs)
+    write_json_atomic(join(storage.run_files(name, tag), "run.json"), {})
+    size = fs.get_file_info(p).size
     fields = dict(tokenizer=ByteTokenizer().info(), seq_len=seq_len, dtype="uint16",
-                  shards=[Shard(path="train-0.parquet", split="train", rows=rows, tokens=rows * (seq_len + 1))],
+                  shards=[Shard(path="train-0.parquet", split="train", rows=rows, tokens=rows * (seq_len + 1),
+                                bytes=size)],
                   documents=DocumentCounts(read=2, kept=2), tokens=rows * (seq_len + 1), inputs=[], run={})
-    return files, fields
+    return tag, fields
 
 
 def test_commit_then_resolve_round_trips(any_root):
@@ -67,11 +71,11 @@ def test_commit_then_resolve_round_trips(any_root):
     v = commit(storage, "ds", *_stage(storage, "ds"))
     assert v.manifest.version == "v0001" and v.manifest.parent == ""
     again = resolve(storage, "ds")
-    assert again.manifest == v.manifest and again.path == v.path
-    assert again.manifest.rows("train") == 3
+    assert again.manifest == v.manifest and again.path == v.path and again.added == v.added
+    assert again.rows("train") == 3 and again.shards == list(v.added)
     fs, path = filesystem(again.shard_paths("train")[0])
     table = pq.read_table(path, filesystem=fs)
-    assert table.schema.field("tokens").type == pa.list_(pa.uint16(), 9)
+    assert table.schema.field("tokens").type == pa.list_(pa.field("element", pa.int32(), nullable=False))
 
 
 def test_versions_are_cumulative_snapshots(any_root):
@@ -82,11 +86,11 @@ def test_versions_are_cumulative_snapshots(any_root):
     assert list_versions(storage, "ds") == ["v0001", "v0002", "v0003"]
     v3, v2 = resolve(storage, "ds"), resolve(storage, "ds@v0002")
     assert v3.manifest.version == "v0003" and v3.manifest.parent == "v0002"
-    assert [s.version for s in v3.manifest.shards] == ["v0001", "v0002", "v0003"]
-    assert v3.manifest.shards[:2] == v2.manifest.shards  # the same files, not copies
-    assert v3.manifest.rows("train") == 2 + 3 + 4 and v2.manifest.rows("train") == 2 + 3
+    assert [s.version for s in v3.shards] == ["v0001", "v0002", "v0003"]
+    assert v3.shards[:2] == v2.shards  # the same files, not copies
+    assert v3.rows("train") == 2 + 3 + 4 and v2.rows("train") == 2 + 3
     assert v3.manifest.totals["rows"]["train"] == 9 and v3.manifest.totals["documents"]["kept"] == 6
-    assert [s.rows for s in v3.manifest.added()] == [4]
+    assert [s.rows for s in v3.added] == [4]
     assert [int(read_rows(p)[0, 0]) for p in v3.shard_paths("train")] == [0, 100, 200]
     with pytest.raises(DatasetError, match="no version 'v0009'"):
         resolve(storage, "ds@v0009")
@@ -106,11 +110,12 @@ def test_uncommitted_work_is_invisible_and_cleaned_up(any_root):
     assert list_versions(storage, "ds") == []
     with pytest.raises(DatasetError, match="no committed version"):
         resolve(storage, "ds")
-    committed = commit(storage, "ds", *_stage(storage, "ds", gen=2))
+    tag, fields = _stage(storage, "ds", gen=2)
+    commit(storage, "ds", tag, fields)
     live, _ = _stage(storage, "ds", gen=3)  # a writer at work now
-    assert abandoned_run_files(storage, "ds", before_gen=3) == [crashed]
-    assert committed.manifest.files not in str(abandoned_run_files(storage, "ds", before_gen=9))
-    assert live in abandoned_run_files(storage, "ds", before_gen=4)
+    assert abandoned_runs(storage, "ds", before_gen=3) == [crashed]
+    assert tag not in abandoned_runs(storage, "ds", before_gen=9)
+    assert live in abandoned_runs(storage, "ds", before_gen=4)
 
 
 @pytest.mark.parametrize("writers", [8])
@@ -135,8 +140,9 @@ def test_racing_commits_get_distinct_versions_and_lose_nothing(any_root, writers
     newest = resolve(storage, "ds")
     # The newest snapshot holds every writer's shard exactly once: none overwrote another.
     assert sorted(int(read_rows(p)[0, 0]) for p in newest.shard_paths("train")) == list(range(writers))
-    for r in results:
-        assert exists(join(r.path, MANIFEST))
+    for r in results:  # each commit names its own shard, and its manifest is its own
+        again = resolve(storage, r.ref)
+        assert again.added == r.added and again.manifest == r.manifest
 
 
 def test_create_exclusive_has_one_winner(any_root):
@@ -161,7 +167,15 @@ def test_delete_only_the_newest_version(any_root):
         delete_version(storage, "ds", "v0001")
     delete_version(storage, "ds", "v0002")
     assert list_versions(storage, "ds") == ["v0001"]
-    assert not exists(v2.file(v2.manifest.files)) and exists(v1.file(v1.manifest.shards[0].path))
+    assert not exists(v2.file(v2.manifest.files)) and not exists(v2.file(v2.added[0].path))
+    assert exists(v1.file(v1.added[0].path))
+    newest = resolve(storage, "ds")
+    assert newest.manifest == v1.manifest and newest.shards == list(v1.added)
+    with pytest.raises(DatasetError, match="no version 'v0002'"):
+        resolve(storage, "ds@v0002")
+    v3 = commit(storage, "ds", *_stage(storage, "ds"))  # the delete was Delta commit 3: the next is 4
+    assert v3.manifest.version == "v0004" and v3.manifest.parent == "v0001"
+    assert list_versions(storage, "ds") == ["v0001", "v0004"] and len(resolve(storage, "ds").shards) == 2
 
 
 def test_lease_one_holder_waits_and_expires(any_root):
@@ -203,11 +217,11 @@ def test_killed_writer_leaves_nothing_visible_and_the_next_run_cleans_up(any_roo
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == -9, proc.stderr
-    files = proc.stdout.strip()
+    tag = proc.stdout.strip()
     storage = Storage(any_root)
-    assert exists(join(files, "train-0.parquet")) and list_versions(storage, "ds") == []
+    assert exists(join(storage.run_shards("ds", tag), "train-0.parquet")) and list_versions(storage, "ds") == []
     lease = Lease(storage.dataset("ds"), "dataset ds").acquire(poll_s=0.2, timeout_s=30)
-    assert abandoned_run_files(storage, "ds", lease.gen) == [files]
+    assert abandoned_runs(storage, "ds", lease.gen) == [tag]
     lease.release()
 
 
@@ -282,25 +296,32 @@ def test_a_manifest_naming_paths_outside_its_dataset_is_refused_before_anything_
     outside.mkdir()
     (outside / "keep.txt").write_text("mine")
     v = commit(storage, "ds", *_stage(storage, "ds"))
-    manifest = join(v.path, MANIFEST)
+    entry = join(v.path, "_delta_log", f"{v.number:020d}.json")  # the manifest is in the commit's log entry
     import json
 
+    with open(entry) as f:
+        actions = [json.loads(line) for line in f]
+
+    def plant(files):
+        for a in actions:
+            if "commitInfo" in a:
+                st = json.loads(a["commitInfo"]["strata"])
+                st["manifest"]["files"] = files
+                a["commitInfo"]["strata"] = json.dumps(st)
+        with open(entry, "w") as f:
+            f.write("".join(json.dumps(a) + "\n" for a in actions))
+
     for planted in ("../../../precious", "/etc", "s3://elsewhere/x", "data/../../../../precious"):
-        with open(manifest) as f:
-            m = json.load(f)
-        m["files"] = planted
-        with open(manifest, "w") as f:
-            json.dump(m, f)
+        plant(planted)
         with pytest.raises(DatasetError, match="not a path inside the dataset|leads outside the dataset"):
             delete_version(storage, "ds", "v0001")
         assert (outside / "keep.txt").read_text() == "mine"
-    os.symlink(outside, os.path.join(v.root, "data", "escape"))  # a link inside the dataset, to outside
-    m["files"] = "data/escape"
-    with open(manifest, "w") as f:
-        json.dump(m, f)
+    os.symlink(outside, os.path.join(v.root, "_strata", "escape"))  # a link inside the dataset, to outside
+    plant("_strata/escape")
     with pytest.raises(DatasetError, match="leads outside the dataset"):
         delete_version(storage, "ds", "v0001")
     assert (outside / "keep.txt").read_text() == "mine"
+    assert list_versions(storage, "ds") == ["v0001"]  # refused before its commit, too
 
 
 def test_a_lease_survives_storage_errors_and_its_holder_stops_when_it_cannot_renew(tmp_path, monkeypatch):

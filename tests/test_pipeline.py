@@ -10,6 +10,7 @@ from collections import Counter
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.parquet as pq
 import pytest
 import zstandard
@@ -42,7 +43,7 @@ def test_version_is_committed_with_a_complete_manifest(dataset, corpus):
     assert m.seq_len == 128 and m.dtype == "uint16" and m.tokenizer.kind == "bytes"
     assert m.documents.balanced() and len(m.inputs) == corpus["files"]
     assert m.run["config"]["pack"]["seq_len"] == 128 and m.run["code_version"] and m.run["libraries"]["ray"]
-    assert m.stats["tokens"] == m.tokens and m.stats["shards"] == len(m.shards)
+    assert m.stats["tokens"] == m.tokens and m.stats["shards"] == len(v.shards) == len(v.added)
     assert m.stats["mb_per_s_per_cpu"] > 0 and m.stats["tokens_per_s_per_cpu"] > 0
     # Where the time went: CPU seconds of each stage the run went through, wall seconds of each step.
     stages = m.stats["cpu_s_by_stage"]
@@ -51,15 +52,22 @@ def test_version_is_committed_with_a_complete_manifest(dataset, corpus):
     steps = dict(m.stats["wall_s_by_step"])
     assert list(steps)[:2] == ["start-up", "pass 1: read, clean, sign"] and all(v >= 0 for v in steps.values())
     assert sum(steps.values()) == pytest.approx(m.stats["seconds"], abs=0.05)
-    assert os.listdir(v.path) == ["manifest.json"] and m.files.startswith("data/")
+    # A Delta table: its log, the shards under data/<run>, strata's own files under _strata/<run> (vacuum
+    # leaves `_` directories alone), the lease.
+    tag = m.files.removeprefix("_strata/")
+    assert set(os.listdir(v.path)) <= {"_delta_log", "data", "_strata", "_lease"} and m.files == f"_strata/{tag}"
     tails = [os.path.basename(m.tails)] if m.tails else []  # what the rows could not hold, for the next version
-    assert sorted(os.listdir(v.file(m.files))) == sorted(["run.json", "rejects.json", "dedup", "dedup-audit.json", "removed"]
-                                                         + [os.path.basename(s.path) for s in m.shards] + tails)  # no work files
-    for shard in m.shards:
+    assert sorted(os.listdir(v.file(m.files))) == sorted(["run.json", "rejects.json", "dedup", "dedup-audit.json", "removed",
+                                                          "record.json"] + tails)  # no work files
+    assert sorted(os.listdir(v.file(f"data/{tag}"))) == sorted(os.path.basename(s.path) for s in v.shards)
+    for shard in v.shards:
         table = pq.read_table(v.file(shard.path))
         t = table.schema.field("tokens").type
-        assert table.num_rows == shard.rows and table.column_names == ["tokens"]
-        assert pa.types.is_fixed_size_list(t) and t.list_size == 129 and t.value_type == pa.uint16()
+        assert table.num_rows == shard.rows and table.column_names == ["tokens"] and shard.version == m.version
+        assert os.path.getsize(v.file(shard.path)) == shard.bytes
+        assert pa.types.is_list(t) and t.value_type == pa.int32()  # Delta's types: no fixed size, no unsigned
+        assert set(pa.compute.list_value_length(table.column("tokens")).to_pylist()) == {129}
+        assert _rows(v.file(shard.path)).dtype == np.uint16  # the ids' own type, from the file's metadata
     with open(v.file(m.rejects)) as f:
         rejects = json.load(f)
     assert rejects["counts"] == dataset["reasons"]
@@ -128,7 +136,7 @@ def _shuffled(storage, name, root, seed):
     out = run(debug(name, read={"inputs": (root,), "split_bytes": 1 << 16},
                     pack={"seed": seed, "shard_bytes": 8 << 10}), storage)
     v = resolve(storage, f"{name}@{out['version']}")
-    return out, {os.path.basename(s.path): _rows(v.file(s.path)) for s in v.manifest.shards}
+    return out, {os.path.basename(s.path): _rows(v.file(s.path)) for s in v.shards}
 
 
 @pytest.mark.slow

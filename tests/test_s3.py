@@ -59,7 +59,7 @@ def test_the_whole_path_on_s3(s3_root, tmp_path, monkeypatch, capsys):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert first["version"] == "v0001" and first["path"] == f"{s3_root}/datasets/web/v0001"
+    assert first["version"] == "v0001" and first["path"] == f"{s3_root}/datasets/web"
     assert first["documents"]["kept"] + first["documents"]["unpacked"] == len(made["good"])
     _assert_uris(first, bucket)
 
@@ -76,8 +76,8 @@ def test_the_whole_path_on_s3(s3_root, tmp_path, monkeypatch, capsys):
     survived = lambda d: d["kept"] + d["unpacked"]  # noqa: E731
     assert survived(second["documents"]) == 6 and survived(second["snapshot"]["documents"]) == len(made["good"]) + 6
     v2 = resolve(storage, "web")
-    assert v2.manifest.rows("train") == (resolve(storage, "web@v0001").manifest.rows("train")
-                                         + sum(s.rows for s in v2.manifest.added() if s.split == "train"))
+    assert v2.rows("train") == (resolve(storage, "web@v0001").rows("train")
+                                + sum(s.rows for s in v2.added if s.split == "train"))
     assert all(exists(p) for p in v2.shard_paths("train") + v2.shard_paths("validation"))
     _assert_uris(second, bucket)
     # Nothing half-written is left: every file under the dataset belongs to a committed version.

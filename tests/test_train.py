@@ -166,7 +166,7 @@ def test_a_mixture_trains_in_proportion_reports_each_source_and_refuses_what_doe
     with open(os.path.join(out["path"], "run.json")) as f:
         assert json.load(f)["config"]["dataset"] == out["dataset"]
 
-    train_rows = {ref: sum(sh.rows for sh in resolve(storage, ref).manifest.shards if sh.split == "train")
+    train_rows = {ref: resolve(storage, ref).rows("train")
                   for ref in (web, code)}
     repeats = {web: 400 * 4 * 0.7 / train_rows[web], code: 400 * 4 * 0.3 / train_rows[code]}
     over, under = sorted(repeats, key=repeats.get, reverse=True)

@@ -49,7 +49,7 @@ class Source:
     def of(cls, version, weight: float) -> Source:
         """The source of a dataset version (strata.dataset.DatasetVersion) at `weight`."""
         def split(name):
-            return tuple(ShardRef(version.file(s.path), s.rows) for s in version.manifest.shards if s.split == name)
+            return tuple(ShardRef(version.file(s.path), s.rows) for s in version.shards if s.split == name)
 
         return cls(version.ref, weight, split("train"), split("validation"))
 

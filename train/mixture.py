@@ -98,6 +98,6 @@ def expected_repeats(sources: list[tuple[DatasetVersion, float]], rows_drawn: in
     """Passes over each dataset's training rows after `rows_drawn` rows in all (every rank's)."""
     out = {}
     for v, w in sources:
-        rows = sum(s.rows for s in v.manifest.shards if s.split == "train") // world * world
+        rows = v.rows("train") // world * world
         out[v.ref] = rows_drawn * w / rows if rows else float("inf")
     return out

@@ -81,7 +81,7 @@ def resolve(storage: Storage, dataset: str, model: GPTConfig, train: TrainConfig
                                        keep=frozenset(flags)), **flags)
     for v, _ in versions:
         check_compatible(v, vocab_size=model.vocab_size, seq_len=model.seq_len)
-        if not v.manifest.rows("train"):
+        if not v.rows("train"):
             raise DatasetError(f"dataset {v.ref} has no training rows")
     definition = versions[0][0].tokenizer_definition()
     return RunSpec(model=model, train=train, dataset=mixture.spec([(v.ref, w) for v, w in versions]),
