@@ -34,6 +34,7 @@ from strata.dataset import (
     commit,
     delete_run,
     failpoint,
+    head,
     history,
     latest,
     slot_version,
@@ -136,7 +137,8 @@ class Preprocess:
                  dashboard: bool = True):
         self.cfg, self.storage, self.job, self.run_id, self.started = cfg, storage, job, run_id, started
         self.dashboard = dashboard
-        self.parent = latest(storage, cfg.dataset)
+        self.head = head(storage, cfg.dataset)  # read once: no other writer commits while this run holds the lease
+        self.parent = latest(storage, cfg.dataset, self.head)
         self.tables = tuple(t for t, on in (("exact", cfg.dedup.exact_dedup), ("band", cfg.dedup.near_dedup)) if on)
         # Without dedup or tokenizer training nothing global sits between reading and packing: fuse them.
         self.fused = not self.tables and not cfg.pack.tokenizer.startswith("train:")
@@ -152,7 +154,7 @@ class Preprocess:
         self.reused: dict[str, int] = {}
 
     def run(self, files: list[dict]) -> dict:
-        if self.run_id and (done := slot_version(self.storage, self.cfg.dataset, self.run_id)):
+        if self.run_id and (done := slot_version(self.storage, self.cfg.dataset, self.run_id, self.head)):
             _say(f"run {self.run_id!r} already produced {done.ref}: nothing to do")
             return {**_summary(done), "already_existed": True}
         self.check_tokenizer()
@@ -234,7 +236,7 @@ class Preprocess:
 
         work = digest({"config": asdict(self.cfg), "inputs": [_identity(f) for f in files],
                        "parent": self.parent.manifest.version if self.parent else ""})
-        leftovers = abandoned_runs(self.storage, self.cfg.dataset, self.job.lease.gen)
+        leftovers = abandoned_runs(self.storage, self.cfg.dataset, self.job.lease.gen, self.head)
         mine = [t for t in leftovers if t.endswith(f"-{work}")][-1:]
         for leftover in leftovers:
             if leftover not in mine:

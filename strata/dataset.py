@@ -383,24 +383,33 @@ def _strata(info: dict) -> dict | None:
 
 
 @dataclass(frozen=True)
-class _Head:
+class Head:
+    """A dataset's newest state, read once: a writer holding the lease reuses it until its commit."""
+
     table: object  # the newest DeltaTable, None when the dataset has none
     live: int | None  # the newest version (None: none, or every one deleted)
     deleted: tuple[str, ...]  # versions deleted so far
+    entry: tuple | None = None  # the live version's log entry, when that is what was read
 
 
-def _head(path: str, name: str) -> _Head:
+def head(storage: Storage, name: str) -> Head:
+    return _head(storage.dataset(name), name)
+
+
+def _head(path: str, name: str) -> Head:
     """The table's newest state: its newest strata commit, one log entry read (more only past other
     writers' commits)."""
     table = open_table(path)
     if table is None:
         _refuse_legacy(path, name)
-        return _Head(None, None, ())
+        return Head(None, None, ())
     for number in range(table.version(), 0, -1):
-        if (st := _strata(_entry(path, number)[0])) is not None:
-            live = st["live"] if "delete" in st else number
-            return _Head(table, live, tuple(st.get("deleted", ())))
-    return _Head(table, None, ())
+        entry = _entry(path, number)
+        if (st := _strata(entry[0])) is not None:
+            if "delete" in st:
+                return Head(table, st["live"], tuple(st["deleted"]))
+            return Head(table, number, tuple(st.get("deleted", ())), entry)
+    return Head(table, None, ())
 
 
 def _refuse_legacy(path: str, name: str) -> None:
@@ -409,8 +418,8 @@ def _refuse_legacy(path: str, name: str) -> None:
                            f"version): convert it with `python -m strata migrate {name}`")
 
 
-def _load(path: str, number: int, name: str, head: _Head | None = None) -> DatasetVersion:
-    info, adds = _entry(path, number)
+def _load(path: str, number: int, name: str, head: Head | None = None) -> DatasetVersion:
+    info, adds = head.entry if head and head.entry and head.live == number else _entry(path, number)
     st = _strata(info)
     if not st or "manifest" not in st:
         raise DatasetError(f"dataset {name!r}: Delta version {number} is not a strata version")
@@ -443,7 +452,7 @@ def resolve(storage: Storage, ref: str) -> DatasetVersion:
     number = int(m.group(1)) if m else -1
     if 1 <= number <= head.table.version() and label(number) not in head.deleted:
         try:
-            return _load(path, number, name)
+            return _load(path, number, name, head)
         except DatasetError:
             pass  # a deletion's commit, or another writer's
     raise DatasetError(f"dataset {name!r} has no version {version!r}; committed: "
@@ -466,17 +475,17 @@ def list_versions(storage: Storage, name: str) -> list[str]:
     return [v.manifest.version for v in history(storage, name)]
 
 
-def latest(storage: Storage, name: str) -> DatasetVersion | None:
+def latest(storage: Storage, name: str, head: Head | None = None) -> DatasetVersion | None:
     path = storage.dataset(name)
-    head = _head(path, name)
+    head = head or _head(path, name)
     return _load(path, head.live, name, head) if head.live is not None else None
 
 
-def slot_version(storage: Storage, name: str, run_id: str) -> DatasetVersion | None:
+def slot_version(storage: Storage, name: str, run_id: str, head: Head | None = None) -> DatasetVersion | None:
     """The version a scheduled slot (run id) committed, if it is still there: Delta's application
     transaction, read from the table's state (no history read)."""
     path = storage.dataset(name)
-    head = _head(path, name)
+    head = head or _head(path, name)
     number = retrying(head.table.transaction_version, SLOT_APP + run_id) if head.table else None
     if number is None or label(number) in head.deleted:
         return None
@@ -688,12 +697,12 @@ def _delete_leased(storage: Storage, name: str, version: str) -> list[str]:
     return dirs
 
 
-def abandoned_runs(storage: Storage, name: str, before_gen: int) -> list[str]:
+def abandoned_runs(storage: Storage, name: str, before_gen: int, head: Head | None = None) -> list[str]:
     """Run tags (`g<gen>-<work>`) with files under `data/` or `_strata/` that no version committed (or
     whose version was deleted), left by writers of an older lease generation (crashed or killed before
     their commit). The table's application transactions say which runs committed: no history read."""
     path = storage.dataset(name)
-    head = _head(path, name)
+    head = head or _head(path, name)
     out = set()
     for sub in ("data", "_strata"):
         for tag, d in list_dir(join(path, sub)):

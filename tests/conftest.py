@@ -7,6 +7,7 @@ before Ray is imported) and gets its own short temp dir.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -64,6 +65,21 @@ def write_checkpoint(dest, model, step: int, meta: dict, optimizer=None) -> str:
     _, local = checkpointer.take()
     shutil.move(local, str(dest))
     return str(dest)
+
+
+def edit_manifest(dataset_dir: str, number: int, edit) -> None:
+    """Rewrite version `number`'s manifest in its Delta log entry with `edit(manifest_dict)` (a tampered
+    or foreign dataset, for tests of what readers refuse)."""
+    entry = os.path.join(dataset_dir, "_delta_log", f"{number:020d}.json")
+    with open(entry) as f:
+        actions = [json.loads(line) for line in f if line.strip()]
+    for a in actions:
+        if "commitInfo" in a:
+            st = json.loads(a["commitInfo"]["strata"])
+            edit(st["manifest"])
+            a["commitInfo"]["strata"] = json.dumps(st)
+    with open(entry, "w") as f:
+        f.write("".join(json.dumps(a) + "\n" for a in actions))
 
 
 def _free_port() -> int:

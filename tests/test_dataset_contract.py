@@ -13,7 +13,7 @@ import uuid
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO
+from conftest import REPO, edit_manifest
 
 from strata.dataset import (
     DatasetError,
@@ -296,20 +296,9 @@ def test_a_manifest_naming_paths_outside_its_dataset_is_refused_before_anything_
     outside.mkdir()
     (outside / "keep.txt").write_text("mine")
     v = commit(storage, "ds", *_stage(storage, "ds"))
-    entry = join(v.path, "_delta_log", f"{v.number:020d}.json")  # the manifest is in the commit's log entry
-    import json
 
-    with open(entry) as f:
-        actions = [json.loads(line) for line in f]
-
-    def plant(files):
-        for a in actions:
-            if "commitInfo" in a:
-                st = json.loads(a["commitInfo"]["strata"])
-                st["manifest"]["files"] = files
-                a["commitInfo"]["strata"] = json.dumps(st)
-        with open(entry, "w") as f:
-            f.write("".join(json.dumps(a) + "\n" for a in actions))
+    def plant(files):  # the manifest is in the commit's log entry
+        edit_manifest(v.path, v.number, lambda m: m.update(files=files))
 
     for planted in ("../../../precious", "/etc", "s3://elsewhere/x", "data/../../../../precious"):
         plant(planted)

@@ -8,8 +8,8 @@ import shutil
 import threading
 
 import pytest
+from conftest import edit_manifest, wait_for
 from conftest import train_run as run
-from conftest import wait_for
 
 from strata.dataset import DatasetError, resolve
 from strata.lease import LeaseBusy, holder
@@ -177,12 +177,8 @@ def test_a_mixture_trains_in_proportion_reports_each_source_and_refuses_what_doe
     assert under not in str(e.value)
     # A copy of `code` whose manifest names another tokenizer does not mix with the others.
     shutil.copytree(storage.dataset("code"), storage.dataset("other"))
-    manifest = os.path.join(storage.dataset("other"), code.partition("@")[2], "manifest.json")
-    with open(manifest) as f:
-        m = json.load(f)
-    m["dataset"], m["tokenizer"]["hash"] = "other", "f" * 16
-    with open(manifest, "w") as f:
-        json.dump(m, f)
+    edit_manifest(storage.dataset("other"), int(code.partition("@")[2][1:]),
+                  lambda m: m.update(dataset="other", tokenizer={**m["tokenizer"], "hash": "f" * 16}))
     with pytest.raises(DatasetError, match=f"different tokenizers: {web} [0-9a-f]{{16}}, other@v0001 f{{16}}"):
         run(model, _cfg(2), dataset=f"{web}:0.5,other:0.5", run_name="mix-bad", storage=storage, use_gpu=False)
     assert not os.path.exists(storage.run("mix-bad")) and not os.path.exists(storage.run("mix-long"))
