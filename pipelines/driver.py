@@ -13,6 +13,7 @@ until its commit; `Preprocess` is one run, a method per step.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -185,15 +186,34 @@ class Preprocess:
             check_extends(self.parent, self.load_tokenizer(self.named_tokenizer()).info(), self.cfg.pack.seq_len)
 
     def new(self, files: list[dict]) -> list[dict]:
-        """With --incremental, the files no earlier version consumed (same path, size and mtime)."""
-        if not self.cfg.read.incremental:
+        """With --incremental, the files no earlier version consumed (same path, size and mtime): looked up
+        in the dataset's index of consumed inputs, which reads only what may hold them."""
+        if not self.cfg.read.incremental or self.parent is None:
             return files
-        consumed = {_identity(f) for v in history(self.storage, self.cfg.dataset) for f in v.manifest.inputs
-                    if "mtime_ns" in f}
+        from pipelines.consumed import lookup
+
+        candidates = [_identity(f) for f in files]
+        if self.parent.manifest.consumed is None:
+            consumed = self.legacy_consumed() & set(candidates)
+        else:
+            consumed = lookup([f for seg in self.consumed_segments() for f in seg["files"]], candidates)
         new = [f for f in files if _identity(f) not in consumed]
         if len(new) < len(files):
             _say(f"{len(files) - len(new)} of {len(files)} input files were consumed by earlier versions: skipped")
         return new
+
+    def consumed_segments(self) -> list[dict]:
+        """The parent's index of consumed inputs (paths made whole)."""
+        p = self.parent
+        return [{**seg, "files": [{**f, "path": p.file(f["path"])} for f in seg["files"]]}
+                for seg in (p.manifest.consumed or [])] if p else []
+
+    @functools.cache  # noqa: B019 - one run, one walk
+    def legacy_consumed(self) -> set[tuple]:
+        """Every earlier version's inputs, for a parent made before the index of consumed inputs (once: this
+        version's index segment then holds them)."""
+        return {_identity(f) for v in history(self.storage, self.cfg.dataset) for f in v.manifest.inputs
+                if "mtime_ns" in f}
 
     def start(self, files: list[dict]) -> None:
         """The evaluation index, Ray, the work units, the staging directory and the run info."""
@@ -536,11 +556,30 @@ class Preprocess:
         index = {t: [{**seg, "files": [{**f, "path": f["path"][len(root):].strip("/").replace(os.sep, "/")}
                                        for f in seg["files"]]} for seg in segs] for t, segs in self.segments.items()}
         dedup = {"params": self.cfg.dedup.params(), "index": index, "index_entries": self.sizes, **audit}
+        consumed = [{**seg, "files": [{**f, "path": f["path"][len(root):].strip("/").replace(os.sep, "/")}
+                                      for f in seg["files"]]} for seg in self.save_consumed(files)]
         return commit(self.storage, self.cfg.dataset, self.tag, dict(
             tokenizer=self.tok.info(), seq_len=self.cfg.pack.seq_len, dtype=token_dtype(self.tok.vocab_size),
             shards=shards, documents=docs, tokens=table["tokens"], inputs=files, run=record, stats=table,
-            rejects="rejects.json", run_id=self.run_id, tails=tails, dedup=dedup),
-            lease=self.job.lease, built_on=self.parent.manifest.version if self.parent else None)
+            rejects="rejects.json", run_id=self.run_id, tails=tails, dedup=dedup, consumed=consumed),
+            lease=self.job.lease, built_on=self.parent.manifest.version if self.parent else None, head=self.head)
+
+    def save_consumed(self, files: list[dict]) -> list[dict]:
+        """The index of consumed inputs with this version's as a new segment (and, after a parent made before
+        the index, every earlier version's), then compaction, as the dedup index does."""
+        from pipelines.consumed import merge, write
+        from pipelines.dedup import compaction
+
+        p = self.parent
+        earlier = self.legacy_consumed() if p and p.manifest.consumed is None else set()
+        directory = join(self.staging, "consumed")
+        make_dirs(directory)
+        segments = [*self.consumed_segments(), {"versions": 1, "files": [
+            write(join(directory, "c.parquet"), earlier | {_identity(f) for f in files})]}]
+        while k := compaction(segments, INDEX_FAN_IN):
+            merged = merge([f for seg in segments[-k:] for f in seg["files"]], join(directory, f"m{len(segments)}.parquet"))
+            segments = [*segments[:-k], {"versions": sum(seg["versions"] for seg in segments[-k:]), "files": [merged]}]
+        return segments
 
     def samples(self) -> dict[str, list]:
         return {k: list(v) for k, v in sorted(self.tally.samples.items())}

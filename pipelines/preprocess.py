@@ -12,6 +12,7 @@ the version is published only when complete. The run itself: pipelines/driver.py
 from __future__ import annotations
 
 import sys
+import time
 
 from pipelines.config import PRESETS, STAGES
 from pipelines.driver import run
@@ -48,8 +49,8 @@ def _main(cmd: Command) -> dict:
     except ValueError as e:
         parser.error(str(e))
     storage = Storage.from_env(args.storage)
-    before = _newest(storage, cfg.dataset)
-    cmd.interrupted = lambda: _interrupted(storage, cfg.dataset, before, cmd.continue_with(*argv))
+    started = time.time()
+    cmd.interrupted = lambda: _interrupted(storage, cfg.dataset, started, cmd.continue_with(*argv))
     try:
         if args.run_id:
             check_name(args.run_id, "run id")
@@ -70,15 +71,12 @@ def _main(cmd: Command) -> dict:
     return finish(summary, args.json)
 
 
-def _newest(storage: Storage, dataset: str) -> str | None:
-    newest = latest(storage, dataset)
-    return newest.manifest.version if newest else None
-
-
-def _interrupted(storage: Storage, dataset: str, before: str | None, again: str) -> str:
-    """What Ctrl-C left: a version committed before it, or nothing (the run's files go with the next run)."""
-    now = _newest(storage, dataset)
-    kept = (f"version {dataset}@{now}, committed before the interrupt" if now != before else
+def _interrupted(storage: Storage, dataset: str, started: float, again: str) -> str:
+    """What Ctrl-C left: a version committed before it, or nothing (the run's files go with the next run).
+    A version made since the command started is its own (the lease keeps other writers out)."""
+    now = latest(storage, dataset)
+    kept = (f"version {dataset}@{now.manifest.version}, committed before the interrupt"
+            if now and now.manifest.created_at >= started else
             "no new version: nothing was committed, and its inputs stay new for the next run")
     return f"preprocessing into dataset {dataset}; kept {kept}; continue with: {again}"
 

@@ -194,6 +194,9 @@ class Manifest:
     """The rejects report (counts and samples by reason), relative to the dataset directory."""
     run_id: str = ""
     """The idempotency key of the run that wrote it (e.g. a scheduled slot), if any."""
+    consumed: list | None = None
+    """The dataset's index of consumed input files as of this version (pipelines/consumed.py): segments of
+    sorted (path, size, mtime) files, relative to the dataset directory. None in versions made before it."""
     tails: str = ""
     """What this version's rows could not hold (each split's last tokens, shorter than a row), relative to
     the dataset directory: the next version packs them first, so no kept document is left out for good."""
@@ -512,12 +515,13 @@ def properties(tokenizer: TokenizerInfo, seq_len: int, dtype: str) -> dict[str, 
 
 def create_table(path: str, name: str, tokenizer: TokenizerInfo, seq_len: int, dtype: str):
     """The table, created (version 0: schema and properties, no rows) unless another writer just did."""
-    from deltalake import DeltaTable
+    from deltalake import CommitProperties, DeltaTable
 
     try:
+        # No commit retries: a creator that lost the race would otherwise add its own metadata commit.
         return retrying(DeltaTable.create, path, table_schema(dtype), mode="error", partition_by=PARTITIONS, name=name,
                         configuration=properties(tokenizer, seq_len, dtype), storage_options=delta_options(path),
-                        raise_if_key_not_exists=False)
+                        raise_if_key_not_exists=False, commit_properties=CommitProperties(max_commit_retries=0))
     except Exception:
         if (table := open_table(path)) is None:
             raise
@@ -539,7 +543,7 @@ def _check_table(table, name: str, tokenizer: TokenizerInfo, seq_len: int, dtype
 
 
 def commit(storage: Storage, name: str, tag: str, manifest_fields: dict, *, lease=None,
-           built_on: str | None = None) -> DatasetVersion:
+           built_on: str | None = None, head: Head | None = None) -> DatasetVersion:
     """Publish this run's shards as the next version, in one Delta commit.
 
     `tag` names the run's directories: its shards in `data/<tag>` and its own files in `_strata/<tag>`.
@@ -549,7 +553,9 @@ def commit(storage: Storage, name: str, tag: str, manifest_fields: dict, *, leas
     The commit is built on the newest version at the moment of commit; a writer that loses the race for
     a number builds again on the winner and takes the next. With a `lease`, a writer that lost it commits
     nothing. `built_on` is the version the run built on (deduplicated against): if it was deleted
-    meanwhile, the run's idea of what is new is wrong, and it commits nothing.
+    meanwhile, the run's idea of what is new is wrong, and it commits nothing. `head`, the table as the
+    run read it (under the lease), saves reading it again: if anything committed since, the commit
+    fails as a lost race does, and is built again on a fresh read.
     """
     from deltalake.exceptions import CommitFailedError
 
@@ -569,13 +575,13 @@ def commit(storage: Storage, name: str, tag: str, manifest_fields: dict, *, leas
                                                        for t, ps in fields["dedup"]["files"].items()}}
     failpoint("before-commit")
     failures = 0
-    for _ in range(1000):
-        head = _head(path, name)
+    for attempt in range(1000):
+        head = head if attempt == 0 and head is not None else _head(path, name)
         if built_on and (built_on in head.deleted or head.table is None):
             raise DatasetError(f"{name}@{built_on}, the version this run deduplicated against, was deleted while it "
                                "ran: nothing was committed (what it dropped as duplicates of that version would be "
                                "lost). Run it again")
-        parent = _load(path, head.live, name) if head.live is not None else None
+        parent = _load(path, head.live, name, head) if head.live is not None else None
         if parent:
             check_extends(parent, fields["tokenizer"], fields["seq_len"])
         table = head.table or create_table(path, name, fields["tokenizer"], fields["seq_len"], fields["dtype"])
@@ -700,14 +706,20 @@ def _delete_leased(storage: Storage, name: str, version: str) -> list[str]:
 def abandoned_runs(storage: Storage, name: str, before_gen: int, head: Head | None = None) -> list[str]:
     """Run tags (`g<gen>-<work>`) with files under `data/` or `_strata/` that no version committed (or
     whose version was deleted), left by writers of an older lease generation (crashed or killed before
-    their commit). The table's application transactions say which runs committed: no history read."""
+    their commit). Every version adds shards, so a run whose shards are in the table committed; for any
+    other, the table's application transactions say (each asks delta-rs to replay the log, so only
+    for those). No history read."""
     path = storage.dataset(name)
     head = head or _head(path, name)
+    live = set()
+    if head.table is not None:
+        live = {p.split("/")[1] for p in pa.table(retrying(head.table.get_add_actions)).column("path").to_pylist()
+                if p.startswith("data/") and p.count("/") >= 2}
     out = set()
     for sub in ("data", "_strata"):
         for tag, d in list_dir(join(path, sub)):
             m = re.match(r"^g(\d{8})-", tag)
-            if d and m and int(m.group(1)) < before_gen:
+            if d and m and int(m.group(1)) < before_gen and tag not in live and tag not in out:
                 number = retrying(head.table.transaction_version, RUN_APP + tag) if head.table else None
                 if number is None or label(number) in head.deleted:
                     out.add(tag)

@@ -65,3 +65,27 @@ def test_a_small_file_is_one_request_on_s3(s3_root, monkeypatch):
         assert read_json(f"{s3_root}/small.json") == {"units": list(range(100))}
     finally:
         proxy.close()
+
+
+def test_the_index_of_consumed_inputs_reads_only_what_may_hold_the_candidates(tmp_path, monkeypatch):
+    """A run looks its inputs up in the index of consumed ones: a new prefix reads no segment, and a
+    candidate inside a segment's range reads its row group only, however many inputs came before."""
+    from pipelines import consumed
+
+    old = [(f"s3://b/raw/2026-12-01/{i:05d}.jsonl", 100 + i, i) for i in range(5 * consumed.ROW_GROUP)]
+    segment = consumed.write(str(tmp_path / "a.parquet"), old)
+    groups = []
+
+    class Counting(consumed.pq.ParquetFile):
+        def read_row_group(self, i, *args, **kwargs):
+            groups.append(i)
+            return super().read_row_group(i, *args, **kwargs)
+
+    monkeypatch.setattr(consumed.pq, "ParquetFile", Counting)
+    new = [(f"s3://b/raw/2026-12-02/{i:05d}.jsonl", 7, i) for i in range(50)]
+    assert consumed.lookup([segment], new) == set() and groups == []  # a new prefix: nothing read
+    changed = (old[3 * consumed.ROW_GROUP][0], 1, 1)  # the same path, another size: new again
+    assert consumed.lookup([segment], [old[3 * consumed.ROW_GROUP + 5], changed, *new]) == {old[3 * consumed.ROW_GROUP + 5]}
+    assert groups == [3]
+    merged = consumed.merge([segment, consumed.write(str(tmp_path / "b.parquet"), new)], str(tmp_path / "m.parquet"))
+    assert merged["rows"] == len(old) + len(new) and consumed.lookup([merged], new) == set(new)
