@@ -14,6 +14,7 @@ S3-compatible stores (MinIO, Ceph, moto) are reached through the standard
     <root>/datasets/<name>/_lease/               who is writing the dataset now
     <root>/runs/<name>/                          a training run
     <root>/sweeps/<name>/                        a sweep
+    <root>/scores/<name>/                        documents scored under a model (python -m infer score)
 
 Object stores have no rename and no append. What must appear at once is
 written in one PUT (`write_bytes_atomic`), what must appear at most once is a
@@ -164,6 +165,10 @@ class Storage:
 
     def sweep(self, name: str) -> str:
         return join(self.root, "sweeps", check_name(name, "sweep name"))
+
+    def scores(self, name: str) -> str:
+        """A scoring run's table (python -m infer score)."""
+        return join(self.root, "scores", check_name(name, "scores name"))
 
     def records(self) -> str:
         """One JSON record per run of any kind (`python -m strata runs` lists them)."""

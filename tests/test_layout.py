@@ -9,8 +9,8 @@ from pathlib import Path
 
 from conftest import REPO
 
-PACKAGES = ("strata", "pipelines", "train", "tune")
-REQUIRED = ("pyproject.toml", "Makefile", "cluster.yaml", "platform", "strata", "pipelines", "train", "tune",
+PACKAGES = ("strata", "pipelines", "train", "tune", "infer")
+REQUIRED = ("pyproject.toml", "Makefile", "cluster.yaml", "platform", "strata", "pipelines", "train", "tune", "infer",
             "notebooks", "tests", "bench", "README.md", ".ci/run")
 
 

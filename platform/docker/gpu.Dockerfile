@@ -12,5 +12,6 @@ COPY --chown=ray strata strata
 COPY --chown=ray pipelines pipelines
 COPY --chown=ray train train
 COPY --chown=ray tune tune
+COPY --chown=ray infer infer
 RUN pip install --no-cache-dir --no-deps -e .
 ENV RAY_AUTH_MODE=token

@@ -1,0 +1,101 @@
+"""Batch scoring as a Ray Data job: documents read as tier 1 reads them, scored by an actor pool on the
+tier `--tier` names (the model built once per actor), written as a parquet table keyed by document id."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+from strata import tiers
+from strata.shell import Job
+from strata.shell import log as _logger
+from strata.storage import Storage, delete_dir, join
+
+_say = _logger("score").info
+
+
+@dataclass(kw_only=True)
+class ScoreConfig:
+    stride: int = 0
+    """Tokens a window moves by when a document is longer than the model's context (0: half the context)."""
+    batch_tokens: int = 8192
+    """Tokens a batch of windows holds (windows of like length are batched together)."""
+    actors: int = 0
+    """Scoring actors (0: one per CPU but one, or one per GPU on the gpu tier)."""
+    tier: str = "cpu"
+    """The tier the actors run on: `cpu` (cheap nodes, the default) or `gpu`."""
+    docs_per_batch: int = 64
+    """Documents handed to an actor at a time."""
+
+    def __post_init__(self):
+        if self.tier not in (tiers.Tier.CPU, tiers.Tier.GPU):
+            raise ValueError("--tier must be cpu or gpu")
+        if self.stride < 0 or self.batch_tokens < 1 or self.actors < 0 or self.docs_per_batch < 1:
+            raise ValueError("--stride and --actors must be >= 0, --batch-tokens and --docs-per-batch >= 1")
+
+
+def score(spec: str, inputs: list[str], cfg: ScoreConfig, storage: Storage, name: str) -> dict:
+    """Score every document of `inputs` under model `spec`; the summary (output table, counts, loss, bpb,
+    throughput, cost)."""
+    import ray
+
+    from infer.model import resolve
+    from infer.score import Scorer
+    from pipelines.sources import ReadConfig, list_inputs, read_file
+
+    model = resolve(spec, storage)  # on the driver: a bad --model fails before Ray starts
+    files = list_inputs(inputs)
+    stride = cfg.stride or max(1, model.cfg.seq_len // 2)
+    if stride > model.cfg.seq_len:
+        raise ValueError(f"--stride {stride} is longer than the model's context {model.cfg.seq_len}")
+    out = storage.scores(name)
+    with Job("score", name, storage, holds=out, what=f"scores {name}") as job:
+        job.connect(quiet=True, log_to_driver=False)
+        job.begin({"model": model.source, "inputs": inputs, **asdict(cfg)})
+        gpu = cfg.tier == tiers.Tier.GPU
+        resources = ray.cluster_resources()
+        # On the cpu tier one CPU stays free for the tasks that read the documents (an actor pool that takes
+        # every CPU stalls Ray Data).
+        actors = cfg.actors or max(1, int(resources.get("GPU", 1)) if gpu else int(resources.get("CPU", 2)) - 1)
+        read = ReadConfig()
+
+        def documents(f: dict) -> list[dict]:  # a row is an input file: path, size, mtime, source
+            return [{"doc_id": d["doc_id"], "source": f["source"], "text": d["text"], "status": d["status"],
+                     "reason": d["reason"]} for d in read_file({**f, "start": 0, "end": f["size"]}, read)]
+
+        delete_dir(out)  # a rerun of the same name replaces it
+        started = time.time()
+        with job.working():
+            ds = ray.data.from_items(files).flat_map(documents, label_selector=tiers.selector(tiers.Tier.CPU))
+            ds = ds.map_batches(Scorer, batch_size=cfg.docs_per_batch, batch_format="numpy",
+                                concurrency=actors, num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0,
+                                label_selector=tiers.selector(cfg.tier),
+                                fn_constructor_kwargs={"model": model, "stride": stride,
+                                                       "batch_tokens": cfg.batch_tokens, "cpus": 1,
+                                                       "device": "cuda" if gpu else "cpu"})
+            ds.write_parquet(join(out, "table"))
+        table = _read(join(out, "table"))
+        wall = time.time() - started
+        ok = [r for r in table if not r["unscored"]]
+        tokens = sum(r["tokens"] for r in ok)
+        nll = sum(r["loss"] * r["tokens"] for r in ok)
+        figures = {"documents": len(ok), "unscored": len(table) - len(ok), "tokens": tokens,
+                   "loss": nll / tokens if tokens else math.nan,
+                   "bpb": nll / math.log(2) / max(1, sum(r["bytes"] for r in ok)),
+                   "tokens_per_s": tokens / max(wall, 1e-9)}
+        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and cfg.tier in tiers.tiers_of(n.get("Labels", {}))]
+        cost = job.finish(beside=join(out, "record.json"), work_nodes=nodes, figures=figures)
+    per_million = cost["cost"] / tokens * 1e6 if tokens and cost["cost"] is not None else None
+    return {"name": name, "model": model.source, "output": join(out, "table"), **figures, **cost,
+            "dollars_per_million_tokens": per_million, "actors": actors, "stride": stride}
+
+
+def _read(path: str) -> list[dict]:
+    import pyarrow.dataset as pads
+
+    from strata.storage import filesystem
+
+    fs, p = filesystem(path)
+    return pads.dataset(p, filesystem=fs, format="parquet").to_table(
+        columns=["unscored", "tokens", "loss", "bytes"]).to_pylist()

@@ -1,0 +1,160 @@
+"""Batch scoring (python -m infer score): every token predicted once, the same losses as Hugging Face
+transformers on the same weights, and the command end to end on an embedded Ray."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import REPO, make_corpus, write_checkpoint
+
+from infer.model import resolve
+from infer.score import score_ids, windows
+from strata.storage import Storage
+from strata.tokenizer import ByteTokenizer
+from train.export import export
+from train.model import GPT, preset
+
+
+@pytest.mark.parametrize(("n", "context", "stride"), [(1, 8, 4), (8, 8, 4), (9, 8, 4), (50, 8, 3), (50, 8, 8),
+                                                      (17, 16, 1)])
+def test_windows_predict_every_token_once_within_the_context(n, context, stride):
+    predicted = []
+    for begin, end, first in windows(n, context, stride):
+        assert 0 < end - begin <= context and begin + 1 <= first <= end
+        predicted += range(first, end + 1)  # targets are ids[begin + 1:end + 1]
+        if begin:  # a later window keeps at least context - stride tokens before what it predicts
+            assert first - begin >= min(context - stride, first)
+    assert predicted == list(range(1, n + 1))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A model with non-trivial weights, as training checkpoints it and train.export writes it."""
+    root = tmp_path_factory.mktemp("model")
+    cfg = preset("debug", n_layer=2, n_embd=64, n_head=4, seq_len=32)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    ckpt = write_checkpoint(root / "checkpoint-00000005", model, 5,
+                            {"model_config": asdict(cfg), "tokenizer": asdict(ByteTokenizer().info())})
+    export(ckpt, str(root / "hf"))
+    return str(root / "hf")
+
+
+def _hf_nll(hf, seq: list[int], context: int, stride: int) -> float:
+    """The summed NLL of seq[1:] given what comes before, windowed as Hugging Face's perplexity guide does."""
+    total = 0.0
+    for begin, end, first in windows(len(seq) - 1, context, stride):
+        with torch.no_grad():
+            logits = hf(torch.tensor([seq[begin:end]])).logits[0].double()
+        logp = torch.log_softmax(logits, dim=-1)
+        for pos in range(first, end + 1):  # the target at `pos` is predicted from position pos - 1
+            total -= logp[pos - 1 - begin, seq[pos]].item()
+    return total
+
+
+def test_document_losses_match_transformers_on_the_same_weights(exported):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    model, tok = resolve(exported, Storage("/nonexistent")).build()
+    texts = ["a short one", "x" * 5, "a document longer than the context, so it is scored in windows " * 3, "é€😀 ok"]
+    docs = [tok.encode(t) for t in texts]
+    for stride in (16, 7):
+        ours = score_ids(model, docs, tok.eot_id, stride=stride, batch_tokens=64)
+        for ids, s in zip(docs, ours, strict=True):
+            theirs = _hf_nll(hf, [tok.eot_id, *ids.tolist()], model.cfg.seq_len, stride)
+            assert s.tokens == len(ids)
+            assert abs(s.nll / s.tokens - theirs / len(ids)) < 1e-4, (s, theirs)
+
+
+def test_a_model_directory_without_its_tokenizer_is_refused(tmp_path, exported):
+    import shutil
+
+    shutil.copytree(exported, tmp_path / "m")
+    os.remove(tmp_path / "m" / "strata.json")
+    with pytest.raises(ValueError, match="no strata.json"):
+        resolve(str(tmp_path / "m"), Storage(str(tmp_path)))
+    with pytest.raises(ValueError, match="neither an exported model directory nor a run"):
+        resolve("no-such-run", Storage(str(tmp_path)))
+
+
+def test_score_command_writes_a_table_keyed_by_document(tmp_path, exported):
+    corpus = {"path": str(tmp_path / "corpus"), **make_corpus(str(tmp_path / "corpus"), docs=24, seed=3)}
+    env = {**os.environ, "STRATA_STORAGE": str(tmp_path / "storage"), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    proc = subprocess.run([sys.executable, "-m", "infer", "score", "--model", exported, "--input", corpus["path"],
+                           "--name", "s1", "--actors", "1", "--docs-per-batch", "8", "--json"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    table = pq.read_table(out["output"]).to_pylist()
+    assert {"doc_id", "source", "tokens", "loss", "bpb", "bytes", "unscored"} <= set(table[0])
+    assert len(table) == out["documents"] + out["unscored"] and out["documents"] > 0
+    assert len({r["doc_id"] for r in table}) == len(table)  # keyed by document: each once
+    scored = [r for r in table if not r["unscored"]]
+    assert all(r["tokens"] > 0 and math.isfinite(r["loss"]) and r["bpb"] > 0 for r in scored)
+    assert all(r["loss"] is None or math.isnan(r["loss"]) for r in table if r["unscored"])
+    assert {r["unscored"].split(":")[0] for r in table if r["unscored"]} <= {"rejected"}  # bad input, with why
+    tokens = sum(r["tokens"] for r in scored)
+    assert out["tokens"] == tokens and out["loss"] == pytest.approx(sum(r["loss"] * r["tokens"] for r in scored) / tokens)
+    # The same documents scored here in-process give the same losses (the actor pool changes nothing).
+    model, tok = resolve(exported, Storage("/nonexistent")).build()
+    text = {r["doc_id"]: r for r in scored}
+    some = sorted(text)[:3]
+    from pipelines.sources import ReadConfig, list_inputs, read_file
+
+    docs = {d["doc_id"]: d["text"] for f in list_inputs([corpus["path"]])
+            for d in read_file({**f, "start": 0, "end": f["size"]}, ReadConfig()) if d["doc_id"] in some}
+    again = score_ids(model, [tok.encode(docs[d]) for d in some], tok.eot_id, stride=16, batch_tokens=8192)
+    assert [s.loss() for s in again] == pytest.approx([text[d]["loss"] for d in some], abs=1e-5)
+    assert out["dollars_per_million_tokens"] is not None and out["cost"] >= 0
+    assert os.path.exists(os.path.join(str(tmp_path / "storage"), "scores", "s1", "record.json"))
+    assert np.isfinite(out["bpb"])
+
+
+TASK = os.path.join(REPO, "infer", "tasks", "arithmetic.jsonl")
+
+
+def test_multiple_choice_accuracy_equals_the_one_from_transformers_logits(exported):
+    transformers = pytest.importorskip("transformers")
+    from infer.evaluate import evaluate, load_task
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    model, tok = resolve(exported, Storage("/nonexistent")).build()
+    items = load_task(TASK)
+    ours = evaluate(model, tok, items, batch_tokens=64)
+    acc, acc_norm = [], []
+    for item, lls in zip(items, ours["logliks"], strict=True):
+        theirs = []
+        for choice in item["choices"]:
+            ctx, cont = tok.encode(item["context"]).tolist(), tok.encode(choice).tolist()
+            with torch.no_grad():
+                logp = torch.log_softmax(hf(torch.tensor([ctx + cont])).logits[0].double(), dim=-1)
+            theirs.append(sum(logp[len(ctx) - 1 + j, t].item() for j, t in enumerate(cont)))
+        assert lls == pytest.approx(theirs, abs=1e-4)
+        acc.append(float(np.argmax(theirs) == item["gold"]))
+        acc_norm.append(float(np.argmax(np.array(theirs) / [len(c.encode()) for c in item["choices"]]) == item["gold"]))
+    assert ours["acc"] == np.mean(acc) and ours["acc_norm"] == np.mean(acc_norm)
+    assert ours["acc_stderr"] == pytest.approx(np.std(acc, ddof=1) / math.sqrt(len(acc)))
+
+
+def test_eval_command_reports_accuracy_and_heldout_bits_per_byte_and_refuses_a_bad_task(tmp_path, exported):
+    (tmp_path / "held").mkdir()
+    (tmp_path / "held" / "a.txt").write_text("held-out text that the model never saw. " * 20)
+    env = {**os.environ, "STRATA_STORAGE": str(tmp_path / "storage")}
+    cmd = [sys.executable, "-m", "infer", "eval", "--model", exported, "--json"]
+    proc = subprocess.run(cmd + ["--task", TASK, "--input", str(tmp_path / "held")], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["items"] == 40 and 0 <= out["acc"] <= 1 and out["acc_stderr"] > 0
+    assert out["heldout_documents"] == 1 and out["bpb"] > 0 and math.isfinite(out["loss"])
+    (tmp_path / "bad.jsonl").write_text('{"context": "x", "choices": [" a", " b"], "gold": 0}\n{"context": "y", "choices": [" a"], "gold": 0}\n')
+    bad = subprocess.run(cmd + ["--task", str(tmp_path / "bad.jsonl")], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 1 and "bad.jsonl:2: an item needs" in bad.stderr
