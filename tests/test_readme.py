@@ -13,7 +13,7 @@ import sys
 from conftest import REPO, readme_blocks
 
 # How a command line names a strata command, and the `--help` that lists its flags.
-STRATA_COMMANDS = {"demo", "submit", "runs", "report", "plan"}
+STRATA_COMMANDS = {"demo", "submit", "runs", "report", "plan", "migrate"}
 SUBCOMMANDS = {"pipelines.datasets": {"list", "show", "delete"}}
 
 
@@ -110,7 +110,7 @@ def test_every_flag_the_readme_names_is_a_flag_of_a_command():
         text = f.read()
     named = set(re.findall(r"`[^`]*?(--[a-z][a-z0-9-]*)", text))
     known = "\n".join(help_of(*m) for m in (("pipelines.preprocess",), ("pipelines.datasets", "show"), ("train",),
-                                           ("train.sample",), ("train.export",), ("tune",), ("strata", "submit"),
+                                           ("train.sample",), ("train.export",), ("tune",), ("infer",), ("strata", "submit"),
                                            ("strata", "report"), ("strata", "plan"), ("strata", "demo"),
                                            ("bench",), ("bench.peer",), ("bench.lid",), ("bench.train.gpu",)))
     with open(os.path.join(REPO, "bench", "train", "gpu.sh")) as f:  # its own flag, --smoke, in its usage lines
