@@ -158,3 +158,59 @@ def test_eval_command_reports_accuracy_and_heldout_bits_per_byte_and_refuses_a_b
     bad = subprocess.run(cmd + ["--task", str(tmp_path / "bad.jsonl")], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode == 1 and "bad.jsonl:2: an item needs" in bad.stderr
+
+
+def test_greedy_generation_gives_the_tokens_transformers_gives(exported):
+    transformers = pytest.importorskip("transformers")
+    from infer.generate import decode
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    model, tok = resolve(exported, Storage("/nonexistent")).build()
+    prompts = [tok.encode(p).tolist() for p in ("def f(x):", "ab", "cd", "the quick brown fox")]
+    ours = decode(model, prompts, max_tokens=12, temperature=0, eot_id=tok.eot_id, vocab_limit=tok.vocab_size)
+    for p, made in zip(prompts, ours, strict=True):
+        x = torch.tensor([p])
+        for _ in range(len(made)):  # transformers' own forward, one token at a time, without its cache
+            with torch.no_grad():
+                logits = hf(x).logits[0, -1]
+            logits[tok.vocab_size:] = -float("inf")
+            x = torch.cat([x, logits.argmax().view(1, 1)], dim=1)
+        assert made == x[0, len(p):].tolist()
+        assert len(made) == 12 or made[-1] == tok.eot_id
+
+
+def test_sampling_depends_on_the_seed_only(exported):
+    from infer.generate import decode
+
+    model, tok = resolve(exported, Storage("/nonexistent")).build()
+    a, b = tok.encode("same prompt").tolist(), tok.encode("other").tolist()
+
+    def run(prompts, seed):
+        return decode(model, prompts, max_tokens=10, temperature=1.0, top_k=20, seed=seed, eot_id=tok.eot_id,
+                      vocab_limit=tok.vocab_size)
+
+    alone = run([a], 1)[0]
+    assert run([a, b], 1)[0] == alone  # another prompt in the batch changes nothing
+    assert any(run([a], s)[0] != alone for s in (2, 3, 4))
+    assert all(t < tok.vocab_size for t in alone)
+
+
+def test_generate_command_writes_a_completion_per_prompt(tmp_path, exported):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hello"}\n{"prompt": ""}\n')
+    env = {**os.environ, "STRATA_STORAGE": str(tmp_path / "storage")}
+    cmd = [sys.executable, "-m", "infer", "generate", "--model", exported, "--prompts", str(tmp_path / "p.jsonl"),
+           "--max-tokens", "8", "--temperature", "0", "--json"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    with open(out["output"]) as f:
+        lines = [json.loads(line) for line in f]
+    assert [x["prompt"] for x in lines] == ["hello", ""] and all(isinstance(x["completion"], str) for x in lines)
+    assert out["prompts"] == 2 and 0 < out["tokens"] <= 16 and out["tokens_per_s"] > 0
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    with open(json.loads(again.stdout.strip().splitlines()[-1])["output"]) as f:
+        assert [json.loads(line) for line in f] == lines  # greedy: the same text
+    (tmp_path / "bad.jsonl").write_text('{"text": "no prompt"}\n')
+    bad = subprocess.run(cmd[:7] + [str(tmp_path / "bad.jsonl")] + cmd[8:], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 1 and "bad.jsonl:1: a line needs a prompt" in bad.stderr
