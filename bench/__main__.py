@@ -40,6 +40,8 @@ BENCHMARKS = {
     "scale": ("bench.scale", [], "growth laws on local disk and the S3 API server: version 8 / version 1 (requests, "
               "bytes, memory), cost per MB of a 16x / 1x input, a resume's row groups at the end / start of an epoch",
               "<= 1.2; <= 1.05; <= 1"),
+    "infer": ("bench.infer", [], "scoring tokens/s per core, strata / transformers' window-a-pass loop (same model, "
+              "documents and cores); the line above it: the whole score command by actors", ">= 1.5"),
     "tune": ("bench.tune", ["--asha-trials", "12"], "50,000-trial sweep: overhead per trial, driver memory",
              "<= 10 ms, <= 60 MB/1,000"),
 }

@@ -116,3 +116,12 @@ def test_dedup_benchmark_prints_recall_and_precision_beside_the_s_curve():
     assert all(0 <= row["collided"] <= 1 and 0 <= row["s_curve"] <= 1 for row in result["table"])
     assert result["table"][-1]["collided"] > result["table"][0]["collided"]  # similar pairs collide more
     assert lines[-1].startswith("ratio measured/S-curve: recall ")
+
+
+@pytest.mark.bench  # about 40 s
+def test_infer_benchmark_checks_the_losses_and_prints_its_ratio_last():
+    pytest.importorskip("transformers")
+    lines = _run("bench.infer", "--docs", "6", "--chars", "600", "--rounds", "1", "--json")
+    result = json.loads(lines[-3])
+    assert result["max_loss_difference"] < 1e-4 and result["tokens"] > 0
+    assert lines[-1].startswith("ratio tokens/s per core, strata / transformers: ")
