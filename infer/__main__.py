@@ -90,7 +90,7 @@ def _eval(args, parser) -> dict:
     from infer.driver import ScoreConfig
     from infer.evaluate import TaskError, evaluate, heldout, load_task
     from infer.model import resolve, threads
-    from pipelines.sources import ReadConfig, list_inputs, read_file
+    from strata.sources import ReadConfig, list_inputs, read_file
 
     if not args.task:
         parser.error("eval needs --task FILE.jsonl")

@@ -41,8 +41,8 @@ def score(spec: str, inputs: list[str], cfg: ScoreConfig, storage: Storage, name
     import ray
 
     from infer.model import resolve
-    from infer.score import Scorer
-    from pipelines.sources import ReadConfig, list_inputs, read_file
+    from infer.score import default_actors, scoring
+    from strata.sources import ReadConfig, list_inputs, read_file
 
     model = resolve(spec, storage)  # on the driver: a bad --model fails before Ray starts
     files = list_inputs(inputs)
@@ -53,11 +53,7 @@ def score(spec: str, inputs: list[str], cfg: ScoreConfig, storage: Storage, name
     with Job("score", name, storage, holds=out, what=f"scores {name}") as job:
         job.connect(quiet=True, log_to_driver=False)
         job.begin({"model": model.source, "inputs": inputs, **asdict(cfg)})
-        gpu = cfg.tier == tiers.Tier.GPU
-        resources = ray.cluster_resources()
-        # On the cpu tier one CPU stays free for the tasks that read the documents (an actor pool that takes
-        # every CPU stalls Ray Data).
-        actors = cfg.actors or max(1, int(resources.get("GPU", 1)) if gpu else int(resources.get("CPU", 2)) - 1)
+        actors = cfg.actors or default_actors(cfg.tier)
         read = ReadConfig()
 
         def documents(f: dict) -> list[dict]:  # a row is an input file: path, size, mtime, source
@@ -68,12 +64,8 @@ def score(spec: str, inputs: list[str], cfg: ScoreConfig, storage: Storage, name
         started = time.time()
         with job.working():
             ds = ray.data.from_items(files).flat_map(documents, label_selector=tiers.selector(tiers.Tier.CPU))
-            ds = ds.map_batches(Scorer, batch_size=cfg.docs_per_batch, batch_format="numpy",
-                                concurrency=actors, num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0,
-                                label_selector=tiers.selector(cfg.tier),
-                                fn_constructor_kwargs={"model": model, "stride": stride,
-                                                       "batch_tokens": cfg.batch_tokens, "cpus": 1,
-                                                       "device": "cuda" if gpu else "cpu"})
+            ds = scoring(ds, model, tier=cfg.tier, actors=actors, stride=stride, batch_tokens=cfg.batch_tokens,
+                         docs_per_batch=cfg.docs_per_batch)
             ds.write_parquet(join(out, "table"))
         table = _read(join(out, "table"))
         wall = time.time() - started

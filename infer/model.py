@@ -36,22 +36,23 @@ class Model:
         return model.to(device).eval(), from_info(self.tokenizer, self.definition)
 
 
-def resolve(spec: str, storage: Storage) -> Model:
-    """`RUN[@STEP]` under the storage root's runs, or an exported directory."""
+def resolve(spec: str, storage: Storage, flag: str = "--model") -> Model:
+    """`RUN[@STEP]` under the storage root's runs, or an exported directory (`flag`: the option that named
+    it, for the errors)."""
     from train.pretrained import load
 
     if exists(join(spec, "config.json")):
         if not exists(join(spec, "strata.json")):
-            raise ValueError(f"--model {spec}: no strata.json beside config.json, so the tokenizer is unknown; "
+            raise ValueError(f"{flag} {spec}: no strata.json beside config.json, so the tokenizer is unknown; "
                              "export the model with python -m train.export")
         info = read_json(join(spec, "strata.json"))["tokenizer"]
         definition = read_bytes(join(spec, "tokenizer.json")).decode() if exists(join(spec, "tokenizer.json")) else None
         p = load(spec, storage)
         return Model(spec, p.cfg, p.weights, TokenizerInfo(**info), definition)
-    return _from_run(spec, storage)
+    return _from_run(spec, storage, flag)
 
 
-def _from_run(spec: str, storage: Storage) -> Model:
+def _from_run(spec: str, storage: Storage, flag: str) -> Model:
     from train.checkpoint import committed_checkpoints, read_meta
     from train.sample import load as load_checkpoint
 
@@ -61,14 +62,14 @@ def _from_run(spec: str, storage: Storage) -> Model:
     except ValueError:
         run_dir = None
     if not run_dir or not exists(run_dir):
-        raise ValueError(f"--model {spec}: neither an exported model directory nor a run under {storage.runs()}")
+        raise ValueError(f"{flag} {spec}: neither an exported model directory nor a run under {storage.runs()}")
     if step and not step.isdigit():
-        raise ValueError(f"--model {spec}: the step after '@' must be a number")
+        raise ValueError(f"{flag} {spec}: the step after '@' must be a number")
     found = committed_checkpoints(run_dir)
     if step:
         found = [c for c in found if read_meta(c)["step"] == int(step)]
     if not found:
-        raise ValueError(f"--model {spec}: no committed checkpoint{f' at step {step}' if step else ''} in {run_dir}")
+        raise ValueError(f"{flag} {spec}: no committed checkpoint{f' at step {step}' if step else ''} in {run_dir}")
     model, tok, at = load_checkpoint(found[-1])
     weights = {k: v.detach().float().numpy() for k, v in model.state_dict().items() if k != "head.weight"}
     return Model(f"{run}@{at}", model.cfg, weights, tok.info(), getattr(tok, "definition", None))

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-IGNORE = -1  # a target the model's per-token loss leaves at 0 (train/model.py token_losses)
+from train.step import (
+    IGNORE,  # a target the model's per-token loss leaves at 0 (train/model.py token_losses)
+)
 
 
 def windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
@@ -77,7 +79,11 @@ def score_ids(model, docs: list[np.ndarray], eot_id: int, *, stride: int, batch_
 
 
 class Scorer:
-    """A Ray Data actor: the model built once, then batches of documents scored (map_batches)."""
+    """A Ray Data actor: the model built once, then batches of documents scored (map_batches).
+
+    A batch's rows have `text`, and may have `status` and `reason` (tier 1's readers: only `ok` rows are
+    scored) and `skip` (true: passed through unscored). Every column but those three passes through; each row gains
+    `tokens`, `loss`, `bpb`, `bytes` and `unscored` (why it was not scored; empty when it was)."""
 
     def __init__(self, model, stride: int, batch_tokens: int, cpus: float, device: str = "cpu"):
         from infer.model import threads
@@ -87,18 +93,47 @@ class Scorer:
         self.stride, self.batch_tokens, self.device = stride, batch_tokens, device
 
     def __call__(self, batch: dict) -> dict:
-        texts, status = list(batch["text"]), list(batch["status"])
-        ok = [i for i, s in enumerate(status) if s == "ok" and texts[i]]
+        texts = list(batch["text"])
+        n = len(texts)
+        status = list(batch["status"]) if "status" in batch else ["ok"] * n
+        skip = batch["skip"] if "skip" in batch else np.zeros(n, bool)
+        reason = ["skipped" if skip[i] else f"{status[i]}:{batch['reason'][i]}" if status[i] != "ok"
+                  else "" if texts[i] else "rejected:empty" for i in range(n)]
+        ok = [i for i in range(n) if not reason[i]]
         ids = [self.tok.encode(texts[i]) for i in ok]
         scored = score_ids(self.model, ids, self.tok.eot_id, stride=self.stride, batch_tokens=self.batch_tokens,
                            device=self.device)
-        n = len(texts)
         tokens, loss, bpb = np.zeros(n, np.int64), np.full(n, np.nan), np.full(n, np.nan)
+        size = np.array([len(t.encode()) for t in texts], np.int64)
         for i, s in zip(ok, scored, strict=True):
             tokens[i], loss[i] = s.tokens, s.loss()
-            bpb[i] = s.nll / math.log(2) / max(1, len(texts[i].encode()))
-        scored_ok = set(ok)
-        reason = ["" if i in scored_ok else f"{status[i]}:{batch['reason'][i]}" if status[i] != "ok" else "rejected:empty"
-                  for i in range(n)]
-        return {"doc_id": batch["doc_id"], "source": batch["source"], "tokens": tokens, "loss": loss, "bpb": bpb,
-                "bytes": np.array([len(t.encode()) for t in texts], np.int64), "unscored": np.array(reason, dtype=object)}
+            bpb[i] = s.nll / math.log(2) / max(1, size[i])
+        rest = {k: v for k, v in batch.items() if k not in ("text", "status", "reason")}
+        return {**rest, "tokens": tokens, "loss": loss, "bpb": bpb, "bytes": size,
+                "unscored": np.array(reason, dtype=object)}
+
+
+def scoring(ds, model, *, tier: str, actors: int, stride: int, batch_tokens: int, docs_per_batch: int):
+    """`ds` (rows with `text`) scored by `actors` Scorer actors on `tier` (cpu, or gpu: one GPU each)."""
+    from ray.data import ActorPoolStrategy
+
+    from strata import tiers
+
+    gpu = tier == tiers.Tier.GPU
+    return ds.map_batches(Scorer, batch_size=docs_per_batch, batch_format="numpy", compute=ActorPoolStrategy(size=actors),
+                          num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, label_selector=tiers.selector(tier),
+                          fn_constructor_kwargs={"model": model, "stride": stride, "batch_tokens": batch_tokens,
+                                                 "cpus": 1, "device": "cuda" if gpu else "cpu"})
+
+
+def default_actors(tier: str) -> int:
+    """One scoring actor per GPU on the gpu tier; on the cpu tier one per CPU but one, which stays free for
+    the tasks that read the documents (an actor pool that takes every CPU stalls Ray Data)."""
+    import ray
+
+    from strata import tiers
+
+    resources = ray.cluster_resources()
+    if tier == tiers.Tier.GPU:
+        return max(1, int(resources.get("GPU", 1)))
+    return max(1, int(resources.get("CPU", 2)) - 1)

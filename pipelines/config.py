@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 from pipelines.clean import WEB, CleanConfig
 from pipelines.dedup import DedupConfig
-from pipelines.sources import ReadConfig
+from pipelines.quality import QualityConfig
 from strata.cli import AT_LEAST_ONE, NON_NEGATIVE, check_fields
+from strata.sources import ReadConfig
 from strata.storage import check_name
 from strata.tokenizer import ENGINES, check_spec
 
@@ -56,6 +57,7 @@ class PreprocessConfig:
     clean: CleanConfig = field(default_factory=CleanConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
     pack: PackConfig = field(default_factory=PackConfig)
+    quality: QualityConfig = field(default_factory=QualityConfig)
 
     def __post_init__(self):
         check_name(self.dataset, "dataset name")
@@ -63,7 +65,7 @@ class PreprocessConfig:
             raise ValueError("give at least one --input")
 
 
-STAGES = {"read": ReadConfig, "clean": CleanConfig, "dedup": DedupConfig, "pack": PackConfig}
+STAGES = {"read": ReadConfig, "clean": CleanConfig, "dedup": DedupConfig, "pack": PackConfig, "quality": QualityConfig}
 
 
 def debug(dataset: str, **stages: dict) -> PreprocessConfig:

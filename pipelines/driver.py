@@ -23,7 +23,6 @@ from dataclasses import asdict
 from pipelines import decontam
 from pipelines.config import PreprocessConfig
 from pipelines.dedup import INDEX_FAN_IN, suggested_shards
-from pipelines.sources import InputMissing, InputUnreadable, check_outside, list_inputs, plan_units
 from pipelines.stats import Output, Tally, accounting, outputs, summary_table, without_deferred
 from strata import tiers
 from strata.cost import ray_daemon_cpu
@@ -43,6 +42,7 @@ from strata.dataset import (
 )
 from strata.shell import Job
 from strata.shell import log as _logger
+from strata.sources import InputMissing, InputUnreadable, check_outside, list_inputs, plan_units
 from strata.storage import (
     Storage,
     basename,
@@ -83,10 +83,11 @@ def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "", *, wait: bool
     """
     started = time.time()
     files = _inputs(cfg, storage)  # a missing or empty input fails here, before anything is written
+    model = _quality_model(cfg, storage)  # and a bad --quality-model
     with Job("preprocess", cfg.dataset, storage, holds=storage.dataset(cfg.dataset), what=f"dataset {cfg.dataset}",
              purpose=f"preprocess{f' run {run_id}' if run_id else ''}", wait=wait) as job:
         try:
-            return Preprocess(cfg, storage, job, run_id, started, dashboard).run(files)
+            return Preprocess(cfg, storage, job, run_id, started, dashboard, model).run(files)
         except Exception as e:
             if (mapped := _as_user_error(e)) is None:
                 raise
@@ -103,6 +104,15 @@ def _inputs(cfg: PreprocessConfig, storage: Storage) -> list[dict]:
         _say(f"{len(skipped)} symbolic link(s) lead out of their input folder and were not followed "
              f"(--follow-links reads them): {', '.join(skipped[:3])}{' ...' if len(skipped) > 3 else ''}")
     return files
+
+
+def _quality_model(cfg: PreprocessConfig, storage: Storage):
+    """The --quality-model, resolved (infer.model: its weights and tokenizer), or None."""
+    if not cfg.quality.quality_model:
+        return None
+    from infer.model import resolve
+
+    return resolve(cfg.quality.quality_model, storage, flag="--quality-model")
 
 
 def _as_user_error(e: BaseException) -> DatasetError | None:
@@ -135,14 +145,15 @@ class Preprocess:
     leave what they made on the object (outputs, tokenizer, shards) and their figures in `tally`."""
 
     def __init__(self, cfg: PreprocessConfig, storage: Storage, job: Job, run_id: str, started: float,
-                 dashboard: bool = True):
+                 dashboard: bool = True, model=None):
         self.cfg, self.storage, self.job, self.run_id, self.started = cfg, storage, job, run_id, started
-        self.dashboard = dashboard
+        self.dashboard, self.model, self.quality = dashboard, model, None
         self.head = head(storage, cfg.dataset)  # read once: no other writer commits while this run holds the lease
         self.parent = latest(storage, cfg.dataset, self.head)
         self.tables = tuple(t for t, on in (("exact", cfg.dedup.exact_dedup), ("band", cfg.dedup.near_dedup)) if on)
-        # Without dedup or tokenizer training nothing global sits between reading and packing: fuse them.
-        self.fused = not self.tables and not cfg.pack.tokenizer.startswith("train:")
+        # Without dedup, tokenizer training or quality scores nothing global sits between reading and packing:
+        # fuse them.
+        self.fused = not self.tables and not cfg.pack.tokenizer.startswith("train:") and model is None
         self.tally, self.deferred, self.walls = Tally(), {}, {}
         self.p1: list[Output] = []
         self.p2: list[Output] = []
@@ -276,6 +287,7 @@ class Preprocess:
         self.mark, driver_cpu, daemons = time.time(), time.process_time(), ray_daemon_cpu()
         if not self.fused:
             self.read_clean_sign()
+        self.score_quality()
         self.start_index()
         try:
             self.train_tokenizer()
@@ -330,6 +342,21 @@ class Preprocess:
                            contamination=self.contamination)))
         self.tally += Tally.total(o.tally for o in self.p1)
         self.step("pass 1: read, clean, sign")
+
+    def score_quality(self) -> None:
+        """With --quality-model: every kept document's score under the reference model, and which of them
+        pass 2 drops (pipelines/quality.py)."""
+        if self.model is None:
+            return
+        from pipelines.quality import score
+
+        p = self.parent
+        parent = {**p.manifest.quality, "scores": [p.file(f) for f in p.manifest.quality["scores"]]} \
+            if p and p.manifest.quality else None
+        self.quality = score(self.cfg.quality, self.model, [join(self.work, "docs", f) for f in self.docs_files()],
+                             exact=self.cfg.dedup.exact_dedup, parent=parent, out_dir=join(self.staging, "quality"),
+                             cpus=self.cpus)
+        self.step("quality scores")
 
     def docs_files(self) -> list[str]:
         return sorted(o.docs_file for o in self.p1 if o.docs)
@@ -423,7 +450,13 @@ class Preprocess:
                     validation_fraction=c.pack.validation_fraction, seed=c.pack.seed, split_seed=c.pack.split_seed,
                     dedup=c.dedup, work_dir=self.work, index=self.index, removed_dir=join(self.staging, REMOVED_DIR),
                     read=c.read if fused else None, clean=c.clean if fused else None,
-                    contamination=self.contamination)
+                    contamination=self.contamination, quality=self.quality_drop())
+
+    def quality_drop(self) -> dict | None:
+        """The exact keys of the documents the quality scores drop, in the object store once, for pass 2."""
+        import ray
+
+        return {"ref": ray.put(self.quality.drop)} if self.quality else None
 
     def pack_tails(self) -> Output:
         """The parent version's leftover tails, then every unit's, packed together (pipelines/pack.py
@@ -535,7 +568,8 @@ class Preprocess:
         return summary_table(self.tally, time.time() - self.started, cpus=self.cpus, total_bytes=self.total_bytes,
                              shards=len(self.shards), walls=self.walls, by_source=self.by_source(),
                              evaluation=self.evaluation["files"] if self.evaluation else {}, deferred=self.deferred,
-                             index_rss_mb=self.index_rss, utilization=self.pass2_utilization)
+                             index_rss_mb=self.index_rss, utilization=self.pass2_utilization,
+                             quality=self.quality.figures if self.quality else {})
 
     def commit(self, files: list[dict]):
         docs = accounting(self.tally)
@@ -558,10 +592,13 @@ class Preprocess:
         dedup = {"params": self.cfg.dedup.params(), "index": index, "index_entries": self.sizes, **audit}
         consumed = [{**seg, "files": [{**f, "path": f["path"][len(root):].strip("/").replace(os.sep, "/")}
                                       for f in seg["files"]]} for seg in self.save_consumed(files)]
+        quality = {**self.quality.state, "scores": [f[len(root):].strip("/").replace(os.sep, "/")
+                                                    for f in self.quality.state["scores"]]} if self.quality else {}
         return commit(self.storage, self.cfg.dataset, self.tag, dict(
             tokenizer=self.tok.info(), seq_len=self.cfg.pack.seq_len, dtype=token_dtype(self.tok.vocab_size),
             shards=shards, documents=docs, tokens=table["tokens"], inputs=files, run=record, stats=table,
-            rejects="rejects.json", run_id=self.run_id, tails=tails, dedup=dedup, consumed=consumed),
+            rejects="rejects.json", run_id=self.run_id, tails=tails, dedup=dedup, consumed=consumed,
+            quality=quality),
             lease=self.job.lease, built_on=self.parent.manifest.version if self.parent else None, head=self.head)
 
     def save_consumed(self, files: list[dict]) -> list[dict]:

@@ -35,11 +35,11 @@ import pyarrow.parquet as pq
 
 from pipelines.clean import CleanConfig, QualityFilter, normalize
 from pipelines.dedup import DedupConfig, MinHasher, exact_key, hash64, key_range, shard_of
-from pipelines.sources import ReadConfig, read_file, with_deferral
 from pipelines.stats import SAMPLES_PER_REASON, Output, Tally, audit_sample
 from strata.connect import fetch_once
 from strata.dataset import arrow_schema, shard_schema, token_dtype
 from strata.procs import peak_rss_mb
+from strata.sources import ReadConfig, read_file, with_deferral
 from strata.storage import filesystem, join, make_dirs, read_bytes
 
 SPLIT_IDS = {"train": 0, "validation": 1}
@@ -243,7 +243,9 @@ class DedupTokenizePack:
                  tokenizer_engine: str = "auto",
                  validation_fraction: float, seed: int, split_seed: int, dedup: DedupConfig, work_dir: str,
                  index: list, removed_dir: str = "", read: ReadConfig | None = None, clean: CleanConfig | None = None,
-                 contamination: dict | None = None):
+                 contamination: dict | None = None, quality: dict | None = None):
+        import ray
+
         from strata.tokenizer import HFTokenizer, load_tokenizer
 
         self.tok = (HFTokenizer(definition, eot_token, tokenizer_engine) if definition
@@ -254,6 +256,8 @@ class DedupTokenizePack:
         # Fused mode (no dedup, so no global decision between reading and packing): read units directly.
         self.read, self.clean = read, clean
         self.contamination = contamination
+        # With --quality-model: the exact keys (as int64) of the documents the scores drop (pipelines/quality.py).
+        self.drop = ray.get(quality["ref"]) if quality else None
         self.schema = packed_schema(seq_len, token_dtype(self.tok.vocab_size))
 
     def _duplicates(self, docs: np.ndarray, exact_keys: np.ndarray, bands: np.ndarray) -> dict[str, np.ndarray]:
@@ -307,7 +311,15 @@ class DedupTokenizePack:
             clock.lap("read")
             dup = self._duplicates(docs, chunk.column("exact").to_numpy(), bands)
             clock.lap("dedup")
-            yield ids, texts, {**dup, "doc": docs}
+            yield ids, texts, {**dup, "doc": docs, "key": chunk.column("exact").to_numpy()}
+
+    def _low_quality(self, texts: list[str], keys: np.ndarray | None) -> np.ndarray:
+        """Which documents the quality scores drop (by exact key; computed here when dedup did not)."""
+        if self.drop is None or not len(self.drop):
+            return np.zeros(len(texts), bool)
+        if keys is None or not self.dedup.exact_dedup:
+            keys = np.array([exact_key(t) for t in texts], dtype=np.uint64)
+        return np.isin(keys.view(np.int64), self.drop)
 
     @profiled
     def __call__(self, batch: dict) -> dict:
@@ -331,7 +343,13 @@ class DedupTokenizePack:
         eot = np.array([self.tok.eot_id], dtype=np.uint32)
         tables, clock = [], StageClock()
         for ids, texts, dup in self._chunks(batch, seen, clock):
-            exact, near = dup["exact"], dup["near"]
+            low = self._low_quality(texts, dup.get("key"))
+            if low.any():  # counted filtered, not kept (pass 1 counted them kept) and never duplicates
+                seen.counts[("filtered", "quality")] += int(low.sum())
+                stats["kept"] -= int(low.sum())
+                for i in np.flatnonzero(low)[: SAMPLES_PER_REASON - len(samples["filtered:quality"])]:
+                    samples["filtered:quality"].append({"doc_id": ids[i], "sample": texts[i][:120]})
+            exact, near = dup["exact"] & ~low, dup["near"] & ~low
             removed = np.flatnonzero(exact | near)
             removed_by_path.update(doc_path(ids[i]) for i in removed)
             if len(removed):
@@ -348,7 +366,7 @@ class DedupTokenizePack:
                 duplicate[kind] += int(mask.sum())
                 for i in np.flatnonzero(mask)[: SAMPLES_PER_REASON - len(samples[f"duplicate:{kind}"])]:
                     samples[f"duplicate:{kind}"].append({"doc_id": ids[i], "sample": texts[i][:120]})
-            keep = np.flatnonzero(~(exact | near))
+            keep = np.flatnonzero(~(exact | near | low))
             stats["packed"] += len(keep)
             streams = {s: [carry[s]] for s in SPLIT_IDS}
             clock.lap("dedup")

@@ -179,7 +179,8 @@ SPLITS = ("train", "validation")
 
 
 def summary_table(t: Tally, seconds: float, *, cpus: float, total_bytes: int, shards: int, walls: dict,
-                  evaluation: dict, by_source: dict, deferred: dict, index_rss_mb: float, utilization: float) -> dict:
+                  evaluation: dict, by_source: dict, deferred: dict, index_rss_mb: float, utilization: float,
+                  quality: dict | None = None) -> dict:
     """The run's summary table, stored in the manifest and printed (`format_table`)."""
     docs = accounting(t)
     tokens = sum(t.tokens.values())
@@ -197,6 +198,8 @@ def summary_table(t: Tally, seconds: float, *, cpus: float, total_bytes: int, sh
         # With --languages: the documents the language rule scored, by detected language (kept or not).
         "documents_by_language": _most_first(t.languages),
         "contaminated_by_file": _most_first(t.contaminated_by),
+        # With --quality-model: the rule, its threshold, the documents it filtered, scores computed and reused.
+        "quality": quality or {},
         # Per evaluation file: its records, n-grams (whole short items among them) and the documents it caught.
         "decontamination": {path: {**f, "documents": t.contaminated_by.get(path, 0)} for path, f in evaluation.items()},
         # Which engine encoded how many documents, and how many of them both engines encoded (strata.tokenizer).
@@ -230,6 +233,11 @@ def format_table(stats: dict) -> str:
     lines += [f"{'  unpacked (carried on)':<28}{d.get('unpacked', 0):>14,}"]
     if stats.get("documents_by_language"):
         lines += ["documents by language"] + [f"{'  ' + k:<28}{v:>14,}" for k, v in stats["documents_by_language"].items()]
+    if q := stats.get("quality"):
+        threshold = "none" if q["threshold"] is None else f"{q['threshold']:.4f}"
+        lines += [f"quality: {q['rule']} under {q['model']}, threshold {threshold}",
+                  f"{'  documents filtered':<28}{q['filtered']:>14,}",
+                  f"{'  scores computed / reused':<28}{q['scored']:>7,} / {q['reused']:,}"]
     if stats.get("decontamination"):
         lines += ["evaluation files: records, n-grams, documents caught"] + [
             f"{'  ' + basename(k):<28}{f['records']:>10,} {f['ngrams']:>10,} {f['documents']:>8,}"

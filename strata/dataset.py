@@ -200,6 +200,10 @@ class Manifest:
     tails: str = ""
     """What this version's rows could not hold (each split's last tokens, shorter than a row), relative to
     the dataset directory: the next version packs them first, so no kept document is left out for good."""
+    quality: dict = field(default_factory=dict)
+    """With --quality-model: the model (`model`, `model_id`: a digest of its weights) and its score cache as of
+    this version (`scores`: sorted parquet files of exact key, tokens, loss, bpb, relative to the dataset
+    directory), which the next version under the same model reuses (pipelines/quality.py)."""
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict:

@@ -1,4 +1,5 @@
-"""The main job end to end on an embedded local Ray: preprocess -> train -> sweep -> sample.
+"""The main job end to end on an embedded local Ray: preprocess -> train -> sweep -> sample, then the
+loop back to tier 1: the next version's documents scored with the trained model and the worst filtered.
 
 Each stage runs as its real command line (`python -m ...  --json`), exactly as a
 user or `ray job submit` would run it, and the demo reads each stage's JSON
@@ -37,6 +38,13 @@ def demo_corpus(storage: Storage) -> list[str]:
     (dirty / "textwrap-copy.py").write_text(source)  # an exact duplicate
     (dirty / "textwrap-edited.py").write_text(source.replace("import re", "import re  # edited", 1))  # a near one
     return [os.path.join(sysconfig.get_paths()["stdlib"], "*.py"), str(dirty)]
+
+
+def next_inputs() -> list[str]:
+    """The next version's inputs: code like the first version's (the json package) and prose (the license),
+    which a model trained on code scores worse."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    return [os.path.join(stdlib, "json", "*.py"), *[p for p in [os.path.join(stdlib, "LICENSE.txt")] if os.path.exists(p)]]
 
 
 def shown(module: str, args) -> str:
@@ -80,18 +88,22 @@ def main(argv: list[str] | None = None) -> None:
     inputs = [a for path in corpus for a in ("--input", path)]
     # A dataset per demo run: a rerun over unchanged inputs into one dataset would (rightly) make no version.
     try:
-        pre = stage("1/4 tier 1: preprocess", "pipelines.preprocess", *inputs, "--dataset", f"demo-{stamp}",
+        pre = stage("1/5 tier 1: preprocess", "pipelines.preprocess", *inputs, "--dataset", f"demo-{stamp}",
                     "--final")  # a one-off dataset: its last row padded, so every kept document is in it
     finally:
         shutil.rmtree(corpus[-1], ignore_errors=True)  # the damaged files' private folder
     dataset = f"{pre['dataset']}@{pre['version']}"
     cpus = str(os.cpu_count() or 1)
-    tr = stage("2/4 tier 2: train", "train", "--dataset", dataset, "--preset", "debug",
+    tr = stage("2/5 tier 2: train", "train", "--dataset", dataset, "--preset", "debug",
                "--max-steps", str(args.steps), "--run", f"demo-{stamp}", "--cpus-per-worker", cpus)
-    sw = stage("3/4 sweep", "tune", "--dataset", dataset, "--preset", "debug",
+    sw = stage("3/5 sweep", "tune", "--dataset", dataset, "--preset", "debug",
                "--num-samples", str(args.trials), "--sweep", f"demo-sweep-{stamp}")
-    sm = stage("4/4 sample", "train.sample", "--run", tr["run"], "--prompt", "def ", "--tokens", "160",
+    sm = stage("4/5 sample", "train.sample", "--run", tr["run"], "--prompt", "def ", "--tokens", "160",
                "--samples", "2")
+    loop = stage("5/5 tier 1 again: the next version, scored with the trained model", "pipelines.preprocess",
+                 *[a for path in next_inputs() for a in ("--input", path)], "--dataset", pre["dataset"], "--final",
+                 "--quality-model", tr["run"], "--keep-fraction", "0.8")
+    q = loop["stats"]["quality"]
 
     d = pre["documents"]
     best = sw["best"]
@@ -105,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
                 data wait {tr['data_wait']:.1%}, checkpoints {tr['checkpoint_blocked']:.1%} of wall time
         sweep   {sw['trials']} trials: {sw['completed'] - sw['stopped_early']} completed, {sw['stopped_early']} stopped early by ASHA ({sw['iterations']} iterations),
                 best {best['metric_name']} {best['metric']:.3f} with {json.dumps(best['config'])}
+        loop    {pre['dataset']}@{loop['version']}: {q['documents']} new documents scored under {q['model']}, the best 80%
+                kept (bits per byte <= {q['threshold']:.3f}): {q['filtered']} filtered:quality ({q['tokens_per_s']:,.0f} tokens/s scored)
         cost    preprocess {_cost(pre)}, train {_cost(tr)}, sweep {_cost(sw)} for {pre['node_hours'] + tr['node_hours'] + sw['node_hours']:.3f} node-hours
                 (prices.yaml charges 0 for the local node); CPU busy {_busy(pre)} / {_busy(tr)} / {_busy(sw)}
                 (`.venv/bin/strata runs`; `.venv/bin/strata report NAME` writes an HTML report)

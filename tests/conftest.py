@@ -261,6 +261,28 @@ def _stop_ray_at_end():
 
 
 @pytest.fixture(scope="session")
+def exported_model(tmp_path_factory):
+    """A small model with non-trivial weights (byte tokenizer, context 32), as training checkpoints it and
+    train.export writes it: its directory."""
+    from dataclasses import asdict
+
+    import torch
+
+    from strata.tokenizer import ByteTokenizer
+    from train.export import export
+    from train.model import GPT, preset
+
+    root = tmp_path_factory.mktemp("model")
+    cfg = preset("debug", n_layer=2, n_embd=64, n_head=4, seq_len=32)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    ckpt = write_checkpoint(root / "checkpoint-00000005", model, 5,
+                            {"model_config": asdict(cfg), "tokenizer": asdict(ByteTokenizer().info())})
+    export(ckpt, str(root / "hf"))
+    return str(root / "hf")
+
+
+@pytest.fixture(scope="session")
 def dataset(storage_root, corpus):
     """The corpus preprocessed once into a committed version (debug preset: seq_len 128)."""
     from pipelines.config import debug

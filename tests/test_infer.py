@@ -6,20 +6,16 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import asdict
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import REPO, make_corpus, write_checkpoint
+from conftest import REPO, make_corpus
 
 from infer.model import resolve
 from infer.score import score_ids, windows
 from strata.storage import Storage
-from strata.tokenizer import ByteTokenizer
-from train.export import export
-from train.model import GPT, preset
 
 
 @pytest.mark.parametrize(("n", "context", "stride"), [(1, 8, 4), (8, 8, 4), (9, 8, 4), (50, 8, 3), (50, 8, 8),
@@ -35,16 +31,8 @@ def test_windows_predict_every_token_once_within_the_context(n, context, stride)
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """A model with non-trivial weights, as training checkpoints it and train.export writes it."""
-    root = tmp_path_factory.mktemp("model")
-    cfg = preset("debug", n_layer=2, n_embd=64, n_head=4, seq_len=32)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    ckpt = write_checkpoint(root / "checkpoint-00000005", model, 5,
-                            {"model_config": asdict(cfg), "tokenizer": asdict(ByteTokenizer().info())})
-    export(ckpt, str(root / "hf"))
-    return str(root / "hf")
+def exported(exported_model):
+    return exported_model
 
 
 def _hf_nll(hf, seq: list[int], context: int, stride: int) -> float:
@@ -106,7 +94,7 @@ def test_score_command_writes_a_table_keyed_by_document(tmp_path, exported):
     model, tok = resolve(exported, Storage("/nonexistent")).build()
     text = {r["doc_id"]: r for r in scored}
     some = sorted(text)[:3]
-    from pipelines.sources import ReadConfig, list_inputs, read_file
+    from strata.sources import ReadConfig, list_inputs, read_file
 
     docs = {d["doc_id"]: d["text"] for f in list_inputs([corpus["path"]])
             for d in read_file({**f, "start": 0, "end": f["size"]}, ReadConfig()) if d["doc_id"] in some}

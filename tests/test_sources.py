@@ -13,7 +13,7 @@ import pytest
 import zstandard
 
 from pipelines.pack import validation_split
-from pipelines.sources import (
+from strata.sources import (
     ReadConfig,
     check_outside,
     describe,
@@ -121,7 +121,7 @@ def test_an_io_error_half_way_is_retried_and_then_fails_the_file_instead_of_coun
     not consumed) instead of ending as one corrupt-file. A local input missing on a worker's node says so."""
     import pyarrow.fs as pafs
 
-    from pipelines import sources
+    from strata import sources
 
     (tmp_path / "a.jsonl").write_bytes(_jsonl(2000))
     [f] = list_inputs([str(tmp_path / "a.jsonl")])
@@ -240,7 +240,7 @@ def test_a_long_line_is_read_once_not_by_every_range_it_covers(tmp_path, monkeyp
     """A 40 MB line cut into 2 MiB ranges: each range stops at its own end, the one where the line
     begins too, so the file is read about once (it used to be read 7 times: every range the line
     covered scanned to its end)."""
-    from pipelines import sources
+    from strata import sources
 
     with open(tmp_path / "a.jsonl", "wb") as f:
         f.write(b'{"text": "before"}\n{"text": "' + b"y" * (40 << 20) + b'"}\n{"text": "after"}\n')
@@ -318,8 +318,8 @@ def test_validation_split_is_stable_and_near_the_fraction():
 def test_a_deferred_file_leaves_its_unit_and_its_other_ranges_out(tmp_path):
     """--unreadable defer: a unit runs again without the file that stays unreadable; the run then drops
     every unit that held only byte ranges of it, and no other. The default fails instead."""
-    from pipelines.sources import InputUnreadable, with_deferral
     from pipelines.stats import Output, Tally, without_deferred
+    from strata.sources import InputUnreadable, with_deferral
 
     unit = [{"path": "a"}, {"path": "bad"}, {"path": "c"}]
     seen = []

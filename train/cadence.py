@@ -45,6 +45,8 @@ class Cadence:
     report_every_s: float
     checkpoint_every: int = 0
     checkpoint_every_s: float = 0.0
+    task_every: int = 0
+    """With --eval-task: also checkpoint every this many steps (--eval-every), for the evaluation to read."""
     start_step: int = 0
     started: float = 0.0
     drain_check_every_s: float = 2.0
@@ -66,7 +68,7 @@ class Cadence:
                 or self._by_steps(done))
 
     def _by_steps(self, done: int) -> bool:
-        return bool(self.checkpoint_every) and done % self.checkpoint_every == 0
+        return any(every and done % every == 0 for every in (self.checkpoint_every, self.task_every))
 
     def timers(self, now: float) -> tuple[bool, bool, bool]:
         """(report timer elapsed, checkpoint timer elapsed, drain-check timer elapsed) on this rank;

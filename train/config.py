@@ -46,6 +46,10 @@ class TrainConfig:
     """Validation loss every this many steps (and at the end)."""
     eval_batches: int = 4
     """Validation batches per evaluation (per dataset of a mixture)."""
+    eval_task: str = ""
+    """A multiple-choice task file (JSONL: context, choices, gold): acc and acc_norm of the checkpoint saved
+    every --eval-every steps, evaluated by a task on the cpu tier, off the training workers. Training never
+    waits for it; one that fails or runs out of memory is recorded failed (train/tasks.py)."""
     max_repeat: float = 0.0
     """Refuse a run that would pass over any of its datasets more than this many times (0: no limit)."""
     checkpoint_every: int = 0

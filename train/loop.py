@@ -57,7 +57,7 @@ def train_loop_per_worker(config: dict) -> None:
     clock = Clock()
     cadence = Cadence(max_steps=tcfg.max_steps, log_every=tcfg.log_every, report_every_s=tcfg.report_every_s,
                       checkpoint_every=tcfg.checkpoint_every, checkpoint_every_s=tcfg.checkpoint_every_s,
-                      start_step=w.start_step, started=clock.start, drain_check_every_s=tcfg.drain_check_every_s)
+                      task_every=tcfg.eval_every if tcfg.eval_task else 0, start_step=w.start_step, started=clock.start, drain_check_every_s=tcfg.drain_check_every_s)
     step_losses: list[torch.Tensor] = []  # since the last log point, on the device: no sync per step
     saved_for_preemption = False
     try:

@@ -76,8 +76,9 @@ class MetricsLog:
             self.tb.close()
 
 
-def tensorboard_writer(run_dir: str):
-    """TensorBoard events under the run, when the run lives on a local or mounted filesystem."""
+def tensorboard_writer(run_dir: str, suffix: str = ""):
+    """TensorBoard events under the run, when the run lives on a local or mounted filesystem (`suffix`: a
+    writer beside rank 0's, in an events file of its own)."""
     import pyarrow.fs as pafs
 
     from strata.storage import filesystem
@@ -87,4 +88,4 @@ def tensorboard_writer(run_dir: str):
         return None
     from tensorboardX import SummaryWriter
 
-    return SummaryWriter(os.path.join(path, "tensorboard"), flush_secs=10)  # its own thread writes the events
+    return SummaryWriter(os.path.join(path, "tensorboard"), flush_secs=10, filename_suffix=suffix)  # its own thread writes the events

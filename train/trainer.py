@@ -24,6 +24,7 @@ from train.progress import Progress
 from train.spec import RunSpec, continued_dataset
 
 _log = _logger("train")
+EVAL_WAIT_S = 300.0  # how long the driver waits, once training ends, for evaluations still running
 
 
 def run(spec: RunSpec, *, run_name: str, storage: Storage, workers: int | None = None, use_gpu: bool | None = None,
@@ -32,6 +33,10 @@ def run(spec: RunSpec, *, run_name: str, storage: Storage, workers: int | None =
     """Train (or continue) run `run_name` on `spec` (train.spec.resolve, with the same run_name), holding
     the run's lease: one writer per run."""
     run_dir = storage.run(run_name)
+    if spec.train.eval_task:
+        from train.tasks import load_task
+
+        load_task(spec.train.eval_task)  # a bad task file is refused before the run starts
     if not read_launches(run_dir) and spec.train.max_repeat and spec.train.batch_size and workers:
         _check_repeats(spec, workers)  # refused before the run exists
     with Job("train", run_name, storage, holds=run_dir, what=f"training run {run_name}") as job:
@@ -76,22 +81,46 @@ def _run_leased(spec: RunSpec, *, run_name, run_dir, job: Job, workers, use_gpu,
     # Starting weights go to the object store once; every worker takes them from there.
     spec = replace(spec, init=ray.put(spec.init) if spec.init is not None and not resume_from else None)
     started = time.time()
+    evals = _task_evals(spec, run_dir)
     with job.working():
         try:
             trainer = _trainer(spec, run_name, run_dir, job, workers, use_gpu, placement.accelerator,
                                cpus_per_worker, max_failures, verbose)
             result = fit(trainer, Progress(run_dir, spec.train.max_steps, since=started))
         except ray.train.TrainingFailedError as e:
+            if evals:
+                evals.close(wait_s=0)
             if refusal := _worker_refusal(e):
                 raise refusal from e
             raise
+        except BaseException:
+            if evals:
+                evals.close(wait_s=0)
+            raise
+        task_evals = evals.close(wait_s=EVAL_WAIT_S) if evals else []
     summary = _summary(spec, run_name, run_dir, started, result, workers, use_gpu, size)
+    if evals:
+        summary["task_evals"] = [{k: r.get(k) for k in ("step", "status", "acc", "acc_norm", "error") if k in r}
+                                 for r in task_evals]
     figures = {k: summary.get(k) for k in ("steps", "first_loss", "last_loss", "val_loss", "val_bpb",
                                            "val_loss_by_source", "tokens_by_source", "tokens_per_s",
                                            "tokens_per_s_per_worker", "mfu", "data_wait", "checkpoint_blocked",
                                            "report_blocked", "eval_share", "loop_s")}
     return {**summary, **job.finish(beside=join(run_dir, "record.json"), work_nodes=_worker_nodes(run_dir, workers),
                                     figures=figures)}
+
+
+def _task_evals(spec: RunSpec, run_dir: str):
+    """With --eval-task: the evaluations during training, started (train/tasks.py), or None."""
+    if not spec.train.eval_task:
+        return None
+    from train.tasks import EVENT, TaskEvals
+
+    done = {r["step"] for r in read_log(run_dir).events(EVENT) if r.get("status") == "ok"}
+    evals = TaskEvals(run_dir, spec.train.eval_task, spec.train.eval_every, done).start()
+    _log.info(f"evaluating {spec.train.eval_task} every {spec.train.eval_every} steps on the cpu tier, off the "
+              "training workers")
+    return evals
 
 
 def _trainer(spec: RunSpec, run_name, run_dir, job, workers, use_gpu, accelerator, cpus_per_worker, max_failures,
