@@ -10,7 +10,7 @@ import json
 import time
 
 from strata.records import find_record, list_records
-from strata.runlog import read_log
+from strata.runlog import TASK_EVAL, read_log
 from strata.shell import Command, Parser
 from strata.storage import Storage, join, write_bytes_atomic
 
@@ -112,6 +112,16 @@ def plots(r: dict, storage: Storage) -> dict[str, str]:
         ax.plot([m["time"] - t0 for m in metrics], [m.get("tokens_per_s", 0) for m in metrics])
         ax.set_xlabel("seconds"), ax.set_ylabel("tokens/s"), ax.grid(alpha=0.3)
         out["Throughput over time"] = _png(fig)
+        if evals := _task_evals(r):
+            fig, ax = plt.subplots(figsize=(6.4, 3.6))
+            ok = [e for e in evals if e.get("status") == "ok"]
+            for k in ("acc", "acc_norm"):
+                ax.plot([e["step"] for e in ok], [e[k] for e in ok], "o-", label=k)
+            failed = [e["step"] for e in evals if e.get("status") != "ok"]
+            if failed:
+                ax.plot(failed, [0] * len(failed), "rx", label="failed")
+            ax.set_xlabel("step"), ax.set_ylabel(evals[0].get("task", "task")), ax.legend(), ax.grid(alpha=0.3)
+            out["Task accuracy (evaluations during training)"] = _png(fig)
     elif r["kind"] == "sweep" and r["figures"].get("curves"):
         fig, ax = plt.subplots(figsize=(6.4, 3.6))
         for i, curve in enumerate(r["figures"]["curves"]):
@@ -147,6 +157,11 @@ def _train_metrics(r: dict, root: str) -> tuple[list[dict], list[int]]:
         return [], []
     log = read_log(r["outputs"], until=r["ended_at"] + 5)
     return log.steps, log.launch_steps()
+
+
+def _task_evals(r: dict) -> list[dict]:
+    """The run's evaluations during training (--eval-task), every launch's, in step order."""
+    return sorted(read_log(r["outputs"], until=r["ended_at"] + 5).events(TASK_EVAL), key=lambda e: e["step"])
 
 
 def html_page(r: dict, images: dict[str, str]) -> str:

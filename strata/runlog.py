@@ -21,6 +21,7 @@ from strata.storage import (
 )
 
 LOG = "metrics.jsonl"
+TASK_EVAL = "task_eval"  # an event row: an evaluation during training (--eval-task), at its checkpoint's step
 
 
 def is_step(row: dict) -> bool:

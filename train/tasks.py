@@ -19,6 +19,7 @@ import math
 import numpy as np
 import torch
 
+from strata.runlog import TASK_EVAL
 from train.step import IGNORE
 
 
@@ -105,7 +106,7 @@ def evaluate(model, tok, items: list[dict], *, batch_tokens: int = 8192, device:
             "acc_norm": float(acc_norm.mean()), "acc_norm_stderr": _stderr(acc_norm), "logliks": per_item}
 
 
-EVENT = "task_eval"  # a row of metrics.jsonl: an evaluation during training, at the step of its checkpoint
+EVENT = TASK_EVAL  # a row of metrics.jsonl: an evaluation during training, at the step of its checkpoint
 
 
 def evaluate_checkpoint(checkpoint: str, items: list[dict], step: int) -> dict:

@@ -105,7 +105,7 @@ def _run_leased(spec: RunSpec, *, run_name, run_dir, job: Job, workers, use_gpu,
     figures = {k: summary.get(k) for k in ("steps", "first_loss", "last_loss", "val_loss", "val_bpb",
                                            "val_loss_by_source", "tokens_by_source", "tokens_per_s",
                                            "tokens_per_s_per_worker", "mfu", "data_wait", "checkpoint_blocked",
-                                           "report_blocked", "eval_share", "loop_s")}
+                                           "report_blocked", "eval_share", "loop_s", "task_evals")}
     return {**summary, **job.finish(beside=join(run_dir, "record.json"), work_nodes=_worker_nodes(run_dir, workers),
                                     figures=figures)}
 
