@@ -289,3 +289,38 @@ def test_a_trial_and_the_run_it_recommends_train_on_the_same_batches(local_ray, 
     losses = [x for r in trained for x in r["step_losses"]]
     assert losses == pytest.approx(swept, abs=1e-6, rel=0)
     assert max(losses) - min(losses) > 1e-3  # not two runs that learn nothing
+
+
+def test_an_accuracy_metric_is_maximised_and_goes_with_a_task_file():
+    task = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "infer", "tasks",
+                        "arithmetic.jsonl")
+    cfg = SweepConfig(metric="task_acc", eval_task=task)
+    assert (cfg.mode, cfg.best([0.25, 0.5, 0.125])) == ("max", 0.5)
+    assert SweepConfig().best([2.5, 2.0, 3.0]) == 2.0
+    for bad in (dict(metric="task_acc"), dict(metric="val_loss", eval_task=task)):
+        with pytest.raises(ValueError, match="go together"):
+            SweepConfig(**bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_sweep_can_rank_configs_by_task_accuracy(local_ray, dataset, packed):
+    """--metric task_acc: each report scores the task; the best config is the most accurate one, packed
+    (strata's ASHA rule, signed) or not (Tune's scheduler in max mode)."""
+    from strata.storage import read_jsonl
+
+    task = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "infer", "tasks",
+                        "arithmetic.jsonl")
+    cfg = SweepConfig(num_samples=4, steps=4, report_every=1, max_rows=64, eval_rows=8, metric="task_acc",
+                      eval_task=task, pack=2 if packed else 1, scheduler="asha" if packed else "fifo")
+    out = run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name=f"acc-{int(packed)}",
+              storage=Storage.from_env())
+    with open(os.path.join(out["path"], "trials.json")) as f:
+        trials = json.load(f)["trials"]
+    assert out["best"]["metric_name"] == "task_acc" and len(trials) == 4
+    assert all(0 <= v <= 1 for t in trials for v in t["curve"])
+    assert all(t["best"] == max(t["curve"]) for t in trials)  # a trial's best is its highest accuracy
+    assert out["best"]["metric"] == max(t["best"] for t in trials)
+    logged = [r for d in os.listdir(os.path.join(out["path"], "trials"))
+              for r in read_jsonl(os.path.join(out["path"], "trials", d, "metrics.jsonl"))]
+    assert sorted(r["task_acc"] for r in logged) == sorted(v for t in trials for v in t["curve"])

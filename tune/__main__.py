@@ -1,7 +1,7 @@
 """Sweep entry point: Ray Tune over train's loop, trials on spot-tier nodes.
 
     python -m tune --dataset NAME[@VERSION] --preset debug [--space lr-batch|small|FILE.yaml]
-                   [--dataset NAME ...] [--metric val_loss|val_bpb]
+                   [--dataset NAME ...] [--metric val_loss|val_bpb | --metric task_acc|task_acc_norm --eval-task FILE]
                    [--search random|optuna] [--num-samples N] [--max-concurrent N] [--json]
 
 ASHA stops weak trials early by default. The best config is written to

@@ -29,6 +29,7 @@ from train import mixture
 from train.config import TRAIN_PRESETS
 from train.model import preset
 from train.spec import resolve
+from train.tasks import load_task
 from tune.plots import write_plots
 from tune.sweep import (
     GRACE,
@@ -46,7 +47,6 @@ from tune.trust import SignTuneState, check_tune_state, sign_tuner
 
 _log = _logger("tune")
 
-MODE = "min"  # both metrics (val_loss, val_bpb) fall as the model gets better
 
 
 def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, storage: Storage,
@@ -77,6 +77,7 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
     # No validation split: score on the last training rows (which trials also see).
     val_rows = [held if (held := load_rows(s, "validation", cfg.eval_rows)) is not None
                 else load_rows(s, "train", cfg.eval_rows, last=True) for s in base.sources]
+    task = tuple(load_task(cfg.eval_task)) if cfg.eval_task else ()  # a bad task file fails before Ray starts
     # One driver per sweep: a resume while the first driver is alive would run every trial twice.
     with Job("sweep", sweep_name, storage, holds=sweep_dir, what=f"sweep {sweep_name}", purpose="tune",
              tag="tune") as job:
@@ -85,7 +86,7 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
         check_driver_node()
         # The starting weights go to the object store once; each trial process fetches them once.
         base = replace(base, init=ray.put(base.init) if base.init is not None else None)
-        trial_spec = TrialSpec(run=base, sweep=cfg, val_rows=np.concatenate(val_rows), out=sweep_dir)
+        trial_spec = TrialSpec(run=base, sweep=cfg, val_rows=np.concatenate(val_rows), out=sweep_dir, task=task)
         return _run_leased(job, cfg, space, base.dataset, trial_spec, sweep_name, sweep_dir, model_preset, progress)
 
 
@@ -118,22 +119,22 @@ def _run_leased(job: Job, cfg, space, dataset, trial_spec, sweep_name, sweep_dir
     if not done:
         raise RuntimeError(f"sweep {sweep_name}: no trial reported a metric; first error: "
                            f"{next((t['error'] for t in trials if t['error']), None)}")
-    best = min(done, key=lambda t: t["best"])
+    best = min(done, key=lambda t: cfg.sign * t["best"])
     write_json_atomic(join(sweep_dir, "best.json"), {"config": best["config"], cfg.metric: best["best"],
                                                      "metric": cfg.metric, "init_from": cfg.init_from,
                                                      "trial": best["trial"], "preset": model_preset,
                                                      "dataset": dataset, "space": cfg.space,
                                                      "search": cfg.search, "seed": cfg.seed})
     write_json_atomic(join(sweep_dir, "trials.json"), {"trials": trials})
-    write_bytes_atomic(join(sweep_dir, "trials.csv"), trials_csv(trials, cfg.metric).encode())
+    write_bytes_atomic(join(sweep_dir, "trials.csv"), trials_csv(trials, cfg.metric, cfg.sign).encode())
     plots = write_plots(trials, space, cfg, sweep_dir)
-    print(trials_table(trials, cfg.metric), file=sys.stderr)
+    print(trials_table(trials, cfg.metric, sign=cfg.sign), file=sys.stderr)
     counts = status_counts(trials)
     hours = (job.usage.ended - job.usage.started) / 3600
     figures = {"trials": len(trials), **{k.replace(" ", "_"): v for k, v in counts.items()},
                "iterations": sum(t["iterations"] for t in trials), "best": best["best"], "metric": cfg.metric,
                "trials_per_hour": len(trials) / hours if hours else None, "pack": cfg.pack_size,
-               "curves": [t["curve"] for t in sorted(done, key=lambda t: t["best"])[:5]]}
+               "curves": [t["curve"] for t in sorted(done, key=lambda t: cfg.sign * t["best"])[:5]]}
     return {
         **job.finish(beside=join(sweep_dir, "record.json"), work_nodes=[t["node_id"] for t in trials if t["node_id"]],
                      figures=figures),
@@ -207,7 +208,7 @@ def make_tuner(trainable, cfg: SweepConfig, space: dict, sweep_dir: str, *, prog
     tuner = tune.Tuner(
         trainable,
         param_space={"pack": tune.grid_search(list(range(cfg.packs)))} if packed else to_tune(space),
-        tune_config=tune.TuneConfig(metric=cfg.metric, mode=MODE, num_samples=1 if packed else cfg.num_samples,
+        tune_config=tune.TuneConfig(metric=cfg.metric, mode=cfg.mode, num_samples=1 if packed else cfg.num_samples,
                                     max_concurrent_trials=cfg.max_concurrent or None, scheduler=scheduler,
                                     search_alg=None if packed else _searcher(cfg), reuse_actors=True),
         run_config=tune.RunConfig(
@@ -251,11 +252,11 @@ def collect(grid, cfg: SweepConfig, space: dict) -> list[dict]:
             for i in cfg.pack_range(r.config["pack"]):
                 rec = have.get(i) or {"config": sample(space, cfg.seed, i), "curve": [], "status": "error"}
                 out.append(_record(f"{tid}:{i}", rec, rec["status"], error if i not in have else None, restores,
-                                   book.get("report_share")))
+                                   book.get("report_share"), cfg))
         else:
             rec = book["current"] or {"config": r.config, "curve": []}
             status = ("error" if r.error else "completed" if len(rec["curve"]) == cfg.reports else "stopped early")
-            out.append(_record(tid, rec, status, error, restores, book.get("report_share")))
+            out.append(_record(tid, rec, status, error, restores, book.get("report_share"), cfg))
     return out
 
 
@@ -271,10 +272,10 @@ def _book(checkpoint) -> dict:
 
 
 def _record(trial_id: str, rec: dict, status: str, error: str | None, restores: int,
-            report_share: float | None) -> dict:
+            report_share: float | None, cfg: SweepConfig) -> dict:
     curve = [float(v) for v in rec["curve"]]
     return {"trial": trial_id, "config": rec["config"], "status": status, "iterations": len(curve),
-            "best": min(curve) if curve else None, "curve": curve, "node_id": rec.get("node"),
+            "best": cfg.best(curve) if curve else None, "curve": curve, "node_id": rec.get("node"),
             "restores": restores, "error": error, "report_share": report_share}
 
 
@@ -302,8 +303,8 @@ class SweepProgress(Callback):
                 n = int(t.status == "TERMINATED" and self.cfg.metric in (t.last_result or {}))
                 errors += int(t.status == "ERROR")
             done += n
-            m = t.metric_analysis.get(self.cfg.metric, {}).get("min")
-            if m is not None and (best is None or m < best):
+            m = t.metric_analysis.get(self.cfg.metric, {}).get(self.cfg.mode)
+            if m is not None and (best is None or self.cfg.sign * m < self.cfg.sign * best):
                 best = m
         return {"trials": self.cfg.num_samples, "done": done, "errors": errors, "best": best,
                 "running": sum(t.status == "RUNNING" for t in trials)}
@@ -342,7 +343,7 @@ class SweepProgress(Callback):
         self.bar.refresh()
 
 
-def trials_csv(trials: list[dict], metric: str = "val_loss") -> str:
+def trials_csv(trials: list[dict], metric: str = "val_loss", sign: float = 1.0) -> str:
     """One row per trial: id, status, iterations, best metric, then each hyperparameter."""
     import csv
     import io
@@ -351,17 +352,17 @@ def trials_csv(trials: list[dict], metric: str = "val_loss") -> str:
     out = io.StringIO()
     w = csv.writer(out)
     w.writerow(["trial", "status", "iterations", f"best_{metric}", *keys])
-    for t in sorted(trials, key=_rank):
+    for t in sorted(trials, key=lambda t: _rank(t, sign)):
         w.writerow([t["trial"], t["status"], t["iterations"], t["best"], *(t["config"].get(k) for k in keys)])
     return out.getvalue()
 
 
-def trials_table(trials: list[dict], metric: str = "val_loss", top: int = 10) -> str:
+def trials_table(trials: list[dict], metric: str = "val_loss", top: int = 10, sign: float = 1.0) -> str:
     """The best trials as an aligned table, with a count by status."""
     keys = sorted({k for t in trials for k in t["config"]})
     rows = [[f"{t['best']:.4f}" if t["best"] is not None else "-", str(t["iterations"] or 0), t["status"],
              *(f"{v:.4g}" if isinstance(v := t["config"].get(k), float) else str(v) for k in keys)]
-            for t in sorted(trials, key=_rank)[:top]]
+            for t in sorted(trials, key=lambda t: _rank(t, sign))[:top]]
     head = [metric, "iters", "status", *keys]
     widths = [max(len(c) for c in col) for col in zip(head, *rows, strict=True)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [head, *rows]]
@@ -374,8 +375,9 @@ def status_counts(trials: list[dict]) -> dict[str, int]:
     return {s: sum(t["status"] == s for t in trials) for s in ("completed", "stopped early", "error")}
 
 
-def _rank(t: dict) -> tuple:
-    return (t["best"] is None, t["best"] if t["best"] is not None else 0.0)
+def _rank(t: dict, sign: float = 1.0) -> tuple:
+    """Trials with a metric first, the best first (`sign`: SweepConfig.sign)."""
+    return (t["best"] is None, sign * t["best"] if t["best"] is not None else 0.0)
 
 
 def _searcher(cfg: SweepConfig):

@@ -18,7 +18,7 @@ def write_plots(trials: list[dict], space: dict, cfg, sweep_dir: str, top: int =
     scored = [t for t in trials if t["best"] is not None]
     paths = []
     for name, fig in (("params.png", metric_vs_params(scored, space, cfg.metric)),
-                      ("curves.png", top_curves(scored, cfg.report_every, top, cfg.metric))):
+                      ("curves.png", top_curves(scored, cfg.report_every, top, cfg.metric, cfg.sign))):
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
         matplotlib.pyplot.close(fig)
@@ -55,12 +55,12 @@ def metric_vs_params(trials: list[dict], space: dict, metric: str = "val_loss"):
     return fig
 
 
-def top_curves(trials: list[dict], report_every: int, top: int, metric: str = "val_loss"):
+def top_curves(trials: list[dict], report_every: int, top: int, metric: str = "val_loss", sign: float = 1.0):
     """The metric against steps for the `top` best trials."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    for t in sorted(trials, key=lambda t: t["best"])[:top]:
+    for t in sorted(trials, key=lambda t: sign * t["best"])[:top]:
         steps = [report_every * (i + 1) for i in range(len(t["curve"]))]
         label = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(t["config"].items()))
         ax.plot(steps, t["curve"], marker="o", markersize=3, label=label[:60])

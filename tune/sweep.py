@@ -33,6 +33,7 @@ from strata.cli import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, check_fields
 from strata.connect import fetch_once
 from strata.dataset import read_rows
 from strata.storage import JsonlWriter, join
+from strata.tokenizer import from_info
 from train.config import (
     MODEL_KEYS,
     TRAIN_KEYS,
@@ -86,13 +87,20 @@ class SweepConfig:
     """Fine-tune: every trial starts from these weights (a GPT-2-layout directory or RUN[@STEP]); the model's
     shape is theirs."""
     metric: str = "val_loss"
-    """What ranks trials: val_loss, or val_bpb (bits per byte: comparable across tokenizers)."""
+    """What ranks trials: val_loss, val_bpb (bits per byte: comparable across tokenizers), or task_acc or
+    task_acc_norm: accuracy on --eval-task (higher is better), scored at each report."""
+    eval_task: str = ""
+    """A multiple-choice task file (JSONL: context, choices, gold; train/tasks.py) for --metric task_acc or
+    task_acc_norm."""
 
     def __post_init__(self):
         if self.scheduler not in ("asha", "fifo"):
             raise ValueError(f"scheduler must be asha or fifo, not {self.scheduler!r}")
         if self.metric not in METRICS:
             raise ValueError(f"metric must be one of {', '.join(METRICS)}, not {self.metric!r}")
+        if (self.metric in MAXIMIZED) != bool(self.eval_task):
+            raise ValueError(f"--metric {self.metric} and --eval-task go together: --metric task_acc or "
+                             "task_acc_norm scores the --eval-task file")
         if self.search not in ("random", "optuna"):
             raise ValueError(f"search must be random or optuna, not {self.search!r}")
         check_fields(self, {**dict.fromkeys(("num_samples", "steps", "report_every", "max_rows", "eval_rows"),
@@ -102,6 +110,20 @@ class SweepConfig:
         if self.search == "optuna" and self.pack_size > 1:
             raise ValueError("--search optuna proposes one config per Tune trial: use --pack 1 "
                              "(or sweep at most 1,000 trials)")
+
+    @property
+    def mode(self) -> str:
+        """Tune's mode: accuracy rises as a model gets better, losses fall."""
+        return "max" if self.metric in MAXIMIZED else "min"
+
+    @property
+    def sign(self) -> float:
+        """+1 for a metric to minimise, -1 for one to maximise: `sign * value` is smaller when better."""
+        return -1.0 if self.metric in MAXIMIZED else 1.0
+
+    def best(self, values) -> float:
+        """The best of `values` under the metric."""
+        return min(values, key=lambda v: self.sign * v)
 
     @property
     def pack_size(self) -> int:
@@ -124,7 +146,8 @@ class SweepConfig:
         return range(pack * self.pack_size, min((pack + 1) * self.pack_size, self.num_samples))
 
 
-METRICS = ("val_loss", "val_bpb")
+MAXIMIZED = ("task_acc", "task_acc_norm")
+METRICS = ("val_loss", "val_bpb", *MAXIMIZED)
 TUNE_TRIALS = 1000  # Tune trials a packed sweep aims at: few enough for the driver, enough to spread
 GRACE, REDUCTION = 2, 2  # ASHA: first rung after 2 reports, keep the best half at each rung
 
@@ -260,6 +283,7 @@ class TrialSpec:
     sweep: SweepConfig
     val_rows: np.ndarray  # the rows each report scores
     out: str = ""  # the sweep's directory: trials write their training losses under it
+    task: tuple = ()  # with --metric task_acc or task_acc_norm: the --eval-task items each report scores
 
     def configs(self, hp: dict) -> tuple[GPTConfig, TrainConfig]:
         """A trial's model and train configs: the preset with the config's hyperparameters, for the sweep's
@@ -292,6 +316,8 @@ class ModelFit:
         # A copy: the array from the object store is read-only.
         self.token_bytes = torch.tensor(spec.run.token_bytes) if s.metric == "val_bpb" else None
         self.device = torch.device("cpu")
+        self.task = spec.task
+        self.tok = from_info(spec.run.tokenizer, spec.run.tokenizer_definition) if spec.task else None
         torch.manual_seed(self.tcfg.seed)
         self.net = build(mcfg, self.device)
         if spec.run.init is not None and state is None:
@@ -315,6 +341,13 @@ class ModelFit:
             losses.append(train_step(self.net, self.opt, [next(self.batches) for _ in range(self.tcfg.grad_accum)],
                                      lr_at(self.step, self.tcfg), self.tcfg, self.device))
             self.step += 1
+        if self.task:
+            from train.tasks import evaluate as task_evaluate
+
+            self.net.eval()
+            acc = task_evaluate(self.net, self.tok, list(self.task))
+            self.net.train()
+            return acc[self.metric.removeprefix("task_")], torch.stack(losses).tolist()
         loss, bpb = evaluate(self.net, self.val_batches, self.device, token_bytes=self.token_bytes)
         return (bpb if self.metric == "val_bpb" else loss), torch.stack(losses).tolist()
 
@@ -384,7 +417,7 @@ def run_trial(config: dict, *, sweep: SweepConfig, space: dict, make_fit, out: s
                 _report({s.metric: metric, "node_id": node}, book, fit.state(), clock)
             elif t in milestones:
                 recorded = book["rungs"].setdefault(str(t), [])
-                keep = asha_keeps(recorded, metric)
+                keep = asha_keeps([s.sign * v for v in recorded], s.sign * metric)
                 recorded.append(metric)
                 if not keep:
                     status = "stopped early"
@@ -394,7 +427,7 @@ def run_trial(config: dict, *, sweep: SweepConfig, space: dict, make_fit, out: s
         book["done"].append({**cur, "status": status})
         book["current"] = None
         if index == todo[-1][0] or time.monotonic() - last_checkpoint >= s.checkpoint_every_s:
-            best = min(min(r["curve"]) for r in book["done"])
+            best = s.best(s.best(r["curve"]) for r in book["done"])
             _report({s.metric: best, "configs_done": len(book["done"]), "node_id": node}, book, None, clock)
             last_checkpoint = time.monotonic()
 
