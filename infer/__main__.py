@@ -1,12 +1,15 @@
 """Run a trained model over data.
 
-    python -m infer score --model RUN[@STEP] | DIR --input PATH [--input PATH ...] [--name NAME]
+    python -m infer score --model RUN[@STEP] | DIR --input PATH [--input PATH ...] | --dataset NAME[@VERSION]
+                          [--name NAME]
                           [--tier cpu|gpu] [--actors N] [--stride N] [--batch-tokens N] [--json]
 
 `score` writes a parquet table keyed by document id (`doc_id`, `source`, `tokens`, `loss`: the mean
 negative log-likelihood per token in nats, `bpb`: bits per byte, `bytes`, and `unscored`: why a record
 was not scored, empty when it was) under $STRATA_STORAGE/scores/NAME/table, reading its inputs as tier 1
-does (files, folders, globs, s3:// URIs; jsonl, json, txt, parquet, compressed). `--json` prints a
+does (files, folders, globs, s3:// URIs; jsonl, json, txt, parquet, compressed). `--dataset` scores a
+version's packed rows instead, each a document keyed SHARD:ROW, its split as its source (the model must
+read the dataset's tokenizer). `--json` prints a
 summary whose `output` names the table, with throughput and dollars per million tokens.
 
     python -m infer eval --model RUN[@STEP] | DIR --task FILE.jsonl [--input HELDOUT ...] [--json]
@@ -52,6 +55,7 @@ def _main(cmd: Command) -> dict:
                         "model directory")
     parser.add_argument("--input", action="append", default=[], help="input files, folders, globs or URIs; "
                         "repeat the flag (eval: held-out text)")
+    parser.add_argument("--dataset", help="score: a dataset version's rows (NAME[@VERSION]) instead of --input")
     parser.add_argument("--task", help="eval: a multiple-choice task file (JSONL)")
     parser.add_argument("--prompts", help="generate: prompts, one {\"prompt\": str} a line (JSONL)")
     parser.add_argument("--max-tokens", type=int, default=64, help="generate: tokens to add to each prompt")
@@ -66,8 +70,8 @@ def _main(cmd: Command) -> dict:
         return _eval(args, parser)
     if args.command == "generate":
         return _generate(args, parser)
-    if not args.input:
-        parser.error("score needs --input")
+    if bool(args.input) == bool(args.dataset):
+        parser.error("score needs --input PATH or --dataset NAME[@VERSION] (one of them)")
     try:
         cfg = ScoreConfig(**overrides(args, ScoreConfig))
     except ValueError as e:
@@ -75,7 +79,7 @@ def _main(cmd: Command) -> dict:
     name = args.name or f"{args.model.rstrip('/').rsplit('/', 1)[-1].partition('@')[0]}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         check_name(name, "scores name")
-        summary = score(args.model, args.input, cfg, Storage.from_env(args.storage), name)
+        summary = score(args.model, args.input, cfg, Storage.from_env(args.storage), name, args.dataset or "")
     except LeaseBusy as e:
         sys.exit(f"error: {e}")
     except (FileNotFoundError, ValueError) as e:

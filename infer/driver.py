@@ -7,6 +7,8 @@ import math
 import time
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 from strata import tiers
 from strata.shell import Job
 from strata.shell import log as _logger
@@ -35,9 +37,9 @@ class ScoreConfig:
             raise ValueError("--stride and --actors must be >= 0, --batch-tokens and --docs-per-batch >= 1")
 
 
-def score(spec: str, inputs: list[str], cfg: ScoreConfig, storage: Storage, name: str) -> dict:
-    """Score every document of `inputs` under model `spec`; the summary (output table, counts, loss, bpb,
-    throughput, cost)."""
+def score(spec: str, inputs: list[str], cfg: ScoreConfig, storage: Storage, name: str, dataset: str = "") -> dict:
+    """Score every document of `inputs` (or every row of `dataset`, NAME[@VERSION]) under model `spec`; the
+    summary (output table, counts, loss, bpb, throughput, cost)."""
     import ray
 
     from infer.model import resolve
@@ -45,14 +47,14 @@ def score(spec: str, inputs: list[str], cfg: ScoreConfig, storage: Storage, name
     from strata.sources import ReadConfig, list_inputs, read_file
 
     model = resolve(spec, storage)  # on the driver: a bad --model fails before Ray starts
-    files = list_inputs(inputs)
+    items, reader = _dataset_rows(dataset, model, storage) if dataset else (list_inputs(inputs), None)
     stride = cfg.stride or max(1, model.cfg.seq_len // 2)
     if stride > model.cfg.seq_len:
         raise ValueError(f"--stride {stride} is longer than the model's context {model.cfg.seq_len}")
     out = storage.scores(name)
     with Job("score", name, storage, holds=out, what=f"scores {name}") as job:
         job.connect(quiet=True, log_to_driver=False)
-        job.begin({"model": model.source, "inputs": inputs, **asdict(cfg)})
+        job.begin({"model": model.source, "inputs": inputs, "dataset": dataset, **asdict(cfg)})
         actors = cfg.actors or default_actors(cfg.tier)
         read = ReadConfig()
 
@@ -63,7 +65,7 @@ def score(spec: str, inputs: list[str], cfg: ScoreConfig, storage: Storage, name
         delete_dir(out)  # a rerun of the same name replaces it
         started = time.time()
         with job.working():
-            ds = ray.data.from_items(files).flat_map(documents, label_selector=tiers.selector(tiers.Tier.CPU))
+            ds = ray.data.from_items(items).flat_map(reader or documents, label_selector=tiers.selector(tiers.Tier.CPU))
             ds = scoring(ds, model, tier=cfg.tier, actors=actors, stride=stride, batch_tokens=cfg.batch_tokens,
                          docs_per_batch=cfg.docs_per_batch)
             ds.write_parquet(join(out, "table"))
@@ -81,6 +83,31 @@ def score(spec: str, inputs: list[str], cfg: ScoreConfig, storage: Storage, name
     per_million = cost["cost"] / tokens * 1e6 if tokens and cost["cost"] is not None else None
     return {"name": name, "model": model.source, "output": join(out, "table"), **figures, **cost,
             "dollars_per_million_tokens": per_million, "actors": actors, "stride": stride}
+
+
+def _dataset_rows(ref: str, model, storage: Storage) -> tuple[list[dict], object]:
+    """A dataset version's shards, and a reader of a shard's rows as documents (`doc_id` SHARD:ROW, `source`
+    the split, `ids` the row's token ids without padding); the model must read the dataset's tokenizer."""
+    from strata.dataset import resolve
+
+    version = resolve(storage, ref)
+    m = version.manifest
+    if m.tokenizer.hash != model.tokenizer.hash:
+        raise ValueError(f"--dataset {ref} was tokenized with {m.tokenizer.kind} (vocab {m.tokenizer.vocab_size}, "
+                         f"hash {m.tokenizer.hash[:12]}), --model {model.source} reads {model.tokenizer.kind} "
+                         f"(vocab {model.tokenizer.vocab_size}, hash {model.tokenizer.hash[:12]}): score its "
+                         "documents with --input instead")
+    shards = [{"path": version.file(s.path), "name": s.path, "split": s.split} for s in version.shards]
+    return shards, _rows_of
+
+
+def _rows_of(shard: dict) -> list[dict]:
+    from strata.dataset import pad_value, read_rows
+
+    rows = read_rows(shard["path"])
+    pad = pad_value(rows.dtype)
+    return [{"doc_id": f"{shard['name']}:{i}", "source": shard["split"], "ids": row[row != pad].astype(np.int64)}
+            for i, row in enumerate(rows)]
 
 
 def _read(path: str) -> list[dict]:

@@ -82,7 +82,8 @@ class Scorer:
     """A Ray Data actor: the model built once, then batches of documents scored (map_batches).
 
     A batch's rows have `text`, and may have `status` and `reason` (tier 1's readers: only `ok` rows are
-    scored) and `skip` (true: passed through unscored). Every column but those three passes through; each row gains
+    scored) and `skip` (true: passed through unscored); or `ids`, token ids to score as they are (a
+    dataset's rows). Every other column passes through (and `skip`); each row gains
     `tokens`, `loss`, `bpb`, `bytes` and `unscored` (why it was not scored; empty when it was)."""
 
     def __init__(self, model, stride: int, batch_tokens: int, cpus: float, device: str = "cpu"):
@@ -93,22 +94,29 @@ class Scorer:
         self.stride, self.batch_tokens, self.device = stride, batch_tokens, device
 
     def __call__(self, batch: dict) -> dict:
-        texts = list(batch["text"])
-        n = len(texts)
-        status = list(batch["status"]) if "status" in batch else ["ok"] * n
-        skip = batch["skip"] if "skip" in batch else np.zeros(n, bool)
-        reason = ["skipped" if skip[i] else f"{status[i]}:{batch['reason'][i]}" if status[i] != "ok"
-                  else "" if texts[i] else "rejected:empty" for i in range(n)]
+        if "ids" in batch:  # token ids already (a dataset's rows): scored as they are
+            ids = [np.asarray(x, np.int64) for x in batch["ids"]]
+            n = len(ids)
+            reason = ["" if len(x) else "rejected:empty" for x in ids]
+            per_token = self.tok.token_bytes()
+            size = np.array([int(per_token[x].sum()) for x in ids], np.int64)
+        else:
+            texts = list(batch["text"])
+            n = len(texts)
+            status = list(batch["status"]) if "status" in batch else ["ok"] * n
+            skip = batch["skip"] if "skip" in batch else np.zeros(n, bool)
+            reason = ["skipped" if skip[i] else f"{status[i]}:{batch['reason'][i]}" if status[i] != "ok"
+                      else "" if texts[i] else "rejected:empty" for i in range(n)]
+            ids = [self.tok.encode(t) if not r else np.zeros(0, np.int64) for t, r in zip(texts, reason, strict=True)]
+            size = np.array([len(t.encode()) for t in texts], np.int64)
         ok = [i for i in range(n) if not reason[i]]
-        ids = [self.tok.encode(texts[i]) for i in ok]
-        scored = score_ids(self.model, ids, self.tok.eot_id, stride=self.stride, batch_tokens=self.batch_tokens,
-                           device=self.device)
+        scored = score_ids(self.model, [ids[i] for i in ok], self.tok.eot_id, stride=self.stride,
+                           batch_tokens=self.batch_tokens, device=self.device)
         tokens, loss, bpb = np.zeros(n, np.int64), np.full(n, np.nan), np.full(n, np.nan)
-        size = np.array([len(t.encode()) for t in texts], np.int64)
         for i, s in zip(ok, scored, strict=True):
             tokens[i], loss[i] = s.tokens, s.loss()
             bpb[i] = s.nll / math.log(2) / max(1, size[i])
-        rest = {k: v for k, v in batch.items() if k not in ("text", "status", "reason")}
+        rest = {k: v for k, v in batch.items() if k not in ("text", "status", "reason", "ids")}
         return {**rest, "tokens": tokens, "loss": loss, "bpb": bpb, "bytes": size,
                 "unscored": np.array(reason, dtype=object)}
 

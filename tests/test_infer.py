@@ -202,3 +202,35 @@ def test_generate_command_writes_a_completion_per_prompt(tmp_path, exported):
     bad = subprocess.run(cmd[:7] + [str(tmp_path / "bad.jsonl")] + cmd[8:], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode == 1 and "bad.jsonl:1: a line needs a prompt" in bad.stderr
+
+
+def test_score_dataset_scores_each_packed_row_and_refuses_another_tokenizer(tmp_path, local_ray, dataset, exported):
+    import shutil
+
+    from infer.driver import ScoreConfig, score
+    from strata.dataset import pad_value, read_rows
+    from strata.dataset import resolve as resolve_dataset
+
+    storage = Storage.from_env()
+    out = score(exported, [], ScoreConfig(actors=1, docs_per_batch=16), storage, "rows", dataset=dataset["ref"])
+    version = resolve_dataset(storage, dataset["ref"])
+    table = {r["doc_id"]: r for r in pq.read_table(out["output"]).to_pylist()}
+    assert len(table) == sum(s.rows for s in version.shards) == out["documents"]
+    assert {r["source"] for r in table.values()} == {s.split for s in version.shards}
+    model, tok = resolve(exported, storage).build()
+    shard = version.shards[0]
+    rows = read_rows(version.file(shard.path))
+    for i in (0, len(rows) - 1):  # each row scored as a document of its own ids (padding left out)
+        ids = rows[i][rows[i] != pad_value(rows.dtype)].astype(np.int64)
+        want = score_ids(model, [ids], tok.eot_id, stride=16, batch_tokens=8192)[0]
+        got = table[f"{shard.path}:{i}"]
+        assert got["tokens"] == len(ids) and got["loss"] == pytest.approx(want.loss(), abs=1e-5)
+        assert got["bytes"] == int(tok.token_bytes()[ids].sum())
+    # A model of another tokenizer cannot read the rows.
+    other = tmp_path / "other"
+    shutil.copytree(exported, other)
+    meta = json.loads((other / "strata.json").read_text())
+    meta["tokenizer"]["hash"] = "0" * 64
+    (other / "strata.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="was tokenized with"):
+        score(str(other), [], ScoreConfig(actors=1), storage, "rows-other", dataset=dataset["ref"])
