@@ -16,21 +16,25 @@ summary whose `output` names the table, with throughput and dollars per million 
 
 `eval` scores a multiple-choice task (one {"context", "choices", "gold"} object a line) and reports
 `acc` and `acc_norm` with their standard errors, as lm-evaluation-harness defines them, and the loss
-and bits per byte of held-out text given with --input. It runs in this process (a task is small);
-infer/tasks/arithmetic.jsonl is a small synthetic task.
+and bits per byte of held-out text given with --input. It runs as one task on `--tier` (a node's CPUs,
+or a GPU); its summary and record go to $STRATA_STORAGE/evals/NAME. infer/tasks/arithmetic.jsonl is a
+small synthetic task.
 
     python -m infer generate --model RUN[@STEP] | DIR --prompts FILE.jsonl [--max-tokens N]
                              [--temperature T] [--top-k K] [--seed S] [--output FILE.jsonl] [--json]
 
-`generate` completes each prompt (one {"prompt": str} a line) with batched, key/value-cached decoding
-in this process: `--temperature 0` is greedy, and the same seed gives the same text. It writes one
-{"prompt", "completion"} line per prompt (by default to $STRATA_STORAGE/generations/NAME.jsonl).
+`generate` completes each prompt (one {"prompt": str} a line) with batched, key/value-cached decoding,
+as one task on `--tier`: `--temperature 0` is greedy, and the same seed gives the same text. It writes
+one {"prompt", "completion"} line per prompt (by default to $STRATA_STORAGE/generations/NAME/
+completions.jsonl, its record beside); the summary has throughput and dollars per million tokens.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from dataclasses import asdict
 
 from strata.cli import add_config_arguments, finish, overrides
 from strata.cli import parser as cli_parser
@@ -63,22 +67,24 @@ def _main(cmd: Command) -> dict:
     parser.add_argument("--top-k", type=int, default=50, help="generate: draw among the K most likely (0: all)")
     parser.add_argument("--seed", type=int, default=0, help="generate: the same seed gives the same text")
     parser.add_argument("--output", help="generate: the JSONL file to write (default: under the storage root)")
-    parser.add_argument("--name", help="the table's name under $STRATA_STORAGE/scores (default: MODEL-TIME)")
+    parser.add_argument("--name", help="the run's name (default: MODEL-TIME): score's table is under "
+                        "$STRATA_STORAGE/scores/NAME, eval's summary under evals/NAME, generate's completions under "
+                        "generations/NAME, each with its record")
     add_config_arguments(parser, ScoreConfig)
     args = parser.parse_args(cmd.argv)
-    if args.command == "eval":
-        return _eval(args, parser)
-    if args.command == "generate":
-        return _generate(args, parser)
-    if bool(args.input) == bool(args.dataset):
-        parser.error("score needs --input PATH or --dataset NAME[@VERSION] (one of them)")
-    try:
-        cfg = ScoreConfig(**overrides(args, ScoreConfig))
-    except ValueError as e:
-        parser.error(str(e))
     name = args.name or f"{args.model.rstrip('/').rsplit('/', 1)[-1].partition('@')[0]}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
-        check_name(name, "scores name")
+        check_name(name, "--name")
+    except ValueError as e:
+        parser.error(str(e))
+    if args.command == "eval":
+        return _eval(args, parser, name)
+    if args.command == "generate":
+        return _generate(args, parser, name)
+    if bool(args.input) == bool(args.dataset):
+        parser.error("score needs --input PATH or --dataset NAME[@VERSION] (one of them)")
+    cfg = _config(args, parser)
+    try:
         summary = score(args.model, args.input, cfg, Storage.from_env(args.storage), name, args.dataset or "")
     except LeaseBusy as e:
         sys.exit(f"error: {e}")
@@ -90,51 +96,50 @@ def _main(cmd: Command) -> dict:
     return finish(summary, args.json)
 
 
-def _eval(args, parser) -> dict:
-    from infer.driver import ScoreConfig
-    from infer.evaluate import TaskError, evaluate, heldout, load_task
-    from infer.model import resolve, threads
-    from strata.sources import ReadConfig, list_inputs, read_file
+def _eval(args, parser, name: str) -> dict:
+    from infer.driver import on_tier
+    from infer.evaluate import TaskError, load_task, run_eval
+    from infer.model import resolve
+    from strata.sources import documents
+    from strata.storage import join, write_json_atomic
 
     if not args.task:
         parser.error("eval needs --task FILE.jsonl")
-    cfg = ScoreConfig(**overrides(args, ScoreConfig))
+    cfg = _config(args, parser)
     storage = Storage.from_env(args.storage)
     try:
         items = load_task(args.task)
-        model, tok = resolve(args.model, storage).build()
-        texts = [d["text"] for f in list_inputs(args.input) for d in read_file({**f, "start": 0, "end": f["size"]},
-                                                                              ReadConfig()) if d["status"] == "ok"]
+        model = resolve(args.model, storage)
+        texts = [d["text"] for d in documents(args.input) if d["status"] == "ok"]
     except (FileNotFoundError, ValueError, TaskError) as e:
         sys.exit(f"error: {e}")
-    import os
-
-    threads(os.cpu_count() or 1)
-    started = time.time()
-    result = evaluate(model, tok, items, batch_tokens=cfg.batch_tokens)
-    summary = {"model": args.model, "task": args.task, **{k: v for k, v in result.items() if k != "logliks"}}
-    if texts:
-        summary.update(heldout(model, tok, texts, stride=cfg.stride or max(1, model.cfg.seq_len // 2),
-                               batch_tokens=cfg.batch_tokens))
-    summary["seconds"] = round(time.time() - started, 3)
+    out = storage.evals(name)
+    result, cost = on_tier("eval", name, storage, out, cfg.tier, {"model": model.source, "task": args.task,
+                                                                  "inputs": args.input, **asdict(cfg)},
+                           run_eval, model, items, texts, stride=cfg.stride, batch_tokens=cfg.batch_tokens,
+                           figures=lambda r: r)
+    summary = {"name": name, "model": model.source, "task": args.task, **result, **cost,
+               "output": join(out, "summary.json")}
+    write_json_atomic(summary["output"], summary)
     _say(f"{summary['items']} items: acc {summary['acc']:.4f} ± {summary['acc_stderr']:.4f}, acc_norm "
          f"{summary['acc_norm']:.4f} ± {summary['acc_norm_stderr']:.4f}"
          + (f"; held-out loss {summary['loss']:.4f}, {summary['bpb']:.4f} bits per byte" if texts else ""))
     return finish(summary, args.json)
 
 
-def _generate(args, parser) -> dict:
+def _generate(args, parser, name: str) -> dict:
     import json
-    import os
 
-    from infer.generate import decode
-    from infer.model import resolve, threads
+    from infer.driver import on_tier
+    from infer.generate import run_generate
+    from infer.model import resolve
     from strata.storage import join, read_bytes, write_bytes_atomic
 
     if not args.prompts:
         parser.error("generate needs --prompts FILE.jsonl")
     if args.temperature < 0 or args.top_k < 0:
         parser.error("--temperature and --top-k must be >= 0")
+    cfg = _config(args, parser)
     storage = Storage.from_env(args.storage)
     try:
         prompts = []
@@ -146,32 +151,42 @@ def _generate(args, parser) -> dict:
                 prompts.append(item["prompt"])
         if not prompts:
             raise ValueError(f"{args.prompts} holds no prompt")
-        model, tok = resolve(args.model, storage).build()
+        model = resolve(args.model, storage)
+        if not 1 <= args.max_tokens < model.cfg.seq_len:
+            raise ValueError(f"--max-tokens must be between 1 and {model.cfg.seq_len - 1} (the model's context "
+                             "less one)")
     except json.JSONDecodeError as e:
         sys.exit(f"error: {args.prompts}: not JSON lines ({e.msg}, line {e.lineno})")
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
-    threads(os.cpu_count() or 1)
-    started = time.time()
-    try:
-        made = decode(model, [tok.encode(p).tolist() for p in prompts], max_tokens=args.max_tokens,
-                      temperature=args.temperature, top_k=args.top_k, seed=args.seed, eot_id=tok.eot_id,
-                      vocab_limit=tok.vocab_size)
-    except ValueError as e:
-        sys.exit(f"error: {e}")
-    seconds = time.time() - started
-    out = args.output or join(storage.root, "generations", f"{os.path.basename(args.model.rstrip('/')).partition('@')[0]}"
-                                                         f"-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+    home = storage.generations(name)
+    out = args.output or join(home, "completions.jsonl")
+    result, cost = on_tier(
+        "generate", name, storage, home, cfg.tier,
+        {"model": model.source, "prompts": args.prompts, "max_tokens": args.max_tokens,
+         "temperature": args.temperature, "top_k": args.top_k, "seed": args.seed, "tier": cfg.tier},
+        run_generate, model, prompts, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+        seed=args.seed, figures=lambda r: {"prompts": len(prompts), "tokens": r["tokens"], "seconds": r["seconds"]})
     if "://" not in out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    lines = [json.dumps({"prompt": p, "completion": tok.decode([t for t in ids if t != tok.eot_id])})
-             for p, ids in zip(prompts, made, strict=True)]
+    lines = [json.dumps({"prompt": p, "completion": c}) for p, c in zip(prompts, result["completions"], strict=True)]
     write_bytes_atomic(out, ("\n".join(lines) + "\n").encode())
-    tokens = sum(len(ids) for ids in made)
-    summary = {"model": args.model, "output": out, "prompts": len(prompts), "tokens": tokens,
-               "seconds": round(seconds, 3), "tokens_per_s": tokens / max(seconds, 1e-9)}
+    tokens, seconds = result["tokens"], result["seconds"]
+    per_million = cost["cost"] / tokens * 1e6 if tokens and cost["cost"] is not None else None
+    summary = {"name": name, "model": model.source, "output": out, "prompts": len(prompts), "tokens": tokens,
+               "seconds": round(seconds, 3), "tokens_per_s": tokens / max(seconds, 1e-9), **cost,
+               "dollars_per_million_tokens": per_million}
     _say(f"{len(prompts)} prompts, {tokens:,} tokens in {seconds:.2f} s ({summary['tokens_per_s']:,.0f} tokens/s): {out}")
     return finish(summary, args.json)
+
+
+def _config(args, parser):
+    from infer.driver import ScoreConfig
+
+    try:
+        return ScoreConfig(**overrides(args, ScoreConfig))
+    except ValueError as e:
+        parser.error(str(e))
 
 
 if __name__ == "__main__":

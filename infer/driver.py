@@ -26,7 +26,7 @@ class ScoreConfig:
     actors: int = 0
     """Scoring actors (0: one per CPU but one, or one per GPU on the gpu tier)."""
     tier: str = "cpu"
-    """The tier the actors run on: `cpu` (cheap nodes, the default) or `gpu`."""
+    """The tier the work runs on: `cpu` (cheap nodes, the default) or `gpu`."""
     docs_per_batch: int = 64
     """Documents handed to an actor at a time."""
 
@@ -83,6 +83,30 @@ def score(spec: str, inputs: list[str], cfg: ScoreConfig, storage: Storage, name
     per_million = cost["cost"] / tokens * 1e6 if tokens and cost["cost"] is not None else None
     return {"name": name, "model": model.source, "output": join(out, "table"), **figures, **cost,
             "dollars_per_million_tokens": per_million, "actors": actors, "stride": stride}
+
+
+def on_tier(kind: str, name: str, storage: Storage, out: str, tier: str, config: dict, fn, *args,
+            figures, **kwargs) -> tuple[object, dict]:
+    """`fn(*args, **kwargs, cpus=, device=)` as one Ray task on `tier` (a cpu-tier node's CPUs, or one GPU), under a
+    Job: `out` leased, the usage measured, the record beside it (`figures(result)` in it). Returns the
+    task's result and the cost figures (cost, node_hours, cpu_busy)."""
+    import ray
+
+    with Job(kind, name, storage, holds=out, what=f"{kind} {name}") as job:
+        job.connect(quiet=True, log_to_driver=False)
+        job.begin(config)
+        gpu = tier == tiers.Tier.GPU
+        nodes = [n for n in ray.nodes() if n["Alive"] and tier in tiers.tiers_of(n.get("Labels", {}))]
+        if not nodes:
+            raise ValueError(f"no alive node serves the {tier} tier (label {tiers.label_key(tier)}=true)")
+        cpus = 1 if gpu else max(1, int(max(n["Resources"].get("CPU", 1) for n in nodes)))
+        task = ray.remote(fn).options(num_cpus=cpus, num_gpus=1 if gpu else 0, label_selector=tiers.selector(tier),
+                                      max_retries=0)
+        with job.working():
+            result = ray.get(task.remote(*args, **kwargs, cpus=cpus, device="cuda" if gpu else "cpu"))
+        cost = job.finish(beside=join(out, "record.json"), work_nodes=[n["NodeID"] for n in nodes],
+                          figures=figures(result))
+    return result, cost
 
 
 def _dataset_rows(ref: str, model, storage: Storage) -> tuple[list[dict], object]:

@@ -20,3 +20,22 @@ def heldout(model, tok, texts: list[str], *, stride: int, batch_tokens: int = 81
     return {"heldout_documents": len(scored), "heldout_tokens": tokens,
             "loss": nll / tokens if tokens else math.nan,
             "bpb": nll / math.log(2) / max(1, sum(len(t.encode()) for t in texts if t))}
+
+
+def run_eval(model, items: list[dict], texts: list[str], *, stride: int, batch_tokens: int, cpus: float,
+             device: str) -> dict:
+    """`python -m infer eval`'s work, in a task on the tier it names: the task's figures, and the held-out
+    texts' when there are any."""
+    import time
+
+    from infer.model import threads
+
+    threads(cpus)
+    started = time.time()
+    net, tok = model.build(device)
+    out = {k: v for k, v in evaluate(net, tok, items, device=device, batch_tokens=batch_tokens).items()
+           if k != "logliks"}
+    if texts:
+        out.update(heldout(net, tok, texts, stride=stride or max(1, net.cfg.seq_len // 2), batch_tokens=batch_tokens,
+                           device=device))
+    return {**out, "seconds": round(time.time() - started, 3)}

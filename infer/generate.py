@@ -44,11 +44,12 @@ def decode(model, prompts: list[list[int]], *, max_tokens: int, temperature: flo
     by_length: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
         by_length.setdefault(len(p), []).append(i)
+    device = model.wte.weight.device
     for length, rows in sorted(by_length.items()):
-        gens = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in rows]
-        idx = torch.tensor([prompts[i] for i in rows], dtype=torch.long)
+        gens = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in rows]  # on the CPU: any device draws alike
+        idx = torch.tensor([prompts[i] for i in rows], dtype=torch.long, device=device)
         cache = [None] * len(model.blocks)
-        logits, done = _step(model, idx, 0, cache), torch.zeros(len(rows), dtype=torch.bool)
+        logits, done = _step(model, idx, 0, cache), torch.zeros(len(rows), dtype=torch.bool, device=device)
         for n in range(max_tokens):
             logits[:, vocab_limit:] = -float("inf")
             if temperature == 0:
@@ -58,8 +59,8 @@ def decode(model, prompts: list[list[int]], *, max_tokens: int, temperature: flo
                 if top_k:
                     kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, -float("inf"))
-                probs = F.softmax(logits.float(), dim=-1)
-                nxt = torch.cat([torch.multinomial(probs[r], 1, generator=g) for r, g in enumerate(gens)])
+                probs = F.softmax(logits.float(), dim=-1).cpu()
+                nxt = torch.cat([torch.multinomial(probs[r], 1, generator=g) for r, g in enumerate(gens)]).to(device)
             for r, i in enumerate(rows):
                 if not done[r]:
                     out[i].append(int(nxt[r]))
@@ -68,3 +69,21 @@ def decode(model, prompts: list[list[int]], *, max_tokens: int, temperature: flo
                 break
             logits = _step(model, nxt[:, None], length + n, cache)
     return out
+
+
+def run_generate(model, prompts: list[str], *, max_tokens: int, temperature: float, top_k: int, seed: int,
+                 cpus: float, device: str) -> dict:
+    """`python -m infer generate`'s work, in a task on the tier it names: each prompt's completion (cut at
+    the end-of-text id) and the tokens generated."""
+    import time
+
+    from infer.model import threads
+
+    threads(cpus)
+    net, tok = model.build(device)
+    started = time.time()
+    made = decode(net, [tok.encode(p).tolist() for p in prompts], max_tokens=max_tokens, temperature=temperature,
+                  top_k=top_k, seed=seed, eot_id=tok.eot_id, vocab_limit=tok.vocab_size)
+    seconds = time.time() - started
+    return {"completions": [tok.decode(ids[: ids.index(tok.eot_id)] if tok.eot_id in ids else ids) for ids in made],
+            "tokens": sum(len(ids) for ids in made), "seconds": seconds}

@@ -666,3 +666,11 @@ def _parquet_value(doc_id: str, value, textual: bool, cap: int) -> dict:
     if len(value) > cap:
         return _row(doc_id, "", "rejected", "record-too-large", value)
     return decode_text(doc_id, value)
+
+
+def documents(inputs: list[str], read: ReadConfig | None = None) -> Iterator[dict]:
+    """Every record of `inputs` (files, folders, globs, URIs) in order, read whole in this process: a
+    small input's (held-out text, a test's corpus)."""
+    read = read or ReadConfig()
+    for f in list_inputs(inputs) if inputs else []:
+        yield from read_file({**f, "start": 0, "end": f["size"]}, read)

@@ -170,6 +170,14 @@ class Storage:
         """A scoring run's table (python -m infer score)."""
         return join(self.root, "scores", check_name(name, "scores name"))
 
+    def evals(self, name: str) -> str:
+        """An evaluation's summary and record (python -m infer eval)."""
+        return join(self.root, "evals", check_name(name, "eval name"))
+
+    def generations(self, name: str) -> str:
+        """A generation run's completions and record (python -m infer generate)."""
+        return join(self.root, "generations", check_name(name, "generations name"))
+
     def records(self) -> str:
         """One JSON record per run of any kind (`python -m strata runs` lists them)."""
         return join(self.root, "records")

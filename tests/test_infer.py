@@ -142,6 +142,11 @@ def test_eval_command_reports_accuracy_and_heldout_bits_per_byte_and_refuses_a_b
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["items"] == 40 and 0 <= out["acc"] <= 1 and out["acc_stderr"] > 0
     assert out["heldout_documents"] == 1 and out["bpb"] > 0 and math.isfinite(out["loss"])
+    # It ran as a task on the cpu tier, with a record beside its summary, like every other run.
+    assert out["cost"] is not None and out["node_hours"] > 0
+    with open(out["output"]) as f:
+        assert json.load(f)["acc"] == out["acc"]
+    assert os.path.exists(os.path.join(os.path.dirname(out["output"]), "record.json"))
     (tmp_path / "bad.jsonl").write_text('{"context": "x", "choices": [" a", " b"], "gold": 0}\n{"context": "y", "choices": [" a"], "gold": 0}\n')
     bad = subprocess.run(cmd + ["--task", str(tmp_path / "bad.jsonl")], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=300)
@@ -195,6 +200,8 @@ def test_generate_command_writes_a_completion_per_prompt(tmp_path, exported):
         lines = [json.loads(line) for line in f]
     assert [x["prompt"] for x in lines] == ["hello", ""] and all(isinstance(x["completion"], str) for x in lines)
     assert out["prompts"] == 2 and 0 < out["tokens"] <= 16 and out["tokens_per_s"] > 0
+    assert out["dollars_per_million_tokens"] is not None and out["node_hours"] > 0
+    assert os.path.exists(os.path.join(os.path.dirname(out["output"]), "record.json"))
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     with open(json.loads(again.stdout.strip().splitlines()[-1])["output"]) as f:
         assert [json.loads(line) for line in f] == lines  # greedy: the same text
