@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     import transformers
 
     from infer.model import resolve
-    from infer.score import score_ids
+    from infer.score import CPU_BATCH_TOKENS, score_ids
     from strata.storage import Storage
 
     cores = os.cpu_count() or 1
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     docs = [tok.encode(t) for t in texts]
     tokens = sum(len(d) for d in docs)
     context, stride = model.cfg.seq_len, model.cfg.seq_len // 2
-    ours = score_ids(model, docs, tok.eot_id, stride=stride, batch_tokens=8192)  # also the warm-up
+    ours = score_ids(model, docs, tok.eot_id, stride=stride, batch_tokens=CPU_BATCH_TOKENS)  # also the warm-up
     theirs = hf_scores(hf, docs[:5], tok.eot_id, context, stride)
     worst = max(abs(o.nll - t) / max(1, o.tokens) for o, t in zip(ours, theirs, strict=False))
     times = {"strata": [], "transformers": []}
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
         order = ("strata", "transformers") if r % 2 == 0 else ("transformers", "strata")
         for name in order:
             if name == "strata":
-                times[name].append(timed(lambda: score_ids(model, docs, tok.eot_id, stride=stride, batch_tokens=8192)))
+                times[name].append(timed(lambda: score_ids(model, docs, tok.eot_id, stride=stride, batch_tokens=CPU_BATCH_TOKENS)))
             else:
                 times[name].append(timed(lambda: hf_scores(hf, docs, tok.eot_id, context, stride)))
     rate = {k: tokens / statistics.median(v) for k, v in times.items()}

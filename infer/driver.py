@@ -21,8 +21,9 @@ _say = _logger("score").info
 class ScoreConfig:
     stride: int = 0
     """Tokens a window moves by when a document is longer than the model's context (0: half the context)."""
-    batch_tokens: int = 8192
-    """Tokens a batch of windows holds (windows of like length are batched together)."""
+    batch_tokens: int = 0
+    """Tokens a batch of windows holds (windows of like length are batched together; 0: 4096 on a CPU,
+    65536 on a GPU)."""
     actors: int = 0
     """Scoring actors (0: one per CPU but one, or one per GPU on the gpu tier)."""
     tier: str = "cpu"
@@ -33,8 +34,8 @@ class ScoreConfig:
     def __post_init__(self):
         if self.tier not in (tiers.Tier.CPU, tiers.Tier.GPU):
             raise ValueError("--tier must be cpu or gpu")
-        if self.stride < 0 or self.batch_tokens < 1 or self.actors < 0 or self.docs_per_batch < 1:
-            raise ValueError("--stride and --actors must be >= 0, --batch-tokens and --docs-per-batch >= 1")
+        if self.stride < 0 or self.batch_tokens < 0 or self.actors < 0 or self.docs_per_batch < 1:
+            raise ValueError("--stride, --batch-tokens and --actors must be >= 0, --docs-per-batch >= 1")
 
 
 def score(spec: str, inputs: list[str], cfg: ScoreConfig, storage: Storage, name: str, dataset: str = "") -> dict:

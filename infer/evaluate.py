@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import math
 
-from infer.score import score_ids
+from infer.score import batch_tokens_for, score_ids
 from train.tasks import TaskError, evaluate, load_task
 
 __all__ = ["TaskError", "evaluate", "heldout", "load_task"]
 
 
-def heldout(model, tok, texts: list[str], *, stride: int, batch_tokens: int = 8192, device: str = "cpu") -> dict:
+def heldout(model, tok, texts: list[str], *, stride: int, batch_tokens: int = 0, device: str = "cpu") -> dict:
     """Loss (nats per token) and bits per byte of held-out texts, each scored whole."""
     scored = score_ids(model, [tok.encode(t) for t in texts if t], tok.eot_id, stride=stride,
-                       batch_tokens=batch_tokens, device=device)
+                       batch_tokens=batch_tokens_for(device, batch_tokens), device=device)
     tokens, nll = sum(s.tokens for s in scored), sum(s.nll for s in scored)
     return {"heldout_documents": len(scored), "heldout_tokens": tokens,
             "loss": nll / tokens if tokens else math.nan,
@@ -33,7 +33,8 @@ def run_eval(model, items: list[dict], texts: list[str], *, stride: int, batch_t
     threads(cpus)
     started = time.time()
     net, tok = model.build(device)
-    out = {k: v for k, v in evaluate(net, tok, items, device=device, batch_tokens=batch_tokens).items()
+    out = {k: v for k, v in evaluate(net, tok, items, device=device,
+                                     batch_tokens=batch_tokens_for(device, batch_tokens)).items()
            if k != "logliks"}
     if texts:
         out.update(heldout(net, tok, texts, stride=stride or max(1, net.cfg.seq_len // 2), batch_tokens=batch_tokens,

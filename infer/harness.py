@@ -29,13 +29,15 @@ from strata.storage import Storage
 
 @register_model("strata")
 class StrataLM(LM):
-    def __init__(self, model: str, batch_tokens: int = 8192, device: str = "cpu", storage: str | None = None,
+    def __init__(self, model: str, batch_tokens: int = 0, device: str = "cpu", storage: str | None = None,
                  **_ignored):
         from infer.model import resolve
 
         super().__init__()
         self.net, self.tok = resolve(model, Storage.from_env(storage)).build(device)
-        self.batch_tokens, self.device_name = int(batch_tokens), device
+        from infer.score import batch_tokens_for
+
+        self.batch_tokens, self.device_name = batch_tokens_for(device, int(batch_tokens)), device
 
     def _ids(self, text: str) -> np.ndarray:
         return np.asarray(self.tok.encode(text), np.int64) if text else np.zeros(0, np.int64)

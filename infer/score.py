@@ -19,6 +19,15 @@ from train.step import (
     IGNORE,  # a target the model's per-token loss leaves at 0 (train/model.py token_losses)
 )
 
+# Tokens a batch of windows holds. On a CPU, 4096 scores about 20% more tokens/s than 8192 (measured on 2
+# cores, 4 layers x 256: the activations stay in cache); a GPU wants far larger batches.
+CPU_BATCH_TOKENS, GPU_BATCH_TOKENS = 4096, 65536
+
+
+def batch_tokens_for(device: str, asked: int = 0) -> int:
+    """`asked`, or the default for the device (0: the default)."""
+    return asked or (GPU_BATCH_TOKENS if str(device).startswith("cuda") else CPU_BATCH_TOKENS)
+
 
 def windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
     """(begin, end, first) over a document of `n` tokens after an end-of-text id (n + 1 ids): the window's
@@ -58,7 +67,7 @@ def score_ids(model, docs: list[np.ndarray], eot_id: int, *, stride: int, batch_
     items.sort(key=lambda it: len(it[1]))
     nll = np.zeros(len(docs))
     at = 0
-    with torch.no_grad():
+    with torch.inference_mode():
         while at < len(items):
             width = len(items[at][1])
             rows = max(1, batch_tokens // max(width, 1))
@@ -91,7 +100,7 @@ class Scorer:
 
         threads(cpus)
         self.model, self.tok = model.build(device)
-        self.stride, self.batch_tokens, self.device = stride, batch_tokens, device
+        self.stride, self.batch_tokens, self.device = stride, batch_tokens_for(device, batch_tokens), device
 
     def __call__(self, batch: dict) -> dict:
         if "ids" in batch:  # token ids already (a dataset's rows): scored as they are

@@ -157,7 +157,7 @@ def score(cfg: QualityConfig, model, docs_files: list[str], *, exact: bool, pare
     ds = ray.data.from_items([{"docs_file": f} for f in docs_files], override_num_blocks=max(1, len(docs_files)))
     ds = ds.map_batches(_documents, batch_size=1, batch_format="numpy", label_selector=tiers.selector(tiers.Tier.CPU),
                         fn_kwargs={"cached": {"ref": ray.put(cache_keys)}, "exact": exact})
-    ds = scoring(ds, model, tier=tiers.Tier.CPU, actors=actors, stride=stride, batch_tokens=8192, docs_per_batch=64)
+    ds = scoring(ds, model, tier=tiers.Tier.CPU, actors=actors, stride=stride, batch_tokens=0, docs_per_batch=64)
     parts = [b for b in ds.select_columns(["key", "count", "skip", "tokens", "loss", "bpb", "unscored"])
              .iter_batches(batch_format="pyarrow", batch_size=None)]
     rows = pa.concat_tables(parts) if parts else pa.table({})

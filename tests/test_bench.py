@@ -37,6 +37,8 @@ def test_the_gpu_check_runs_on_cpu_as_a_smoke_test():
     assert sum(shares.values()) == pytest.approx(1)
     assert all(shares[k] > 0 for k in ("matmul", "attention", "loss", "optimizer"))  # each found where it runs
     assert result["environment"]["torch"] and lines[0].startswith("environment: ")
+    infer = result["inference"]  # infer's scorer and key/value-cached decoding on the same device
+    assert infer["score_tokens_per_s"] > 0 and infer["generate_tokens_per_s"] > 0 and infer["device"] == "cpu"
     assert lines[-1].startswith("ratio lowest MFU/target")
 
 
@@ -49,6 +51,7 @@ def test_gpu_benchmark_on_a_gpu():
     result = json.loads(lines[-2])
     assert all(r["bf16"] and r["tokens_per_s"] > 0 for r in result["runs"])
     assert result["fsdp"]["weights_match"] and result["fsdp"]["fused_adamw"]  # training's optimizer
+    assert result["inference"]["device"].startswith("cuda") and result["inference"]["score_tokens_per_s"] > 0
 
 
 @pytest.mark.slow

@@ -51,7 +51,7 @@ def load_task(path: str) -> list[dict]:
 
 
 def continuation_logliks(model, pairs: list[tuple[np.ndarray, np.ndarray]], eot_id: int, *,
-                         batch_tokens: int = 8192, device: str = "cpu") -> list[float]:
+                         batch_tokens: int = 4096, device: str = "cpu") -> list[float]:
     """The summed log-likelihood of each continuation's tokens after its context's."""
     context = model.cfg.seq_len
     items = []
@@ -84,7 +84,7 @@ def _stderr(hits: np.ndarray) -> float:
     return float(np.std(hits, ddof=1) / math.sqrt(len(hits))) if len(hits) > 1 else math.nan
 
 
-def evaluate(model, tok, items: list[dict], *, batch_tokens: int = 8192, device: str = "cpu") -> dict:
+def evaluate(model, tok, items: list[dict], *, batch_tokens: int = 4096, device: str = "cpu") -> dict:
     """acc and acc_norm with their standard errors, and each item's choice log-likelihoods."""
     pairs, owner = [], []
     for k, item in enumerate(items):

@@ -20,7 +20,8 @@ alone (forward and backward) timed against the whole step and against a plain
 (gpt2-774m) with training's fused AdamW, a sharded checkpoint saved and loaded
 back (train/checkpoint.py; the process group is `cpu:gloo,cuda:nccl` and the
 checkpoint has a gloo group of its own, as in training), and a 5-step profile
-whose device time is split by what launched it: the loss and the optimizer by
+whose device time is split by what launched it (then the inference case: infer's scorer
+and key/value-cached decoding on the first preset, tokens/s): the loss and the optimizer by
 the profiler ranges training opens around them, attention and matmul by the
 aten op that launched the kernel (on Hopper cuBLAS kernels are `nvjet_*`), the
 rest other, and idle. The last line is the lowest MFU over its target
@@ -332,6 +333,44 @@ def kind_of(event) -> str:
     return "other"
 
 
+def inference(name: str, device, seconds: float, docs: int = 64, doc_tokens: int = 3000) -> dict:
+    """The inference case: infer's scorer (windows of the context at half stride, batched by length,
+    GPU_BATCH_TOKENS a batch on a GPU) over synthetic documents, and batched greedy decoding with the
+    key/value cache (infer/generate.py), each in tokens/s on the preset's model (fp32 weights, TF32)."""
+    import numpy as np
+    import torch
+
+    from infer.generate import decode
+    from infer.score import batch_tokens_for, score_ids
+    from train.model import GPT, preset
+
+    cfg = preset(name)
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device).eval()
+    rng = np.random.default_rng(0)
+    documents = [rng.integers(0, cfg.vocab_size - 1, doc_tokens) for _ in range(docs)]
+    batch = batch_tokens_for(device.type)
+    score_ids(model, documents[:2], cfg.vocab_size - 1, stride=cfg.seq_len // 2, batch_tokens=batch,
+              device=device.type)  # warm-up
+    _sync(device)
+    started, scored = time.perf_counter(), 0
+    while scored == 0 or time.perf_counter() - started < seconds:
+        score_ids(model, documents, cfg.vocab_size - 1, stride=cfg.seq_len // 2, batch_tokens=batch, device=device.type)
+        scored += docs * doc_tokens
+    _sync(device)
+    score_s = time.perf_counter() - started
+    prompts = [rng.integers(0, cfg.vocab_size - 1, 32).tolist() for _ in range(32)]
+    new = min(128, cfg.seq_len - 33)
+    decode(model, prompts[:2], max_tokens=4, eot_id=cfg.vocab_size - 1, vocab_limit=cfg.vocab_size)  # warm-up
+    _sync(device)
+    t0 = time.perf_counter()
+    made = decode(model, prompts, max_tokens=new, eot_id=cfg.vocab_size - 1, vocab_limit=cfg.vocab_size)
+    _sync(device)
+    gen_s = time.perf_counter() - t0
+    return {"preset": name, "device": str(device), "batch_tokens": batch, "score_tokens_per_s": scored / score_s,
+            "generate_prompts": len(prompts), "generate_tokens_per_s": sum(len(m) for m in made) / gen_s}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", nargs="+", default=["gpt2-124m", "gpt2-350m"])
@@ -341,6 +380,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fsdp-preset", default="gpt2-774m", help="the preset of the FSDP2 step (none: skip)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--inference", action=argparse.BooleanOptionalAction, default=True,
+                        help="the inference case: infer's scorer and decoding on the first preset")
     parser.add_argument("--json", action="store_true", help="print a JSON result line before the ratio")
     args = parser.parse_args(argv)
 
@@ -381,9 +422,15 @@ def main(argv: list[str] | None = None) -> None:
     prof = profile(args.presets[0], device, args.compile)
     print(f"profile of {prof['steps']} {prof['preset']} steps ({prof['wall_ms']:.0f} ms): "
           + ", ".join(f"{k} {v:.0%}" for k, v in prof["shares"].items()), flush=True)
+    infer = None
+    if args.inference:
+        infer = inference(args.presets[0], device, args.seconds)
+        print(f"inference {infer['preset']} {infer['device']}: scoring {infer['score_tokens_per_s']:,.0f} tokens/s "
+              f"({infer['batch_tokens']} tokens a batch), greedy decoding {infer['generate_tokens_per_s']:,.0f} "
+              f"tokens/s ({infer['generate_prompts']} prompts, key/value cache)", flush=True)
     if args.json:
         print(json.dumps({"environment": env, "compiled": args.compile, "runs": results, "loss": share,
-                          "fsdp": fsdp, "profile": prof}))
+                          "fsdp": fsdp, "profile": prof, "inference": infer}))
     scored = [(r["mfu"] / TARGET_MFU[r["preset"]], r) for r in results
               if r["mfu"] is not None and r["preset"] in TARGET_MFU]
     if scored:

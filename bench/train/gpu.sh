@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The prepared GPU check on one GPU (about 6 minutes, at most 8, compilation included): the
+# The prepared GPU check on one GPU (about 7 minutes, at most 9, compilation included): the
 # environment, tokens/s and MFU of gpt2-124m and gpt2-350m through the real training step at two
 # micro-batches, the loss's share of a step, an FSDP2 bf16 gpt2-774m step with a checkpoint saved
-# and loaded, a 5-step profile, and last the lowest MFU over its target (README: "The GPU check").
+# and loaded, a 5-step profile, infer's scoring and decoding tokens/s, and last the lowest MFU over its
+# target (README: "The GPU check").
 # Needs only torch with CUDA, numpy and pyarrow: no Ray, no dataset, no network, no pip. Extra
 # arguments go to `python -m bench.train.gpu`.
 #
