@@ -102,6 +102,9 @@ def _run_leased(spec: RunSpec, *, run_name, run_dir, job: Job, workers, use_gpu,
     if evals:
         summary["task_evals"] = [{k: r.get(k) for k in ("step", "status", "acc", "acc_norm", "error") if k in r}
                                  for r in task_evals]
+        _log.info(f"{evals.name}, evaluated on the cpu tier: " + ", ".join(
+            f"step {r['step']} acc {r['acc']:.3f} (acc_norm {r['acc_norm']:.3f})" if r["status"] == "ok"
+            else f"step {r['step']} failed ({r['error']})" for r in sorted(task_evals, key=lambda r: r["step"])))
     figures = {k: summary.get(k) for k in ("steps", "first_loss", "last_loss", "val_loss", "val_bpb",
                                            "val_loss_by_source", "tokens_by_source", "tokens_per_s",
                                            "tokens_per_s_per_worker", "mfu", "data_wait", "checkpoint_blocked",
