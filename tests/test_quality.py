@@ -81,10 +81,11 @@ def _corpus_texts(root):
     return out
 
 
-def test_preprocess_filters_by_score_and_the_next_version_reuses_the_scores(tmp_path, local_ray, exported_model):
+def test_preprocess_filters_by_score_and_the_next_version_reuses_the_scores(tmp_path, local_ray, exported_model,
+                                                                            any_root):
     """Version 1 keeps the best half of its documents by bits per byte under the model; the scores it
     cached equal the model's own; version 2, over new documents and a copy of old ones, scores only the
-    new and reuses the rest."""
+    new and reuses the rest. On local disk and on the S3 server."""
     from infer.model import resolve
     from infer.score import score_ids
     from pipelines.config import debug
@@ -93,7 +94,7 @@ def test_preprocess_filters_by_score_and_the_next_version_reuses_the_scores(tmp_
     from strata.dataset import latest
     from strata.storage import Storage
 
-    storage = Storage(str(tmp_path / "storage"))
+    storage = Storage(any_root)
     root = str(tmp_path / "in1")
     make_corpus(root, docs=30, seed=11)
     quality = {"quality_model": exported_model, "keep_fraction": 0.5}
@@ -139,3 +140,41 @@ def test_preprocess_filters_by_score_and_the_next_version_reuses_the_scores(tmp_
     assert q2["model_id"] == q["model_id"]
     v2 = latest(storage, "q")
     assert len(read_scores([v2.file(f) for f in v2.manifest.quality["scores"]])) == len(cache) + q2["scored"]
+
+
+@pytest.mark.slow
+def test_a_run_killed_after_scoring_is_rerun_without_scoring_again(tmp_path, local_ray, exported_model):
+    """Killed (kill -9, by itself) in pass 2, after the scores were written: the rerun of the same work
+    reuses every score and keeps exactly the documents the undisturbed rule keeps."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    from pipelines.config import debug
+    from pipelines.driver import run
+    from strata.dataset import list_versions
+    from strata.storage import Storage
+
+    storage = Storage(str(tmp_path / "storage"))
+    root = str(tmp_path / "in")
+    make_corpus(root, docs=20, seed=21)
+    args = ["--input", root, "--dataset", "killed", "--quality-model", exported_model, "--keep-fraction", "0.6",
+            "--no-exact-dedup", "--no-near-dedup"]
+    env = {**os.environ, "RAY_ADDRESS": local_ray.get_runtime_context().gcs_address, "STRATA_LEASE_TTL_S": "3",
+           "STRATA_FAILPOINT": "pass2:1", "STRATA_STORAGE": storage.root}
+    proc = subprocess.run([sys.executable, "-m", "pipelines.preprocess", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert " scored and 0 reused" in proc.stderr  # it scored before it died
+    assert list_versions(storage, "killed") == []
+    cfg = debug("killed", read={"inputs": (root,)}, dedup={"exact_dedup": False, "near_dedup": False},
+                quality={"quality_model": exported_model, "keep_fraction": 0.6})
+    rerun = run(cfg, storage)
+    q = rerun["stats"]["quality"]
+    assert q["scored"] == 0 and q["reused"] == q["documents"] - 1  # all reused (exact-dup.txt is doc000 again)
+    fresh = run(debug("fresh", read={"inputs": (root,)}, dedup={"exact_dedup": False, "near_dedup": False},
+                      quality={"quality_model": exported_model, "keep_fraction": 0.6}), storage)
+    assert rerun["documents"] == fresh["documents"] and rerun["tokens"] == fresh["tokens"]
+    assert rerun["stats"]["quality"]["threshold"] == fresh["stats"]["quality"]["threshold"]
