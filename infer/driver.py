@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from strata import tiers
-from strata.shell import Job
+from strata.shell import Job, StrataError
 from strata.shell import log as _logger
 from strata.storage import Storage, delete_dir, join
 
@@ -99,7 +99,7 @@ def on_tier(kind: str, name: str, storage: Storage, out: str, tier: str, config:
         gpu = tier == tiers.Tier.GPU
         nodes = [n for n in ray.nodes() if n["Alive"] and tier in tiers.tiers_of(n.get("Labels", {}))]
         if not nodes:
-            raise ValueError(f"no alive node serves the {tier} tier (label {tiers.label_key(tier)}=true)")
+            raise StrataError(f"no alive node serves the {tier} tier (label {tiers.label_key(tier)}=true)")
         cpus = 1 if gpu else max(1, int(max(n["Resources"].get("CPU", 1) for n in nodes)))
         task = ray.remote(fn).options(num_cpus=cpus, num_gpus=1 if gpu else 0, label_selector=tiers.selector(tier),
                                       max_retries=0)

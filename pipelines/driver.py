@@ -592,8 +592,10 @@ class Preprocess:
         dedup = {"params": self.cfg.dedup.params(), "index": index, "index_entries": self.sizes, **audit}
         consumed = [{**seg, "files": [{**f, "path": f["path"][len(root):].strip("/").replace(os.sep, "/")}
                                       for f in seg["files"]]} for seg in self.save_consumed(files)]
+        # A version made without --quality-model carries its parent's score cache on, for a later one with it.
         quality = {**self.quality.state, "scores": [f[len(root):].strip("/").replace(os.sep, "/")
-                                                    for f in self.quality.state["scores"]]} if self.quality else {}
+                                                    for f in self.quality.state["scores"]]} if self.quality else \
+            (self.parent.manifest.quality if self.parent else {})
         return commit(self.storage, self.cfg.dataset, self.tag, dict(
             tokenizer=self.tok.info(), seq_len=self.cfg.pack.seq_len, dtype=token_dtype(self.tok.vocab_size),
             shards=shards, documents=docs, tokens=table["tokens"], inputs=files, run=record, stats=table,

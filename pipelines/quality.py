@@ -32,7 +32,6 @@ from strata.storage import exists, filesystem, join, make_dirs
 
 _say = _logger("preprocess").info
 
-METRICS = ("bpb", "loss")
 QUALITY_SEGMENTS = 8  # cache files carried from version to version before they are merged into one
 _KEEP = re.compile(r"^\s*(bpb|loss)\s*(<=|<|>=|>)\s*([-+0-9.eE]+)\s*$")
 _OPS = {"<=": np.less_equal, "<": np.less, ">=": np.greater_equal, ">": np.greater}
@@ -169,6 +168,7 @@ def score(cfg: QualityConfig, model, docs_files: list[str], *, exact: bool, pare
     decision = _decide(cfg, rows, pa.concat_tables([cache, new_scores]).sort_by("key"))
     files = carried + ([mine] if new_scores.num_rows or had else [])
     if len(files) > QUALITY_SEGMENTS:
+        make_dirs(out_dir)
         files = [write_scores(join(out_dir, "scores-merged.parquet"), read_scores(files))]
     seconds = time.time() - started
     tokens = int(np.sum(new_scores.column("tokens").to_numpy())) if new_scores.num_rows else 0
@@ -179,8 +179,12 @@ def score(cfg: QualityConfig, model, docs_files: list[str], *, exact: bool, pare
     decision.state = {"model": model.source, "model_id": mid, "scores": files}
     _say(f"quality: {decision.figures['documents']:,} documents, {decision.figures['scored']:,} scored and "
          f"{decision.figures['reused']:,} reused; {decision.figures['filtered']:,} fail {cfg.rule()} "
-         f"(threshold {decision.figures['threshold']})")
+         f"(threshold {_number(decision.figures['threshold'])})")
     return decision
+
+
+def _number(v: float | None) -> str:
+    return "none" if v is None else f"{v:.4g}"
 
 
 def _distinct(scored: pa.Table) -> pa.Table:

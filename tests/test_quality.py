@@ -140,6 +140,11 @@ def test_preprocess_filters_by_score_and_the_next_version_reuses_the_scores(tmp_
     assert q2["model_id"] == q["model_id"]
     v2 = latest(storage, "q")
     assert len(read_scores([v2.file(f) for f in v2.manifest.quality["scores"]])) == len(cache) + q2["scored"]
+    # A version made without the model carries the cache on, for a later one with it.
+    root3 = str(tmp_path / "in3")
+    make_corpus(root3, docs=3, seed=13)
+    run(debug("q", read={"inputs": (root3,)}, dedup={"exact_dedup": False, "near_dedup": False}), storage)
+    assert latest(storage, "q").manifest.quality == v2.manifest.quality
 
 
 @pytest.mark.slow

@@ -159,8 +159,13 @@ class TaskEvals:
         return self
 
     def _watch(self) -> None:
+        import logging
+
         while not self.stopping.wait(self.POLL_S):
-            self.poll()
+            try:
+                self.poll()
+            except Exception as e:  # noqa: BLE001 - a storage hiccup: look again at the next poll
+                logging.getLogger("strata.train").warning(f"task evaluations: {type(e).__name__}: {e}")
 
     def poll(self) -> None:
         import os
