@@ -8,8 +8,10 @@ weights, written as `python -m train.export` writes a model; the documents are g
 `--chars` characters, byte-tokenized. Both sides score every document whole, in windows of the context
 that move by half of it, and agree on the losses (checked here). The baseline is transformers'
 GPT2LMHeadModel in the loop its documentation gives for the perplexity of a long text: one window a
-forward pass, the loss from its logits. strata's scorer batches windows of like length and computes the
-loss a chunk of rows at a time. Both are timed on the wall clock in this process, with torch's threads
+forward pass, the loss from its logits. strata's scorer batches windows of like length, runs the last
+block only where a loss is counted, and runs the blocks' linear layers through oneDNN with packed weights
+(infer.model.PackedLinear: most of the gain on an AMD CPU, where the matmul transformers gets from MKL is
+slow; less is to be expected where that matmul is fast). Both are timed on the wall clock in this process, with torch's threads
 set to the cores, after a warm-up, alternating, median of 3.
 
 The command is timed end to end (its own embedded Ray) on the same documents as files. On 2 cores the

@@ -57,14 +57,17 @@ def score_ids(model, docs: list[np.ndarray], eot_id: int, *, stride: int, batch_
               device: str = "cpu") -> list[Scored]:
     """Each document's (tokens, summed NLL): `docs` are token ids, without the end-of-text id before them."""
     context = model.cfg.seq_len
-    items = []  # (doc, inputs, targets with the ones not counted as IGNORE)
+    items = []  # (doc, inputs, targets with the ones not counted as IGNORE, how many of those lead)
     for d, ids in enumerate(docs):
         seq = np.concatenate([[eot_id], np.asarray(ids, dtype=np.int64)])
         for begin, end, first in windows(len(ids), context, stride):
             targets = seq[begin + 1:end + 1].copy()
-            targets[: first - (begin + 1)] = IGNORE
-            items.append((d, seq[begin:end], targets))
-    items.sort(key=lambda it: len(it[1]))
+            skip = first - (begin + 1)
+            targets[:skip] = IGNORE
+            items.append((d, seq[begin:end], targets, skip))
+    # By length, and then by the targets left out first: a batch of windows that all leave out their first
+    # `skip` targets asks the model for the rest only, and its last block computes no others.
+    items.sort(key=lambda it: (len(it[1]), it[3]))
     nll = np.zeros(len(docs))
     at = 0
     with torch.inference_mode():
@@ -75,14 +78,15 @@ def score_ids(model, docs: list[np.ndarray], eot_id: int, *, stride: int, batch_
             batch = [it for it in items[at:at + rows] if len(it[1]) < 2 * width] or items[at:at + 1]
             at += len(batch)
             T = max(len(it[1]) for it in batch)
+            start = min(it[3] for it in batch)
             x = torch.zeros((len(batch), T), dtype=torch.long)
             y = torch.full((len(batch), T), IGNORE, dtype=torch.long)
-            for i, (_, inputs, targets) in enumerate(batch):
+            for i, (_, inputs, targets, _) in enumerate(batch):
                 x[i, : len(inputs)] = torch.from_numpy(inputs)
                 y[i, : len(targets)] = torch.from_numpy(targets)
-            _, losses = model(x.to(device), y.to(device), per_token=True)
-            sums = losses.view(len(batch), T).sum(dim=1).double().cpu().numpy()
-            for (d, _, _), s in zip(batch, sums, strict=True):
+            _, losses = model(x.to(device), y.to(device), per_token=True, start=start)
+            sums = losses.view(len(batch), T - start).sum(dim=1).double().cpu().numpy()
+            for (d, *_), s in zip(batch, sums, strict=True):
                 nll[d] += s
     return [Scored(len(ids), float(v)) for ids, v in zip(docs, nll, strict=True)]
 

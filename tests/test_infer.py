@@ -61,6 +61,19 @@ def test_document_losses_match_transformers_on_the_same_weights(exported):
             assert abs(s.nll / s.tokens - theirs / len(ids)) < 1e-4, (s, theirs)
 
 
+
+def test_packed_linear_layers_give_the_logits_of_the_model_as_trained(exported):
+    from infer.model import PackedLinear
+
+    plain, _ = resolve(exported, Storage("/nonexistent")).build(packed=False)
+    packed, _ = resolve(exported, Storage("/nonexistent")).build()
+    if not isinstance(packed.blocks[0].attn.qkv, PackedLinear):
+        pytest.skip("this torch has no oneDNN linear kernel: the model stays as it was")
+    idx = torch.randint(0, 257, (3, plain.cfg.seq_len))
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(idx), plain(idx), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(packed(idx[:1, :5], start=2), plain(idx[:1, :5])[:, 2:], rtol=1e-4, atol=1e-4)
+
 def test_a_model_directory_without_its_tokenizer_is_refused(tmp_path, exported):
     import shutil
 

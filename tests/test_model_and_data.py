@@ -29,6 +29,23 @@ def test_forward_shapes_and_tied_embeddings():
     assert model.flops_per_token() > 6 * model.num_params()
 
 
+@pytest.mark.parametrize("start", [1, SEQ // 2, SEQ - 1])
+def test_asking_for_the_last_positions_only_gives_the_same_logits_and_losses(start):
+    cfg = preset("debug", seq_len=SEQ, n_layer=2, n_embd=32, n_head=2)
+    torch.manual_seed(1)
+    model = GPT(cfg).eval()
+    idx = torch.randint(0, 257, (3, SEQ))
+    targets = torch.randint(0, 257, (3, SEQ))
+    targets[1, -2:] = -1  # padding
+    with torch.inference_mode():
+        full, tail = model(idx), model(idx, start=start)
+        _, losses = model(idx, targets, per_token=True)
+        _, tail_losses = model(idx, targets, per_token=True, start=start)
+    assert tail.shape == (3, SEQ - start, cfg.vocab_size)
+    torch.testing.assert_close(tail, full[:, start:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tail_losses, losses.view(3, SEQ)[:, start:].reshape(-1), rtol=1e-5, atol=1e-5)
+
+
 def test_a_few_steps_fit_one_batch():
     cfg = preset("debug", seq_len=SEQ, n_layer=1, n_embd=32, n_head=2)
     torch.manual_seed(0)

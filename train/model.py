@@ -79,13 +79,18 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """The attention output at positions `start`.. (each over every position up to its own)."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        drop = self.dropout if self.training else 0.0
+        if start:  # queries start..T-1 over keys 0..T-1: the causal mask aligned to the bottom right
+            mask = torch.ones(T - start, T, dtype=torch.bool, device=x.device).tril(start)
+            y = F.scaled_dot_product_attention(q[:, :, start:], k, v, attn_mask=mask, dropout_p=drop)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T - start, C))
 
 
 class LayerNorm(nn.LayerNorm):
@@ -106,8 +111,9 @@ class Block(nn.Module):
                                  nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias))
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """The block's output at positions `start`.. (the earlier ones are still its attention's keys)."""
+        x = x[:, start:] + self.drop(self.attn(self.ln1(x), start))
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
@@ -177,30 +183,38 @@ class GPT(nn.Module):
         c = self.cfg
         return 6 * (self.num_params() - self.wpe.weight.numel()) + 12 * c.n_layer * c.n_embd * c.seq_len
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, per_token: bool = False):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, per_token: bool = False,
+                start: int = 0):
         """Logits (B, T, V) without targets. With targets (B, T): (None, the mean loss), or with
         `per_token` (None, each target's loss (B*T,), 0 where the target is IGNORE), for evaluation
-        under no_grad. Call the model, not a method of it: FSDP2 gathers the weights in its hooks."""
+        under no_grad. `start`: only positions start.. are wanted (logits (B, T - start, V), the losses of
+        targets[:, start:]); the last block computes no others (the earlier ones are its keys and values).
+        Call the model, not a method of it: FSDP2 gathers the weights in its hooks."""
         B, T = idx.shape
         pos = torch.arange(T, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
+        *body, last = self.blocks
         if self.compiled and not torch.is_grad_enabled():
             # Evaluation runs the blocks through a compiled function of its own (any batch size, no grad,
             # eval mode), so it never recompiles (or evicts) the graph that training compiled.
             torch._dynamo.maybe_mark_dynamic(x, 0)
-            for block in self.blocks:
+            for block in body:
                 x = _eval_blocks()(block, x)
+            x = last(x, start) if start else _eval_blocks()(last, x)
         else:
-            for block in self.blocks:
+            for block in body:
                 x = block(x)
-        h = self.ln_f(x)  # (B, T, C)
+            x = last(x, start) if start else last(x)  # as training calls (and compiles) it
+        h = self.ln_f(x)  # (B, T - start, C)
         if targets is None:
-            return self.head(h)  # (B, T, V)
+            return self.head(h)  # (B, T - start, V)
+        targets = targets[:, start:]
+        n = B * (T - start)
         with record_function(LOSS_RANGE):  # the profile (bench/train/gpu.py) counts what runs in here as loss
             if per_token:
-                return None, token_losses(h.view(B * T, -1), self.head.weight, targets.reshape(-1))
+                return None, token_losses(h.reshape(n, -1), self.head.weight, targets.reshape(-1))
             # With targets only the loss comes back: the (B*T, V) logits are never all alive at once.
-            return None, linear_cross_entropy(h.view(B * T, -1), self.head.weight, targets.reshape(-1),
+            return None, linear_cross_entropy(h.reshape(n, -1), self.head.weight, targets.reshape(-1),
                                               compiled=self.compiled)
 
     @torch.no_grad()
