@@ -15,6 +15,7 @@ from conftest import REPO
 from ray._private.label_utils import validate_node_label_syntax
 
 from strata import tiers
+from tune.sweep import REFERENCE_CONCURRENT, SweepConfig
 
 ROOT = Path(REPO)
 SCHEMAS = ROOT.parent / "shared" / "schemas" / "kuberay"
@@ -68,6 +69,10 @@ def test_cluster_yaml_follows_our_rules(cluster):
     assert "spot" in markets and None in markets, "spot types, plus an on-demand fallback"
     fallback = next(t for t in spot if "InstanceMarketOptions" not in t["node_config"])
     assert fallback["priority"] < max(t.get("priority", 0) for t in spot), "the fallback ranks below spot"
+    # Spot capacity alone (the fallback aside) holds the reference sweep's trials at once.
+    per_trial = SweepConfig().cpus_per_trial
+    slots = sum(t["max_workers"] * int(t["resources"]["CPU"] // per_trial) for t in spot if t is not fallback)
+    assert slots >= REFERENCE_CONCURRENT, slots
     starts = cluster["head_start_ray_commands"] + cluster["worker_start_ray_commands"]
     for cmd in (c for c in starts if "ray start" in c):
         assert "RAY_AUTH_MODE=token" in cmd, f"token auth off in: {cmd}"

@@ -14,7 +14,7 @@ from strata.storage import Storage
 from train.config import TrainConfig
 from train.model import preset
 from tune.driver import run
-from tune.sweep import SPACES, SweepConfig
+from tune.sweep import SPACES, STATE_FILE, SweepConfig
 
 
 @pytest.mark.slow
@@ -37,6 +37,9 @@ def test_sweep_runs_trials_and_writes_the_best_config(local_ray, dataset):
     assert [float(r["best_val_loss"]) for r in rows] == sorted(t["best"] for t in trials)
     assert {r["trial"] for r in rows} == {t["trial"] for t in trials} and len(rows) == 3
     assert set(rows[0]) == {"trial", "status", "iterations", "best_val_loss", "lr", "batch_size"}
+    # An ended trial's checkpoints keep its results, not its model and optimizer.
+    kept = [os.path.join(d, f) for d, _, fs in os.walk(out["path"]) for f in fs]
+    assert sum(f.endswith("pack.json") for f in kept) >= 3 and not [f for f in kept if f.endswith(STATE_FILE)]
 
     # Tune's experiment state, which a resume unpickles, is signed: the finished sweep resumes as is...
     files = set(os.listdir(out["path"]))
@@ -74,6 +77,19 @@ def test_a_trials_reports_do_not_throttle_it(local_ray, dataset):
         trials = json.load(f)["trials"]
     shares = [t["report_share"] for t in trials]
     assert len(shares) == 2 and all(0 < s < 0.5 for s in shares), shares
+
+
+@pytest.mark.slow
+def test_max_concurrent_caps_the_trials_running_at_once(local_ray, dataset):
+    """Random search hands Tune a BasicVariantGenerator, for which Tune ignores max_concurrent_trials:
+    the limit must reach the generator. The session's Ray has 2 CPUs, so without it 2 trials run at once."""
+    cfg = SweepConfig(num_samples=3, steps=2, report_every=2, max_rows=64, eval_rows=8, scheduler="fifo",
+                      max_concurrent=1)
+    out = run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name="one-at-a-time",
+              storage=Storage.from_env())
+    assert out["completed"] == 3
+    with open(os.path.join(out["path"], "progress.json")) as f:
+        assert json.load(f)["peak_running"] == 1
 
 
 def test_trials_table_ranks_trials_and_counts_statuses():

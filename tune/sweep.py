@@ -148,6 +148,8 @@ class SweepConfig:
 
 MAXIMIZED = ("task_acc", "task_acc_norm")
 METRICS = ("val_loss", "val_bpb", *MAXIMIZED)
+REFERENCE_CONCURRENT = 200  # trials at once the sweep tier is sized for (50,000 configs in about 4 hours)
+STATE_FILE = "state.pt"  # an unpacked trial's model and optimizer in its checkpoint, beside pack.json
 TUNE_TRIALS = 1000  # Tune trials a packed sweep aims at: few enough for the driver, enough to spread
 GRACE, REDUCTION = 2, 2  # ASHA: first rung after 2 reports, keep the best half at each rung
 
@@ -387,8 +389,8 @@ def run_trial(config: dict, *, sweep: SweepConfig, space: dict, make_fit, out: s
         with ckpt.as_directory() as d:
             with open(os.path.join(d, "pack.json")) as f:
                 book = json.load(f)
-            if os.path.exists(os.path.join(d, "state.pt")):
-                state = torch.load(os.path.join(d, "state.pt"), weights_only=True)  # tensors, numbers, dicts
+            if os.path.exists(os.path.join(d, STATE_FILE)):
+                state = torch.load(os.path.join(d, STATE_FILE), weights_only=True)  # tensors, numbers, dicts
         book["restores"].append(node)
     todo = [(None, config)] if single else [(i, sample(space, s.seed, i)) for i in s.pack_range(config["pack"])]
     finished = {r["index"] for r in book["done"]}
@@ -444,7 +446,7 @@ def _report(metrics: dict, book: dict, state: dict | None, clock: dict) -> None:
         with open(os.path.join(d, "pack.json"), "w") as f:
             json.dump(book, f)
         if state is not None:
-            torch.save(state, os.path.join(d, "state.pt"))
+            torch.save(state, os.path.join(d, STATE_FILE))
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
     finally:
         shutil.rmtree(d, ignore_errors=True)
