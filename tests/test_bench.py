@@ -121,6 +121,15 @@ def test_dedup_benchmark_prints_recall_and_precision_beside_the_s_curve():
     assert lines[-1].startswith("ratio measured/S-curve: recall ")
 
 
+@pytest.mark.bench  # about a minute
+def test_real_config_sweep_benchmark_times_the_command_and_the_plain_loop_and_prints_its_ratio_last():
+    lines = _run("bench.tune.real", "--configs", "4", "--steps", "2", "--json")
+    result = json.loads(lines[-2])["4"]
+    assert result["sweep_s"] > result["before_first_report_s"] > 0 and result["plain_s"] > 0
+    assert result["ratio"] == pytest.approx(result["sweep_s"] / result["plain_s"])
+    assert lines[-1].startswith("overhead, sweep / plain loop: ") and lines[-1].endswith("(target <= 1.1)")
+
+
 @pytest.mark.bench  # about 40 s
 def test_infer_benchmark_checks_the_losses_and_prints_its_ratio_last():
     pytest.importorskip("transformers")

@@ -66,6 +66,23 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
     if exists(join(sweep_dir, "sweep.json")):  # a resume reads the snapshots it began on
         began = read_json(join(sweep_dir, "sweep.json"))["config"]["dataset"]
         dataset = began if mixture.unpinned(began) == mixture.unpinned(dataset) else dataset
+    trial_spec = spec_for(cfg, space, dataset, model_preset, storage, sweep_dir)
+    # One driver per sweep: a resume while the first driver is alive would run every trial twice.
+    with Job("sweep", sweep_name, storage, holds=sweep_dir, what=f"sweep {sweep_name}", purpose="tune",
+             tag="tune") as job:
+        # Everything above is read and checked before Ray starts: a mistake costs no start-up.
+        job.connect(quiet=True)
+        check_driver_node()
+        # The starting weights go to the object store once; each trial process fetches them once.
+        base = trial_spec.run
+        trial_spec = replace(trial_spec, run=replace(base, init=ray.put(base.init) if base.init is not None else None))
+        return _run_leased(job, cfg, space, base.dataset, trial_spec, sweep_name, sweep_dir, model_preset, progress)
+
+
+def spec_for(cfg: SweepConfig, space: dict, dataset: str, model_preset: str, storage: Storage,
+             out: str = "") -> TrialSpec:
+    """What every trial of the sweep trains from, read and checked before Ray starts (`out`: the sweep's
+    directory, where trials write their losses; bench.tune's plain loop builds its configs from this too)."""
     if cfg.init_from and (shaped := sorted(set(space) & {"n_layer", "n_head", "n_embd"})):
         raise ValueError(f"--init-from takes the model's shape from the weights: the space cannot tune {shaped[0]}")
     # The preset shaped for the dataset, as `python -m train --preset` shapes it (so --from-sweep matches).
@@ -79,16 +96,7 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
     val_rows = [held if (held := load_rows(s, "validation", cfg.eval_rows)) is not None
                 else load_rows(s, "train", cfg.eval_rows, last=True) for s in base.sources]
     task = tuple(load_task(cfg.eval_task)) if cfg.eval_task else ()  # a bad task file fails before Ray starts
-    # One driver per sweep: a resume while the first driver is alive would run every trial twice.
-    with Job("sweep", sweep_name, storage, holds=sweep_dir, what=f"sweep {sweep_name}", purpose="tune",
-             tag="tune") as job:
-        # Everything above is read and checked before Ray starts: a mistake costs no start-up.
-        job.connect(quiet=True)
-        check_driver_node()
-        # The starting weights go to the object store once; each trial process fetches them once.
-        base = replace(base, init=ray.put(base.init) if base.init is not None else None)
-        trial_spec = TrialSpec(run=base, sweep=cfg, val_rows=np.concatenate(val_rows), out=sweep_dir, task=task)
-        return _run_leased(job, cfg, space, base.dataset, trial_spec, sweep_name, sweep_dir, model_preset, progress)
+    return TrialSpec(run=base, sweep=cfg, val_rows=np.concatenate(val_rows), out=out, task=task)
 
 
 def _run_leased(job: Job, cfg, space, dataset, trial_spec, sweep_name, sweep_dir, model_preset, progress) -> dict:
