@@ -415,8 +415,8 @@ def run_trial(config: dict, *, sweep: SweepConfig, space: dict, make_fit, out: s
                             "loss": sum(losses) / len(losses), "step_losses": losses, s.metric: metric})
             cur["node"] = node  # where the config last trained
             t = len(cur["curve"])
-            if single:  # Tune's scheduler decides; every report is a checkpoint to resume from
-                _report({s.metric: metric, "node_id": node}, book, fit.state(), clock)
+            if single:  # Tune's scheduler decides; every report but the last is a checkpoint to resume from
+                _report({s.metric: metric, "node_id": node}, book, fit.state() if t < s.reports else None, clock)
             elif t in milestones:
                 recorded = book["rungs"].setdefault(str(t), [])
                 keep = asha_keeps([s.sign * v for v in recorded], s.sign * metric)
