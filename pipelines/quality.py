@@ -148,7 +148,8 @@ def score(cfg: QualityConfig, model, docs_files: list[str], *, exact: bool, pare
     carried = list(parent["scores"]) if parent and parent.get("model_id") == mid else []
     mine = join(out_dir, "scores.parquet")
     had = exists(mine)
-    cache = read_scores(carried + ([mine] if had else []))
+    before = read_scores([mine]) if had else SCHEMA.empty_table()  # what a killed run of this work scored
+    cache = pa.concat_tables([read_scores(carried), before])
     cache_keys = cache.column("key").to_numpy()
     actors = cfg.quality_actors or max(1, int(cpus) - 1)
     stride = max(1, model.cfg.seq_len // 2)
@@ -164,7 +165,7 @@ def score(cfg: QualityConfig, model, docs_files: list[str], *, exact: bool, pare
     if new_scores.num_rows:
         make_dirs(out_dir)
         # Before the decision: a rerun of this work reuses it.
-        write_scores(mine, pa.concat_tables([read_scores([mine]), new_scores]) if had else new_scores)
+        write_scores(mine, pa.concat_tables([before, new_scores]))
     decision = _decide(cfg, rows, pa.concat_tables([cache, new_scores]).sort_by("key"))
     files = carried + ([mine] if new_scores.num_rows or had else [])
     if len(files) > QUALITY_SEGMENTS:
