@@ -67,9 +67,9 @@ def test_tune_benchmark_extrapolates_to_50000_trials_last():
     lines = _run("bench.tune", "--trials", "200", "--baseline-trials", "10", "--asha-trials", "0", "--rounds", "1",
                  "--max-concurrent", "4", "--json")
     result = json.loads(lines[-2])
-    assert result["packed"]["trials"] == 200 and result["packed"]["pack"] == 50 and result["half"]["trials"] == 100
-    assert result["baseline"]["tune_trials"] == 10 and result["packed"]["tune_trials"] == 4
-    assert lines[-1].startswith("extrapolated to 50,000 trials (packs of 50): ")
+    assert result["queued"]["trials"] == 200 and result["queued"]["queued"] and result["half"]["trials"] == 100
+    assert result["baseline"]["tune_trials"] == 10 and result["queued"]["tune_trials"] == 4
+    assert lines[-1].startswith("extrapolated to 50,000 configs (queued): ")
 
 
 @pytest.mark.bench  # about 2 minutes

@@ -37,9 +37,11 @@ def test_sweep_runs_trials_and_writes_the_best_config(local_ray, dataset):
     assert [float(r["best_val_loss"]) for r in rows] == sorted(t["best"] for t in trials)
     assert {r["trial"] for r in rows} == {t["trial"] for t in trials} and len(rows) == 3
     assert set(rows[0]) == {"trial", "status", "iterations", "best_val_loss", "lr", "batch_size"}
-    # An ended trial's checkpoints keep its results, not its model and optimizer.
+    # Workers took the configs from the queue: its results are one file here, and no trial checkpointed.
+    assert out["workers"] == 2 and out["tune_trials"] == 2  # the session's Ray has 2 CPUs
+    assert os.listdir(os.path.join(out["path"], "results")) and len(os.listdir(os.path.join(out["path"], "results"))) <= 2
     kept = [os.path.join(d, f) for d, _, fs in os.walk(out["path"]) for f in fs]
-    assert sum(f.endswith("pack.json") for f in kept) >= 3 and not [f for f in kept if f.endswith(STATE_FILE)]
+    assert not [f for f in kept if f.endswith(("pack.json", STATE_FILE))]
 
     # Tune's experiment state, which a resume unpickles, is signed: the finished sweep resumes as is...
     files = set(os.listdir(out["path"]))
@@ -159,8 +161,8 @@ def test_an_optuna_sweep_over_the_model_shape_and_training_from_its_best_config(
     assert used["train"]["lr"] == pytest.approx(best["lr"]) and used["train"]["batch_size"] == best["batch_size"]
 
 
-def test_packed_configs_are_sampled_by_index_and_asha_rule_keeps_the_better_half():
-    from tune.sweep import asha_keeps, rungs, sample
+def test_queued_configs_are_sampled_by_index_and_asha_rule_keeps_the_better_half():
+    from tune.queue import asha_keeps, rungs, sample
 
     space = SPACES["small"]
     assert sample(space, 0, 7) == sample(space, 0, 7) and sample(space, 0, 7) != sample(space, 0, 8)
@@ -177,22 +179,19 @@ def test_packed_configs_are_sampled_by_index_and_asha_rule_keeps_the_better_half
     recorded = [1.0, 2.0, 3.0, 4.0]
     assert asha_keeps(recorded, 2.0) and asha_keeps(recorded, 2.5) and not asha_keeps(recorded, 2.6)
     with pytest.raises(ValueError, match="one config per Tune trial"):
-        SweepConfig(search="optuna", num_samples=5000)
-    big = SweepConfig(num_samples=50_000)
-    assert big.pack_size == 50 and big.packs == 1000
-    assert [len(big.pack_range(i)) for i in (0, 999)] == [50, 50] and big.pack_range(999)[-1] == 49_999
-    odd = SweepConfig(num_samples=7, pack=3)
-    assert odd.packs == 3 and list(odd.pack_range(2)) == [6]
+        SweepConfig(search="optuna", pack=8)
+    assert SweepConfig().queued and SweepConfig(pack=8).queued  # random search takes configs from the queue
+    assert not SweepConfig(pack=1).queued and not SweepConfig(search="optuna").queued  # a Tune trial per config
 
 
 @pytest.mark.slow
-def test_a_packed_sweep_accounts_for_every_config_and_plots_it(local_ray, dataset):
-    from tune.sweep import load_space, sample
+def test_a_queued_sweep_accounts_for_every_config_applies_asha_across_it_and_plots_it(local_ray, dataset):
+    from tune.queue import asha_keeps, sample
+    from tune.sweep import load_space
 
-    cfg = SweepConfig(num_samples=7, pack=3, steps=8, report_every=2, max_rows=64, eval_rows=8,
-                      checkpoint_every_s=0, space="small", seed=3)
+    cfg = SweepConfig(num_samples=7, pack=3, steps=8, report_every=2, max_rows=64, eval_rows=8, space="small", seed=3)
     out = run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name="packed", storage=Storage.from_env())
-    assert out["tune_trials"] == 3 and out["trials"] == 7 and out["errors"] == 0 and out["pack"] == 3
+    assert out["tune_trials"] == 2 and out["trials"] == 7 and out["errors"] == 0 and out["pack"] == 3
     with open(os.path.join(out["path"], "trials.json")) as f:
         trials = json.load(f)["trials"]
     by_index = {int(t["trial"].rsplit(":", 1)[1]): t for t in trials}
@@ -203,6 +202,18 @@ def test_a_packed_sweep_accounts_for_every_config_and_plots_it(local_ray, datase
         assert t["iterations"] == {"completed": 4, "stopped early": 2}[t["status"]]  # rungs at 2 (and 4 = max_t)
         assert t["best"] == min(t["curve"]) and len(t["curve"]) == t["iterations"]
     assert out["iterations"] == sum(t["iterations"] for t in trials)
+    # ASHA's rung at 2 reports is the sweep's: replayed in the order the queue met the configs there, each
+    # config went on exactly when the rule kept it, whichever worker trained it.
+    from strata.storage import read_jsonl
+
+    logged = [r for d in os.listdir(os.path.join(out["path"], "trials"))
+              for r in read_jsonl(os.path.join(out["path"], "trials", d, "metrics.jsonl")) if r["step"] == 4]
+    assert sorted(r["asha"]["order"] for r in logged) == list(range(7))
+    recorded = []
+    for r in sorted(logged, key=lambda r: r["asha"]["order"]):
+        assert (by_index[r["index"]]["status"] == "completed") == asha_keeps(recorded, r["val_loss"])
+        recorded.append(r["val_loss"])
+    assert len(recorded) == 7
     with open(os.path.join(out["path"], "progress.json")) as f:
         assert json.load(f)["done"] == 7
     for path in out["plots"]:
@@ -268,7 +279,7 @@ def test_a_fine_tuning_sweep_starts_every_trial_from_the_same_weights(local_ray,
     cfg = SweepConfig(num_samples=4, pack=2, steps=2, report_every=2, max_rows=64, eval_rows=8, scheduler="fifo",
                       init_from=str(tmp_path / "hf"))
     out = run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name="tuned", storage=Storage.from_env())
-    assert out["trials"] == 4 and out["completed"] == 4 and out["tune_trials"] == 2  # two configs per trial actor
+    assert out["trials"] == 4 and out["completed"] == 4 and out["tune_trials"] == 2  # two worker actors
     with open(os.path.join(out["path"], "best.json")) as f:  # what train --from-sweep starts from
         assert json.load(f)["init_from"] == str(tmp_path / "hf")
     # A trial actor fetches the weights once and every later config reuses its copy.
@@ -295,7 +306,7 @@ def test_a_trial_and_the_run_it_recommends_train_on_the_same_batches(local_ray, 
     trials = os.path.join(sweep["path"], "trials")
     (log,) = [os.path.join(trials, d, "metrics.jsonl") for d in os.listdir(trials)]
     rows = read_jsonl(log)
-    assert [r["step"] for r in rows] == [3, 6] and all(r["index"] is None for r in rows)
+    assert [r["step"] for r in rows] == [3, 6] and all(r["index"] == 0 for r in rows)
     swept = [x for r in rows for x in r["step_losses"]]
 
     run = train_main(["--from-sweep", "fixed", "--max-steps", str(k), "--log-every", "1", "--workers", "1",
@@ -319,17 +330,17 @@ def test_an_accuracy_metric_is_maximised_and_goes_with_a_task_file():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("packed", [False, True])
-def test_a_sweep_can_rank_configs_by_task_accuracy(local_ray, dataset, packed):
-    """--metric task_acc: each report scores the task; the best config is the most accurate one, packed
-    (strata's ASHA rule, signed) or not (Tune's scheduler in max mode)."""
+@pytest.mark.parametrize("queued", [False, True])
+def test_a_sweep_can_rank_configs_by_task_accuracy(local_ray, dataset, queued):
+    """--metric task_acc: each report scores the task; the best config is the most accurate one, queued
+    (strata's ASHA rule, signed) or a Tune trial per config (Tune's scheduler in max mode)."""
     from strata.storage import read_jsonl
 
     task = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "infer", "tasks",
                         "arithmetic.jsonl")
     cfg = SweepConfig(num_samples=4, steps=4, report_every=1, max_rows=64, eval_rows=8, metric="task_acc",
-                      eval_task=task, pack=2 if packed else 1, scheduler="asha" if packed else "fifo")
-    out = run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name=f"acc-{int(packed)}",
+                      eval_task=task, pack=0 if queued else 1, scheduler="asha" if queued else "fifo")
+    out = run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name=f"acc-{int(queued)}",
               storage=Storage.from_env())
     with open(os.path.join(out["path"], "trials.json")) as f:
         trials = json.load(f)["trials"]
@@ -340,3 +351,7 @@ def test_a_sweep_can_rank_configs_by_task_accuracy(local_ray, dataset, packed):
     logged = [r for d in os.listdir(os.path.join(out["path"], "trials"))
               for r in read_jsonl(os.path.join(out["path"], "trials", d, "metrics.jsonl"))]
     assert sorted(r["task_acc"] for r in logged) == sorted(v for t in trials for v in t["curve"])
+    # A config's own trial checkpoints its model at every report; once it ended, only its results stay.
+    kept = [os.path.join(d, f) for d, _, fs in os.walk(out["path"]) for f in fs]
+    assert sum(f.endswith("pack.json") for f in kept) >= (0 if queued else 4)
+    assert not [f for f in kept if f.endswith(STATE_FILE)]

@@ -4,6 +4,7 @@ plots, best config) and the run record. `python -m tune` is its CLI."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ from dataclasses import asdict, replace
 
 import numpy as np
 from ray.tune import Callback
+from ray.tune.stopper import Stopper
 
 from strata import tiers
 from strata.shell import Job
@@ -31,18 +33,18 @@ from train.model import preset
 from train.spec import resolve
 from train.tasks import load_task
 from tune.plots import write_plots
+from tune.queue import FLUSH_S, GRACE, REDUCTION, ConfigQueue, read_results, rungs, sample
 from tune.sweep import (
-    GRACE,
     MIX,
-    REDUCTION,
+    REFERENCE_CONCURRENT,
     STATE_FILE,
     SweepConfig,
     TrialSpec,
     load_rows,
     load_space,
-    sample,
     to_tune,
     trial,
+    work,
 )
 from tune.trust import SignTuneState, check_tune_state, sign_tuner
 
@@ -55,8 +57,8 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
     """Run (or, when the sweep directory holds an unfinished one, resume) a sweep; write its results."""
     # Per-trial JSON/TensorBoard loggers cost driver memory and time; keep CSV only.
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
-    # Single configs keep their last 2 checkpoints (model state), so Tune snapshots the experiment every
-    # 2 checkpoints of a trial: expected, at most 1,000 trials; packs keep all (small) and force none.
+    # A config's own trial (--pack 1) keeps its last 2 checkpoints (model state), so Tune snapshots the
+    # experiment every 2 checkpoints of a trial: expected. Queued workers checkpoint nothing.
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
 
     import ray
@@ -112,18 +114,23 @@ def _run_leased(job: Job, cfg, space, dataset, trial_spec, sweep_name, sweep_dir
     else:
         info = job.begin(what)
         write_json_atomic(join(sweep_dir, "sweep.json"), info)
-    packed = cfg.pack_size > 1
+    workers = worker_count(cfg) if cfg.queued else 0
     _log.info(f"{'resuming' if resuming else 'starting'} sweep {sweep_name}: {cfg.num_samples} trials"
-              f"{f' in {cfg.packs} packs of {cfg.pack_size}' if packed else ''} on "
+              f"{f' taken from its queue by {workers} workers' if workers else ''} on "
               f"{sum(src.rows for s in trial_spec.run.sources for src in s.shards):,} rows of {dataset}")
 
-    # Data goes into the object store once; every trial reads the same copy.
-    trainable = tune.with_parameters(trial, spec=trial_spec, space=space)
-    tuner = make_tuner(trainable, cfg, space, sweep_dir, progress=progress, resume=resuming)
     started = time.time()
+    queue = {}
     with job.working():
-        grid = fit(tuner)
-    trials = collect(grid, cfg, space)
+        if cfg.queued:
+            # Data goes into the object store once; every trial reads the same copy.
+            grid, trials, queue = fit_queued(work, cfg, space, sweep_dir, workers=workers, progress=progress,
+                                             resume=resuming, spec=trial_spec)
+        else:
+            tuner = make_tuner(tune.with_parameters(trial, spec=trial_spec, space=space), cfg, space, sweep_dir,
+                               progress=progress, resume=resuming)
+            grid = fit(tuner)
+            trials = collect(grid, cfg, space)
     done = [t for t in trials if t["best"] is not None]
     if not done:
         raise RuntimeError(f"sweep {sweep_name}: no trial reported a metric; first error: "
@@ -142,7 +149,7 @@ def _run_leased(job: Job, cfg, space, dataset, trial_spec, sweep_name, sweep_dir
     hours = (job.usage.ended - job.usage.started) / 3600
     figures = {"trials": len(trials), **{k.replace(" ", "_"): v for k, v in counts.items()},
                "iterations": sum(t["iterations"] for t in trials), "best": best["best"], "metric": cfg.metric,
-               "trials_per_hour": len(trials) / hours if hours else None, "pack": cfg.pack_size,
+               "trials_per_hour": len(trials) / hours if hours else None, "pack": cfg.pack,
                "curves": [t["curve"] for t in sorted(done, key=lambda t: cfg.sign * t["best"])[:5]]}
     return {
         **job.finish(beside=join(sweep_dir, "record.json"), work_nodes=[t["node_id"] for t in trials if t["node_id"]],
@@ -150,7 +157,8 @@ def _run_leased(job: Job, cfg, space, dataset, trial_spec, sweep_name, sweep_dir
         "sweep": sweep_name, "path": sweep_dir, "dataset": dataset, "resumed": resuming,
         "trials": len(trials), "completed": counts["completed"] + counts["stopped early"],
         "stopped_early": counts["stopped early"], "errors": counts["error"], "tune_trials": len(grid),
-        "pack": cfg.pack_size, "restores": sum(t["restores"] for t in trials),
+        "pack": cfg.pack, "workers": workers, "restores": sum(t["restores"] for t in trials),
+        "requeued": queue.get("requeued", 0),
         "best": {"config": best["config"], "metric": best["best"], "metric_name": cfg.metric},
         "iterations": sum(t["iterations"] for t in trials), "seconds": round(time.time() - started, 1),
         "plots": plots,
@@ -197,8 +205,10 @@ def fit(tuner):
 
 
 def make_tuner(trainable, cfg: SweepConfig, space: dict, sweep_dir: str, *, progress: bool = True,
-               resume: bool = False):
-    """The sweep's Tuner: trials on spot nodes, packed when large, checkpointed, retried on node loss."""
+               resume: bool = False, queue: str = "", workers: int = 0):
+    """The sweep's Tuner: trials on spot nodes, retried on node loss. With `queue` (the queue actor's name):
+    `workers` worker trials that take configs from it; else a trial per config, checkpointed at every
+    report, with Tune's scheduler and search."""
     from ray import tune
     from ray.tune.logger import CSVLoggerCallback
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
@@ -208,29 +218,95 @@ def make_tuner(trainable, cfg: SweepConfig, space: dict, sweep_dir: str, *, prog
     if resume:
         check_tune_state(sweep_dir)  # Tune unpickles what it restores from: only what strata signed
         return tune.Tuner.restore(sweep_dir, trainable, resume_unfinished=True, resume_errored=True)
-    packed = cfg.pack_size > 1
     max_t = cfg.reports
-    # A pack applies ASHA's rule to its own configs; Tune's scheduler only sees single configs.
+    # Queued configs meet ASHA's rule in the queue; Tune's scheduler only sees a config's own trial.
     scheduler = (ASHAScheduler(max_t=max_t, grace_period=min(GRACE, max_t), reduction_factor=REDUCTION)
-                 if cfg.scheduler == "asha" and not packed else FIFOScheduler())
+                 if cfg.scheduler == "asha" and not queue else FIFOScheduler())
     storage_path, name = sweep_dir.rstrip("/").rsplit("/", 1)
+    if queue:
+        space_or_workers = {"worker": tune.grid_search(list(range(workers)))}
+        concurrency = {}
+        callbacks = [RequeueLost(queue)]
+    else:
+        space_or_workers, concurrency, callbacks = to_tune(space), _concurrency(cfg, _searcher(cfg)), [DropFinishedState()]
     tuner = tune.Tuner(
         trainable,
-        param_space={"pack": tune.grid_search(list(range(cfg.packs)))} if packed else to_tune(space),
-        tune_config=tune.TuneConfig(metric=cfg.metric, mode=cfg.mode, num_samples=1 if packed else cfg.num_samples,
-                                    scheduler=scheduler, reuse_actors=True,
-                                    **_concurrency(cfg, None if packed else _searcher(cfg))),
+        param_space=space_or_workers,
+        # A worker reports once, at its end (`configs`, its count): no metric for Tune to rank by.
+        tune_config=tune.TuneConfig(metric=None if queue else cfg.metric, mode=None if queue else cfg.mode,
+                                    num_samples=1 if queue else cfg.num_samples, scheduler=scheduler,
+                                    reuse_actors=True, **concurrency),
         run_config=tune.RunConfig(
             name=name, storage_path=storage_path, verbose=0,  # SweepProgress and the final table instead
-            callbacks=[CSVLoggerCallback(), SignTuneState(name), *([] if packed else [DropFinishedState()]),
-                       *([SweepProgress(cfg, sweep_dir)] if progress else [])],
-            # A pack's checkpoints are small books and all are kept: with num_to_keep set, Tune snapshots
-            # the whole experiment every num_to_keep checkpoints of any trial, which at scale is the cost.
-            checkpoint_config=tune.CheckpointConfig(num_to_keep=None if packed else 2),
+            callbacks=[CSVLoggerCallback(), SignTuneState(name), *callbacks,
+                       *([SweepProgress(cfg, sweep_dir, queue=queue)] if progress else [])],
+            stop=QueueOver(queue) if queue else None,
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=2),  # a config's own trial: the last report's
             failure_config=tune.FailureConfig(max_failures=cfg.max_failures)),
     )
     sign_tuner(sweep_dir)
     return tuner
+
+
+def worker_count(cfg: SweepConfig) -> int:
+    """Workers of a queued sweep: --max-concurrent; else one per spot slot of the cluster now, or, where an
+    autoscaler announces that it starts spot nodes on demand, enough for the reference (200) so that it
+    does, as far as the sweep has configs."""
+    import ray
+
+    if cfg.max_concurrent:
+        return min(cfg.num_samples, cfg.max_concurrent)
+    slots, autoscaled = 0, False
+    for n in ray.nodes():
+        if n.get("Alive"):
+            labels = n.get("Labels", {})
+            if tiers.Tier.SPOT in tiers.tiers_of(labels):
+                slots += int(n["Resources"].get("CPU", 0) // cfg.cpus_per_trial)
+            autoscaled |= tiers.Tier.SPOT in tiers.autoscaled_tiers(labels)
+    return max(1, min(cfg.num_samples, max(slots, REFERENCE_CONCURRENT if autoscaled else 1)))
+
+
+def queue_name(sweep_dir: str) -> str:
+    """The name of a sweep's queue actor: callbacks and workers find it by name (Tune pickles callbacks
+    with the experiment, and a resumed sweep has a new queue)."""
+    import hashlib
+
+    return "strata-sweep-queue-" + hashlib.sha256(sweep_dir.encode()).hexdigest()[:16]
+
+
+def fit_queued(worker, cfg: SweepConfig, space: dict, sweep_dir: str, *, workers: int, progress: bool = True,
+                resume: bool = False, **params) -> tuple:
+    """Run a queued sweep: its queue actor on this (the driver's) node, and `workers` worker trials of
+    `worker(config, space=, queue=, **params)` (Tune's function trainable; `queue` is the queue's name).
+    Returns Tune's ResultGrid, a record per config
+    (`collect_queued`) and the queue's final counts."""
+    import ray
+    from ray import tune
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    name = queue_name(sweep_dir)
+    queue = ray.remote(ConfigQueue).options(
+        name=name, num_cpus=0, max_restarts=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+    ).remote(sweep_dir, cfg.num_samples, rungs=rungs(cfg.reports) if cfg.scheduler == "asha" else [], sign=cfg.sign,
+             max_attempts=cfg.max_failures + 1 if cfg.max_failures >= 0 else 1 << 30,
+             flush_s=float(os.environ.get("STRATA_SWEEP_FLUSH_S", FLUSH_S)))
+    state = {}
+    try:
+        before = ray.get(queue.progress.remote())  # up, and done reading what a killed driver's queue wrote
+        if before["resumed"]:
+            _log.info(f"{before['resumed']} of {cfg.num_samples} configs are on record from before; "
+                      f"{before['queued']} to run")
+        tuner = make_tuner(tune.with_parameters(worker, space=space, queue=name, **params), cfg, space, sweep_dir,
+                           progress=progress, resume=resume, queue=name, workers=workers)
+        grid = fit(tuner)
+    finally:  # Ctrl-C too: what finished is written, and the rerun does not run it again
+        try:
+            state = ray.get(queue.close.remote(), timeout=120)
+        except ray.exceptions.RayError as e:
+            _log.warning(f"the sweep's queue did not write its last results ({e})")
+        ray.kill(queue)
+    return grid, collect_queued(sweep_dir, cfg, space, grid), state
 
 
 def check_driver_node() -> None:
@@ -246,31 +322,36 @@ def check_driver_node() -> None:
 
 
 def collect(grid, cfg: SweepConfig, space: dict) -> list[dict]:
-    """Every config of the sweep, from each Tune trial's last checkpoint: none goes unaccounted for.
-
-    A config a failed pack never reached is listed as an error with the pack's error.
-    """
+    """Every config of a sweep with a Tune trial per config, from each trial's last checkpoint."""
     out = []
     for r in grid:
         book = _book(r.checkpoint)
         tid = r.metrics.get("trial_id") or os.path.basename(r.path or "")
         error = f"{type(r.error).__name__}: {r.error}"[:500] if r.error else None
-        restores = len(book["restores"])
-        if "pack" in r.config:
-            have = {rec["index"]: rec for rec in book["done"]}
-            for i in cfg.pack_range(r.config["pack"]):
-                rec = have.get(i) or {"config": sample(space, cfg.seed, i), "curve": [], "status": "error"}
-                out.append(_record(f"{tid}:{i}", rec, rec["status"], error if i not in have else None, restores,
-                                   book.get("report_share"), cfg))
-        else:
-            rec = book["current"] or {"config": r.config, "curve": []}
-            status = ("error" if r.error else "completed" if len(rec["curve"]) == cfg.reports else "stopped early")
-            out.append(_record(tid, rec, status, error, restores, book.get("report_share"), cfg))
+        rec = book["current"] or {"config": r.config, "curve": []}
+        status = ("error" if r.error else "completed" if len(rec["curve"]) == cfg.reports else "stopped early")
+        out.append(_record(tid, rec, status, error, len(book["restores"]), book.get("report_share"), cfg))
+    return out
+
+
+def collect_queued(sweep_dir: str, cfg: SweepConfig, space: dict, grid) -> list[dict]:
+    """Every config of a queued sweep, from its results: none goes unaccounted for. A config with no
+    result (every worker failed before it ran) is an error with the first worker's error."""
+    failed = next((f"{type(r.error).__name__}: {r.error}"[:500] for r in grid if r.error), None)
+    have = {rec["index"]: rec for rec in read_results(sweep_dir)}
+    out = []
+    for i in range(cfg.num_samples):
+        rec = have.pop(i, None) or {"config": None, "curve": [], "status": "error", "worker": "none", "attempts": 0,
+                                    "error": failed or "never run: the sweep ended before a worker took it"}
+        if rec["config"] is None:  # lost too often to have run to a result: recomputed from its index
+            rec["config"] = sample(space, cfg.seed, i)
+        out.append(_record(f"{rec['worker']}:{i}", rec, rec["status"], rec["error"], max(rec["attempts"] - 1, 0),
+                           rec.get("report_share"), cfg))
     return out
 
 
 def _book(checkpoint) -> dict:
-    empty = {"done": [], "current": None, "restores": []}
+    empty = {"current": None, "restores": []}
     if checkpoint is None:
         return empty
     try:
@@ -288,8 +369,51 @@ def _record(trial_id: str, rec: dict, status: str, error: str | None, restores: 
             "restores": restores, "error": error, "report_share": report_share}
 
 
+class RequeueLost(Callback):
+    """Tells a queued sweep's queue at once when Tune sees a worker fail (its node lost, its process
+    killed), so that the configs it held go to a waiting worker rather than wait for this one's restart."""
+
+    def __init__(self, queue: str):
+        self.queue = queue
+
+    def _lost(self, trial) -> None:
+        import ray
+
+        with contextlib.suppress(ValueError):  # the queue is gone: the sweep is ending
+            ray.get_actor(self.queue).requeue.remote(trial.trial_id)
+
+    def on_trial_recover(self, iteration, trials, trial, **info):
+        self._lost(trial)
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self._lost(trial)
+
+
+class QueueOver(Stopper):
+    """Ends a queued sweep once its queue has handed out every config and has every result: worker trials
+    Tune has not started yet (more workers than the cluster holds now) then never start."""
+
+    def __init__(self, queue: str, every_s: float = 1.0):
+        self.queue, self.every_s, self.last, self.over = queue, every_s, 0.0, False
+
+    def __getstate__(self):
+        return {**self.__dict__, "last": 0.0, "over": False}
+
+    def __call__(self, trial_id, result) -> bool:
+        return False
+
+    def stop_all(self) -> bool:
+        import ray
+
+        if not self.over and time.monotonic() - self.last >= self.every_s:
+            self.last = time.monotonic()
+            with contextlib.suppress(ValueError, ray.exceptions.RayError):  # gone: the sweep is ending
+                self.over = ray.get(ray.get_actor(self.queue).progress.remote(), timeout=30)["over"]
+        return self.over
+
+
 class DropFinishedState(Callback):
-    """An unpacked trial checkpoints its model and optimizer at every report, for Tune's scheduler to pause
+    """A config's own trial checkpoints its model and optimizer at every report, for Tune's scheduler to pause
     and resume it; once the trial has ended (completed, or stopped by ASHA) no resume needs them. Its
     checkpoints keep only the book of results (pack.json, which `collect` reads): without this, 1,024
     configs of the debug preset kept 21 GB. A trial that errored keeps its state, for --resume."""
@@ -307,11 +431,11 @@ class DropFinishedState(Callback):
 
 
 class SweepProgress(Callback):
-    """Counts configs done, stopped early and failed across Tune trials (packed or not): a bar on
-    stderr, and `progress.json` in the sweep directory for notebooks and other watchers."""
+    """Counts configs done, stopped early and failed (from the queue, or from a Tune trial per config): a
+    bar on stderr, and `progress.json` in the sweep directory for notebooks and other watchers."""
 
-    def __init__(self, cfg: SweepConfig, sweep_dir: str, every_s: float = 2.0):
-        self.cfg, self.sweep_dir, self.every_s = cfg, sweep_dir, every_s
+    def __init__(self, cfg: SweepConfig, sweep_dir: str, every_s: float = 2.0, queue: str = ""):
+        self.cfg, self.sweep_dir, self.every_s, self.queue = cfg, sweep_dir, every_s, queue
         self.last, self.bar, self.said = 0.0, None, None
         self.peak = 0  # the most trials running at once (--max-concurrent caps it)
 
@@ -319,18 +443,19 @@ class SweepProgress(Callback):
         return {**self.__dict__, "bar": None, "last": 0.0, "said": None}
 
     def counts(self, trials) -> dict:
+        if self.queue:  # what the queue knows: configs, and workers holding some (`running`)
+            import ray
+
+            try:
+                return ray.get(ray.get_actor(self.queue).progress.remote(), timeout=30)
+            except (ValueError, ray.exceptions.RayError):  # gone: the sweep has ended
+                return None
         done = errors = 0
         best = None
         for t in trials:
-            if self.cfg.pack_size > 1:
-                n = (t.last_result or {}).get("configs_done", 0)
-                if t.status == "ERROR":
-                    errors += len(self.cfg.pack_range(t.config["pack"])) - n
-            else:
-                # Ended with a result: a trial Ctrl-C ended before it reported ends TERMINATED too.
-                n = int(t.status == "TERMINATED" and self.cfg.metric in (t.last_result or {}))
-                errors += int(t.status == "ERROR")
-            done += n
+            # Ended with a result: a trial Ctrl-C ended before it reported ends TERMINATED too.
+            done += int(t.status == "TERMINATED" and self.cfg.metric in (t.last_result or {}))
+            errors += int(t.status == "ERROR")
             m = t.metric_analysis.get(self.cfg.metric, {}).get(self.cfg.mode)
             if m is not None and (best is None or self.cfg.sign * m < self.cfg.sign * best):
                 best = m
@@ -353,7 +478,8 @@ class SweepProgress(Callback):
         if not force and now - self.last < self.every_s:
             return
         self.last = now
-        c = self.counts(trials)
+        if (c := self.counts(trials)) is None:
+            return
         write_json_atomic(join(self.sweep_dir, "progress.json"), {**c, "updated": time.time()})
         if not sys.stderr.isatty():  # a log (a submitted job's, a file): a line when something changed
             line = (f"[tune] trials: {c['done']}/{c['trials']} done, {c['running']} running, {c['errors']} failed, "

@@ -5,14 +5,16 @@ of start-up each), placed on spot-tier nodes by label selector. A trial builds
 its model, optimizer, schedule and batches through train's code (`ModelFit`):
 a config's trial and `python -m train --from-sweep` see the same batches.
 
-Scale: Ray Tune pays about 0.2-0.6 s of driver and raylet work per trial and
-holds each trial's state on the driver. A large sweep therefore runs its
-configs in *packs*: one Tune trial trains `pack` configs one after another,
-sampled from the space by their index (so anyone can recompute them), with
-ASHA's rule applied inside the pack. Every Tune trial, packed or not,
-checkpoints what it has done (`pack.json`, plus the model state while a
-single config is in flight), so a lost spot node or a killed driver costs at
-most a checkpoint interval.
+Scale: Ray Tune pays a fraction of a second of driver and raylet work per
+trial, and a checkpoint per report. By default a sweep therefore runs a few
+long-lived Tune trials, one per spot slot (*workers*), which pull configs
+from the sweep's queue (tune/queue.py) until none is left. A config is
+sampled from the space by its index, so anyone can recompute it; ASHA's rule
+is applied by the queue across the whole sweep. A worker checkpoints
+nothing: what it finished is with the queue, and what a lost worker held
+goes back to the front of the queue. `--pack 1` (and `--search optuna`, whose
+searcher proposes each config) runs one Tune trial per config instead, with
+Tune's own scheduler and a checkpoint at every report.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ import torch
 from strata.cli import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, check_fields
 from strata.connect import fetch_once
 from strata.dataset import read_rows
-from strata.storage import JsonlWriter, join
 from strata.tokenizer import from_info
 from train.config import (
     MODEL_KEYS,
@@ -50,6 +51,7 @@ from train.model import GPTConfig, build
 from train.pretrained import apply
 from train.spec import RunSpec
 from train.step import evaluate, make_optimizer, train_step
+from tune.queue import _log_for, _row, run_worker
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,11 +78,11 @@ class SweepConfig:
     seed: int = 0
     """Seed of the search and of every trial's init and data order."""
     pack: int = 0
-    """Configs per Tune trial (0: 1 up to 1,000 trials, else enough to keep Tune at 1,000 trials)."""
-    checkpoint_every_s: float = 30.0
-    """A pack checkpoints what it has done at the first config boundary after this many seconds."""
+    """Configs a worker takes from the sweep's queue at a time (0: about TAKE_S seconds of them, at least one);
+    1: one Tune trial per config instead, with Tune's scheduler and a checkpoint at every report."""
     max_failures: int = 3
-    """Times a trial is restarted from its checkpoint after its node is lost."""
+    """Times a trial (a worker, or a config's own trial with --pack 1) is restarted after its node is lost;
+    with the queue, a config lost this many times plus one is recorded as an error."""
     cpus_per_trial: float = 1.0
     """CPUs each trial reserves on its spot node."""
     init_from: str = ""
@@ -105,11 +107,11 @@ class SweepConfig:
             raise ValueError(f"search must be random or optuna, not {self.search!r}")
         check_fields(self, {**dict.fromkeys(("num_samples", "steps", "report_every", "max_rows", "eval_rows"),
                                             AT_LEAST_ONE), "cpus_per_trial": POSITIVE,
-                            **dict.fromkeys(("max_concurrent", "pack", "seed", "checkpoint_every_s"), NON_NEGATIVE),
+                            **dict.fromkeys(("max_concurrent", "pack", "seed"), NON_NEGATIVE),
                             "max_failures": (lambda v: v >= -1, ">= 0, or -1 for no limit")})
-        if self.search == "optuna" and self.pack_size > 1:
-            raise ValueError("--search optuna proposes one config per Tune trial: use --pack 1 "
-                             "(or sweep at most 1,000 trials)")
+        if self.search == "optuna" and self.pack > 1:
+            raise ValueError("--search optuna proposes one config per Tune trial (--pack 1); it cannot "
+                             "take configs from the queue")
 
     @property
     def mode(self) -> str:
@@ -126,32 +128,21 @@ class SweepConfig:
         return min(values, key=lambda v: self.sign * v)
 
     @property
-    def pack_size(self) -> int:
-        if self.pack:
-            return self.pack
-        return 1 if self.num_samples <= TUNE_TRIALS else math.ceil(self.num_samples / TUNE_TRIALS)
-
-    @property
-    def packs(self) -> int:
-        """Tune trials the sweep needs."""
-        return math.ceil(self.num_samples / self.pack_size)
+    def queued(self) -> bool:
+        """Workers pull configs from the sweep's queue (random search, --pack other than 1); else one Tune
+        trial per config."""
+        return self.search == "random" and self.pack != 1
 
     @property
     def reports(self) -> int:
         """Reports (ASHA's time unit) of a config that runs to the end."""
         return math.ceil(self.steps / self.report_every)
 
-    def pack_range(self, pack: int) -> range:
-        """The config indices of pack number `pack`."""
-        return range(pack * self.pack_size, min((pack + 1) * self.pack_size, self.num_samples))
-
 
 MAXIMIZED = ("task_acc", "task_acc_norm")
 METRICS = ("val_loss", "val_bpb", *MAXIMIZED)
 REFERENCE_CONCURRENT = 200  # trials at once the sweep tier is sized for (50,000 configs in about 4 hours)
-STATE_FILE = "state.pt"  # an unpacked trial's model and optimizer in its checkpoint, beside pack.json
-TUNE_TRIALS = 1000  # Tune trials a packed sweep aims at: few enough for the driver, enough to spread
-GRACE, REDUCTION = 2, 2  # ASHA: first rung after 2 reports, keep the best half at each rung
+STATE_FILE = "state.pt"  # a config's own trial's model and optimizer in its checkpoint, beside pack.json
 
 
 DISTRIBUTIONS = {"loguniform": 2, "uniform": 2, "randint": 2, "choice": 1}
@@ -223,40 +214,6 @@ def to_tune(space: dict) -> dict:
     make = {"loguniform": tune.loguniform, "uniform": tune.uniform, "randint": tune.randint,
             "choice": lambda *a: tune.choice(list(a))}
     return {k: make[name](*args) for k, d in space.items() for name, args in d.items()}
-
-
-def sample(space: dict, seed: int, index: int) -> dict:
-    """Config number `index` of a packed sweep: a pure function of (space, seed, index)."""
-    rng = np.random.default_rng([seed, index])
-    out = {}
-    for key in sorted(space):
-        (name, args), = space[key].items()
-        if name == "loguniform":
-            v = float(math.exp(rng.uniform(math.log(args[0]), math.log(args[1]))))
-        elif name == "uniform":
-            v = float(rng.uniform(args[0], args[1]))
-        elif name == "randint":  # Tune's convention: high excluded
-            v = int(rng.integers(args[0], args[1]))
-        else:
-            v = args[int(rng.integers(len(args)))]
-        out[key] = v
-    return out
-
-
-def rungs(max_t: int) -> list[int]:
-    """ASHA's milestones (in reports) below max_t: GRACE, GRACE*REDUCTION, ..."""
-    out, t = [], min(GRACE, max_t)
-    while t < max_t:
-        out.append(t)
-        t *= REDUCTION
-    return out
-
-
-def asha_keeps(recorded: list[float], metric: float) -> bool:
-    """ASHA's rule for a metric to minimise: go on unless worse than the best 1/REDUCTION recorded so far."""
-    if not recorded:
-        return True
-    return not metric > float(np.nanpercentile(recorded, 100 / REDUCTION))
 
 
 def load_rows(source: Source, split: str, limit: int, last: bool = False) -> np.ndarray | None:
@@ -359,23 +316,21 @@ class ModelFit:
 
 
 def trial(config: dict, *, spec: TrialSpec, space: dict) -> None:
-    """The sweep's Tune trainable: one config, or a pack of them, of train's loop on the sweep's data."""
-    run_trial(config, sweep=spec.sweep, space=space, make_fit=lambda hp, state: ModelFit(hp, state, spec),
-              out=spec.out)
+    """The Tune trainable of a sweep with one Tune trial per config (--pack 1, --search optuna)."""
+    run_trial(config, sweep=spec.sweep, make_fit=lambda hp, state: ModelFit(hp, state, spec), out=spec.out)
 
 
-def run_trial(config: dict, *, sweep: SweepConfig, space: dict, make_fit, out: str = "") -> None:
-    """Run a Tune trial's configs, resuming from its checkpoint when it has one.
+def work(config: dict, *, spec: TrialSpec, space: dict, queue: str) -> None:
+    """The Tune trainable of a queued sweep: a worker (tune/queue.py)."""
+    run_worker(sweep=spec.sweep, space=space, make_fit=lambda hp, state: ModelFit(hp, state, spec), queue=queue,
+               out=spec.out)
 
-    A single config (`config` is the hyperparameters) reports after every
-    `report_every` steps with its full state, and Tune's scheduler decides.
-    A pack (`config` is {"pack": i}) trains its configs in turn, applies ASHA's
-    rule at the rungs, and checkpoints its book of finished configs at config
-    boundaries every `checkpoint_every_s`, and at the end.
 
-    Each report's training losses go to `out`/trials/TRIAL/metrics.jsonl, a row per report in the form
-    of a run's metrics.jsonl (`step`, `loss`, `step_losses`) plus the config's `index` (None: a single
-    config) and `config`: one file per Tune trial, however many configs it trains.
+def run_trial(config: dict, *, sweep: SweepConfig, make_fit, out: str = "") -> None:
+    """Run a config as its own Tune trial, resuming from its checkpoint when it has one.
+
+    It reports after every `report_every` steps with its full state, and Tune's scheduler decides. Each
+    report's training losses go to `out`/trials/TRIAL/metrics.jsonl (`_row`, with index None).
     """
     import ray
     from ray import tune
@@ -383,8 +338,7 @@ def run_trial(config: dict, *, sweep: SweepConfig, space: dict, make_fit, out: s
     s = sweep
     logging.getLogger("ray.train._internal.storage").setLevel(logging.WARNING)  # a line per checkpoint otherwise
     node = ray.get_runtime_context().get_node_id()
-    single = "pack" not in config
-    book, state = {"done": [], "current": None, "rungs": {}, "restores": []}, None
+    book, state = {"current": None, "restores": []}, None
     if (ckpt := tune.get_checkpoint()) is not None:
         with ckpt.as_directory() as d:
             with open(os.path.join(d, "pack.json")) as f:
@@ -392,50 +346,27 @@ def run_trial(config: dict, *, sweep: SweepConfig, space: dict, make_fit, out: s
             if os.path.exists(os.path.join(d, STATE_FILE)):
                 state = torch.load(os.path.join(d, STATE_FILE), weights_only=True)  # tensors, numbers, dicts
         book["restores"].append(node)
-    todo = [(None, config)] if single else [(i, sample(space, s.seed, i)) for i in s.pack_range(config["pack"])]
-    finished = {r["index"] for r in book["done"]}
-    milestones = set(rungs(s.reports)) if s.scheduler == "asha" else set()
-    log = JsonlWriter(join(out, "trials", tune.get_context().get_trial_id(), "metrics.jsonl")) if out else None
-    last_checkpoint = time.monotonic()
+    log = _log_for(out)
     clock = {"started": time.monotonic(), "report_s": 0.0}  # how much of the trial's wall time reports block
-    for index, hp in todo:
-        if index in finished:
-            continue
-        cur = book["current"]
-        if cur is None or cur["index"] != index:
-            cur = book["current"] = {"index": index, "config": hp, "curve": []}
-            state = None
-        fit = make_fit(hp, state)
-        status = "completed"
-        while len(cur["curve"]) < s.reports:
-            metric, losses = fit.advance()
-            cur["curve"].append(metric)
-            if log:
-                log.append({"time": time.time(), "index": index, "config": hp, "step": fit.step,
-                            "loss": sum(losses) / len(losses), "step_losses": losses, s.metric: metric})
-            cur["node"] = node  # where the config last trained
-            t = len(cur["curve"])
-            if single:  # Tune's scheduler decides; every report but the last is a checkpoint to resume from
-                _report({s.metric: metric, "node_id": node}, book, fit.state() if t < s.reports else None, clock)
-            elif t in milestones:
-                recorded = book["rungs"].setdefault(str(t), [])
-                keep = asha_keeps([s.sign * v for v in recorded], s.sign * metric)
-                recorded.append(metric)
-                if not keep:
-                    status = "stopped early"
-                    break
-        if single:
-            return
-        book["done"].append({**cur, "status": status})
-        book["current"] = None
-        if index == todo[-1][0] or time.monotonic() - last_checkpoint >= s.checkpoint_every_s:
-            best = s.best(s.best(r["curve"]) for r in book["done"])
-            _report({s.metric: best, "configs_done": len(book["done"]), "node_id": node}, book, None, clock)
-            last_checkpoint = time.monotonic()
+    cur = book["current"]
+    if cur is None:
+        cur = book["current"] = {"index": None, "config": config, "curve": []}
+        state = None
+    fit = make_fit(config, state)
+    while len(cur["curve"]) < s.reports:
+        metric, losses = fit.advance()
+        cur["curve"].append(metric)
+        if log:
+            log.append(_row(None, config, fit.step, losses, s.metric, metric))
+        cur["node"] = node  # where the config last trained
+        # Tune's scheduler decides; every report but the last is a checkpoint to resume from.
+        _report({s.metric: metric, "node_id": node}, book, fit.state() if len(cur["curve"]) < s.reports else None,
+                clock)
 
 
 def _report(metrics: dict, book: dict, state: dict | None, clock: dict) -> None:
-    """tune.report with a checkpoint of the book (and the in-flight state); Tune persists it before returning.
+    """tune.report with a checkpoint of the book (pack.json: the config's curve so far) and the model state;
+    Tune persists it before returning.
     The book keeps the share of this trial's wall time spent in reports before this one (`report_share`)."""
     from ray import tune
 

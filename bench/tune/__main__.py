@@ -1,24 +1,23 @@
-"""Sweeps at scale: Tune's per-trial cost with and without packing, and what ASHA saves.
+"""Sweeps at scale: the driver's cost per config, queued and as a Tune trial per config, and what ASHA saves.
 
-    python -m bench.tune [--trials 2000] [--max-concurrent 200] [--baseline-trials 200] [--asha-trials 16]
+    python -m bench.tune [--trials 2000] [--max-concurrent 8] [--baseline-trials 200] [--asha-trials 16]
 
 1. ASHA's worth: the same seeded random configs of the debug model on a small
    generated dataset, swept twice, with ASHA and without early stopping (fifo).
    Printed: trial iterations used (compute) and the best validation loss reached.
-2. Overhead: trivial trials (each reports one number) run through the
-   sweep's real driver path (`tune.driver.make_tuner` and `collect`: the
-   checkpointed book, the result table), packed as `python -m tune` packs a
-   50,000-trial sweep, at `--trials` and at half that (alternating, the
-   fastest of `--rounds` each). The slope between the
-   two is the marginal cost of a trial; what is left is the fixed cost of
-   starting `--max-concurrent` trial actors, which a longer sweep pays once.
-   The baseline, measured in the same run, is the same path with one config
-   per Tune trial (`--baseline-trials`). Driver memory is the driver's RSS
-   growth over the larger packed sweep, per 1,000 trials (an upper bound).
+2. Overhead: trivial configs (each reports one number) run through the
+   sweep's real driver path (`tune.driver.fit_queued`: the queue actor,
+   `--max-concurrent` worker trials, the results written in parts, and
+   `collect_queued`), at `--trials` and at half that (alternating, the fastest
+   of `--rounds` each). The slope between the two is the marginal cost of a
+   config; what is left is the fixed cost of starting the workers, which a
+   longer sweep pays once. The baseline, measured in the same run, is a Tune
+   trial per config (`--pack 1`, `--baseline-trials`). Driver memory is the
+   driver's RSS growth over the larger sweep, per 1,000 configs.
 
-The last line extrapolates to 50,000 trials: fixed cost + 50,000 x marginal
-cost, per trial, and the memory (targets: <= 10 ms per trial, <= 60 MB per
-1,000 trials).
+The last line extrapolates to 50,000 configs: fixed cost + 50,000 x marginal
+cost, per config, and the memory (targets: <= 10 ms per config, <= 60 MB per
+1,000 configs).
 """
 
 from __future__ import annotations
@@ -42,45 +41,56 @@ class TrivialFit:
     """A config that costs nothing to train: its metric is a function of its hyperparameters."""
 
     def __init__(self, hp: dict, state: dict | None):
-        self.hp = hp
+        self.hp, self.step = hp, 0
 
     def advance(self) -> tuple[float, list[float]]:
-        return abs(self.hp["lr"] - 3e-3) + self.hp["batch_size"] / 1000, []
+        self.step += 1
+        return abs(self.hp["lr"] - 3e-3) + self.hp["batch_size"] / 1000, [0.0]
 
     def state(self) -> dict:
         return {}
 
 
-def trivial(config: dict, *, sweep, space: dict) -> None:
+def trivial_worker(config: dict, *, sweep, space: dict, queue: str) -> None:
+    from tune.queue import run_worker
+
+    run_worker(sweep=sweep, space=space, make_fit=TrivialFit, queue=queue)
+
+
+def trivial_trial(config: dict, *, sweep) -> None:
     from tune.sweep import run_trial
 
-    run_trial(config, sweep=sweep, space=space, make_fit=TrivialFit)
+    run_trial(config, sweep=sweep, make_fit=TrivialFit)
 
 
-def overhead(trials: int, pack: int, max_concurrent: int, root: str) -> dict:
-    """Trivial trials through the sweep's driver path; wall time and driver RSS growth."""
+def overhead(trials: int, queued: bool, max_concurrent: int, root: str) -> dict:
+    """Trivial configs through the sweep's driver path; wall time and driver RSS growth."""
     import ray
     from ray import tune
 
     from strata.procs import rss_mb
-    from tune.driver import collect, make_tuner
+    from tune.driver import collect, fit, fit_queued, make_tuner
     from tune.sweep import SweepConfig, load_space
 
-    cfg = SweepConfig(num_samples=trials, pack=pack, steps=1, report_every=1, max_concurrent=max_concurrent,
-                      scheduler="fifo", cpus_per_trial=ray.cluster_resources()["CPU"] / max_concurrent)  # all at once
-    space = load_space(cfg.space)
-    trainable = tune.with_parameters(trivial, sweep=cfg, space=space)
-    tuner = make_tuner(trainable, cfg, space, os.path.join(root, f"overhead-{trials}-{pack}"), progress=False)
+    cfg = SweepConfig(num_samples=trials, pack=0 if queued else 1, steps=1, report_every=1,
+                      max_concurrent=max_concurrent, scheduler="fifo",
+                      cpus_per_trial=ray.cluster_resources()["CPU"] / max_concurrent)  # all at once
+    space, where = load_space(cfg.space), os.path.join(root, f"overhead-{trials}-{int(queued)}")
     gc.collect()
     before, started = rss_mb(), time.perf_counter()
-    rows = collect(tuner.fit(), cfg, space)
+    if queued:
+        grid, rows, _ = fit_queued(trivial_worker, cfg, space, where, workers=max_concurrent, progress=False,
+                                   sweep=cfg)
+    else:
+        rows = collect(fit(make_tuner(tune.with_parameters(trivial_trial, sweep=cfg), cfg, space, where,
+                                      progress=False)), cfg, space)
     seconds = time.perf_counter() - started
     gc.collect()
     after = rss_mb()
     if len(rows) != trials or any(r["status"] != "completed" for r in rows):
-        raise RuntimeError(f"{sum(r['status'] != 'completed' for r in rows)} of {trials} trivial trials failed")
-    return {"trials": trials, "pack": cfg.pack_size, "tune_trials": cfg.packs, "seconds": seconds,
-            "ms_per_trial": 1e3 * seconds / trials, "mb_per_1000": (after - before) * 1000 / trials}
+        raise RuntimeError(f"{sum(r['status'] != 'completed' for r in rows)} of {trials} trivial configs failed")
+    return {"trials": trials, "queued": queued, "tune_trials": max_concurrent if queued else trials,
+            "seconds": seconds, "ms_per_trial": 1e3 * seconds / trials, "mb_per_1000": (after - before) * 1000 / trials}
 
 
 def asha_vs_random(trials: int, root: str) -> dict:
@@ -103,17 +113,16 @@ def asha_vs_random(trials: int, root: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trials", type=int, default=2000, help="trivial trials, packed (default 2000)")
+    parser.add_argument("--trials", type=int, default=2000, help="trivial configs, queued (default 2000)")
     parser.add_argument("--baseline-trials", type=int, default=200, help="trivial trials, one per Tune trial")
     parser.add_argument("--max-concurrent", type=int, default=8,
-                        help="trial actors at once (default 8: what 2 cores hold; use 200 on a spot fleet)")
+                        help="workers (trial actors) at once (default 8: what 2 cores hold; use 200 on a spot fleet)")
     parser.add_argument("--asha-trials", type=int, default=16, help="trials of each ASHA/random sweep (0: skip)")
-    parser.add_argument("--rounds", type=int, default=2, help="packed sweeps of each size; the fastest counts")
+    parser.add_argument("--rounds", type=int, default=2, help="queued sweeps of each size; the fastest counts")
     parser.add_argument("--json", action="store_true", help="print a JSON result line before the last line")
     args = parser.parse_args(argv)
 
     from strata.connect import connect
-    from tune.sweep import SweepConfig
 
     connect()
     root = tempfile.mkdtemp(prefix="strata-bench-tune-")
@@ -126,33 +135,32 @@ def main(argv: list[str] | None = None) -> None:
                   f"no early stopping used {a['fifo']['iterations']} for {a['fifo']['best']:.4f} "
                   f"(compute ratio {a['asha']['iterations'] / a['fifo']['iterations']:.2f}, "
                   f"wall {a['asha']['seconds']:.0f} s vs {a['fifo']['seconds']:.0f} s)")
-        base = result["baseline"] = overhead(args.baseline_trials, 1, args.max_concurrent, root)
-        pack = SweepConfig(num_samples=TARGET_TRIALS).pack_size
+        base = result["baseline"] = overhead(args.baseline_trials, False, args.max_concurrent, root)
         runs = {n: [] for n in (args.trials // 2, args.trials)}
         for i in range(args.rounds):  # alternating sizes, fastest of each: the machine is shared and noisy
             for n in runs:
-                runs[n].append(overhead(n, pack, args.max_concurrent, os.path.join(root, str(i))))
+                runs[n].append(overhead(n, True, args.max_concurrent, os.path.join(root, str(i))))
         half, full = (min(r, key=lambda x: x["seconds"]) for r in runs.values())
-        result["half"], result["packed"] = half, full
+        result["half"], result["queued"] = half, full
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    for r, what in ((base, "one per Tune trial"), (half, f"packs of {pack}"), (full, f"packs of {pack}")):
-        print(f"{r['trials']:,} trivial trials, {what} ({r['tune_trials']:,} Tune trials, "
-              f"{args.max_concurrent} concurrent): {r['seconds']:.1f} s, {r['ms_per_trial']:.2f} ms per trial, "
-              f"driver {r['mb_per_1000']:+.1f} MB per 1,000 trials")
+    for r, what in ((base, "a Tune trial each"), (half, "queued"), (full, "queued")):
+        print(f"{r['trials']:,} trivial configs, {what} ({r['tune_trials']:,} Tune trials, "
+              f"{args.max_concurrent} concurrent): {r['seconds']:.1f} s, {r['ms_per_trial']:.2f} ms per config, "
+              f"driver {r['mb_per_1000']:+.1f} MB per 1,000 configs")
     marginal = max(0.0, (full["seconds"] - half["seconds"]) / (full["trials"] - half["trials"]))
     fixed = max(0.0, full["seconds"] - marginal * full["trials"])
     at_target = 1e3 * (fixed / TARGET_TRIALS + marginal)
-    print(f"packed: {1e3 * marginal:.2f} ms per extra trial, {fixed:.1f} s fixed (starting {args.max_concurrent} "
-          f"trial actors); all-in {base['ms_per_trial'] / full['ms_per_trial']:.0f}x less per trial than one "
-          f"config per Tune trial")
+    print(f"queued: {1e3 * marginal:.2f} ms per extra config, {fixed:.1f} s fixed (starting {args.max_concurrent} "
+          f"workers); all-in {base['ms_per_trial'] / full['ms_per_trial']:.0f}x less per config than a Tune "
+          f"trial per config")
     result["extrapolated"] = {"ms_per_trial": at_target, "mb_per_1000": full["mb_per_1000"]}
     if args.json:
         print(json.dumps(result))
-    print(f"extrapolated to {TARGET_TRIALS:,} trials (packs of {pack}): {at_target * TARGET_TRIALS / 1e3:.0f} s "
-          f"of overhead ({at_target:.2f} ms/trial, target <= 10), driver memory "
+    print(f"extrapolated to {TARGET_TRIALS:,} configs (queued): {at_target * TARGET_TRIALS / 1e3:.0f} s "
+          f"of overhead ({at_target:.2f} ms/config, target <= 10), driver memory "
           f"{full['mb_per_1000'] * TARGET_TRIALS / 1000:+,.0f} MB "
-          f"({full['mb_per_1000']:.1f} MB per 1,000 trials, target <= 60)")
+          f"({full['mb_per_1000']:.1f} MB per 1,000 configs, target <= 60)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,98 @@
+"""The sweep's config queue on its own (no Ray): what workers are handed, what a lost worker gives
+back, ASHA across the sweep, and what a killed driver's rerun finds on record."""
+
+import asyncio
+import os
+
+import pytest
+
+from tune import queue as q
+from tune.queue import ConfigQueue, asha_keeps, read_results
+
+
+def _result(i: int, worker: str, curve=(3.0, 2.0), status="completed") -> dict:
+    return {"index": i, "config": {"lr": i}, "curve": list(curve), "status": status, "node": "n", "worker": worker,
+            "attempts": 1, "error": None, "report_share": 0.0}
+
+
+def test_workers_take_in_order_and_a_lost_workers_configs_go_back_to_the_front(tmp_path):
+    async def main():
+        cq = ConfigQueue(str(tmp_path), 6, rungs=[], sign=1.0, max_attempts=2)
+        assert await cq.take("a", 2, []) == [(0, 1), (1, 1)]
+        assert await cq.take("b", 1, []) == [(2, 1)]
+        assert cq.lost("a") == 2  # its node went away holding 0 and 1
+        assert await cq.take("b", 3, [_result(2, "b")]) == [(0, 2), (1, 2), (3, 1)]  # the lost ones first
+        assert (await cq.progress())["requeued"] == 2 and (await cq.progress())["done"] == 1
+        # Lost again: a config handed out max_attempts times is recorded as an error, not run a third time.
+        assert cq.lost("b") == 1  # 3 goes back; 0 and 1 were on their second attempt
+        p = await cq.progress()
+        assert p["errors"] == 2 and p["queued"] == 3 and not p["over"]
+        got = await cq.take("c", 8, [])
+        assert got == [(3, 2), (4, 1), (5, 1)]
+        assert await cq.take("c", 8, [_result(i, "c") for i, _ in got]) is None  # over, and written
+        recs = {r["index"]: r for r in read_results(str(tmp_path))}
+        assert sorted(recs) == list(range(6)) and [recs[i]["status"] for i in (0, 1)] == ["error", "error"]
+        assert "lost with its worker 2 times" in recs[0]["error"]
+
+    asyncio.run(main())
+
+
+def test_a_worker_waits_while_others_hold_configs_and_takes_what_a_lost_one_gave_back(tmp_path):
+    async def main():
+        cq = ConfigQueue(str(tmp_path), 2, rungs=[], sign=1.0, max_attempts=3)
+        assert await cq.take("a", 1, []) == [(0, 1)]
+        assert await cq.take("b", 1, []) == [(1, 1)]
+        waiting = asyncio.ensure_future(cq.take("b", 1, [_result(1, "b")]))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # nothing queued, but a's config may yet come back
+        cq.lost("a")
+        assert await asyncio.wait_for(waiting, 5) == [(0, 2)]
+        ended = asyncio.ensure_future(cq.take("a", 1, [], fresh=True))  # a's restart: nothing left for it
+        await asyncio.sleep(0.05)
+        assert not ended.done()
+        assert await cq.take("b", 1, [_result(0, "b")]) is None
+        assert await asyncio.wait_for(ended, 5) is None  # the last result ends the sweep for every worker
+
+    asyncio.run(main())
+
+
+def test_asha_is_applied_across_the_sweep_and_a_rerun_queues_only_what_is_not_on_record(tmp_path):
+    async def main():
+        cq = ConfigQueue(str(tmp_path), 5, rungs=[2], sign=1.0, max_attempts=3, flush_s=3600.0)
+        await cq.take("a", 5, [])
+        metrics = [3.0, 1.0, 2.5, 0.5, 4.0]
+        decisions = [await cq.judge(2, m) for m in metrics]
+        expected = [asha_keeps(metrics[:i], m) for i, m in enumerate(metrics)]
+        assert [keep for keep, _ in decisions] == expected and [n for _, n in decisions] == list(range(5))
+        assert expected == [True, True, False, True, False]  # the rule, worked by hand: above the median before
+        cq._record(_result(0, "a", curve=(5.0, 3.0)))
+        cq._record(_result(1, "a", curve=(4.0, 1.0)))
+        cq.flush()
+        # The driver is killed with configs 2-4 in flight; its rerun's queue starts from the record.
+        again = ConfigQueue(str(tmp_path), 5, rungs=[2], sign=1.0, max_attempts=3)
+        p = await again.progress()
+        assert p["resumed"] == 2 and p["queued"] == 3 and p["best"] == 1.0
+        assert await again.take("b", 5, []) == [(2, 1), (3, 1), (4, 1)]
+        assert again.rungs[2] == [3.0, 1.0]  # the recorded configs' metrics at the rung stand
+
+    asyncio.run(main())
+
+
+def test_results_are_written_a_part_at_a_time_not_a_file_per_config(tmp_path, monkeypatch):
+    monkeypatch.setattr(q, "FLUSH_ROWS", 10)
+
+    async def main():
+        cq = ConfigQueue(str(tmp_path), 25, rungs=[], sign=-1.0, max_attempts=3, flush_s=3600.0)
+        results, taken = [], 0
+        while (got := await cq.take("a", 1, results)) is not None:  # a result per request, as 1-config takes
+            results = [_result(i, "a", curve=(0.1 * (i % 7),)) for i, _ in got]
+            taken += len(got)
+        assert taken == 25
+        p = await cq.progress()
+        assert p["best"] == pytest.approx(0.6) and p["done"] == 25  # sign -1: the highest accuracy is best
+        return p
+
+    p = asyncio.run(main())
+    parts = os.listdir(tmp_path / "results")
+    assert len(parts) == p["parts"] == 3  # 10 + 10 + the 5 written when the sweep ended
+    assert sorted(r["index"] for r in read_results(str(tmp_path))) == list(range(25))
