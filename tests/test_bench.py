@@ -62,11 +62,17 @@ def test_ingest_benchmark_prints_its_ratio_last(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.bench  # about 35 s: make test-bench runs it, keeping make test within CI's time
-def test_tune_benchmark_extrapolates_to_50000_trials_last():
+@pytest.mark.bench  # about 3 minutes: make test-bench runs it, keeping make test within CI's time
+def test_tune_benchmark_lists_its_targets_and_extrapolates_to_50000_configs_last():
     lines = _run("bench.tune", "--trials", "200", "--baseline-trials", "10", "--asha-trials", "0", "--rounds", "1",
-                 "--max-concurrent", "4", "--json")
-    result = json.loads(lines[-2])
+                 "--max-concurrent", "4", "--real-configs", "4",
+                 "--fleet=--nodes 2 --per-node 2 --configs 40 --config-s 0.2 --preempt-configs 24 "
+                 "--preempt-per-node 2 --kill 1", "--json")
+    result = json.loads(lines[-3])
+    fleet = result["fleet"]
+    assert fleet["concurrency"]["peak"] == 4 and fleet["preemption"]["each_once"]
+    assert fleet["preemption"]["rerun"] <= fleet["preemption"]["held_on_killed"] == 2  # at most what the node held
+    assert result["real"]["4"]["ratio"] > 0 and lines[-2].startswith("targets: overhead ")
     assert result["queued"]["trials"] == 200 and result["queued"]["queued"] and result["half"]["trials"] == 100
     assert result["baseline"]["tune_trials"] == 10 and result["queued"]["tune_trials"] == 4
     assert lines[-1].startswith("extrapolated to 50,000 configs (queued): ")

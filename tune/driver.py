@@ -17,6 +17,7 @@ from ray.tune import Callback
 from ray.tune.stopper import Stopper
 
 from strata import tiers
+from strata.procs import rss_mb
 from strata.shell import Job
 from strata.shell import log as _logger
 from strata.storage import (
@@ -480,7 +481,9 @@ class SweepProgress(Callback):
         self.last = now
         if (c := self.counts(trials)) is None:
             return
-        write_json_atomic(join(self.sweep_dir, "progress.json"), {**c, "updated": time.time()})
+        # The driver's memory too: it should stay flat as configs complete (results stream to storage).
+        write_json_atomic(join(self.sweep_dir, "progress.json"), {**c, "updated": time.time(),
+                                                                  "driver_rss_mb": round(rss_mb(), 1)})
         if not sys.stderr.isatty():  # a log (a submitted job's, a file): a line when something changed
             line = (f"[tune] trials: {c['done']}/{c['trials']} done, {c['running']} running, {c['errors']} failed, "
                     f"best {c['best']:.4f}" if c["best"] is not None else f"[tune] trials: {c['done']}/{c['trials']} "

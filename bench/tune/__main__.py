@@ -1,6 +1,7 @@
 """Sweeps at scale: the driver's cost per config, queued and as a Tune trial per config, and what ASHA saves.
 
     python -m bench.tune [--trials 2000] [--max-concurrent 8] [--baseline-trials 200] [--asha-trials 16]
+                         [--real-configs 64] [--fleet 'ARGS' | --fleet skip]
 
 1. ASHA's worth: the same seeded random configs of the debug model on a small
    generated dataset, swept twice, with ASHA and without early stopping (fifo).
@@ -15,7 +16,13 @@
    trial per config (`--pack 1`, `--baseline-trials`). Driver memory is the
    driver's RSS growth over the larger sweep, per 1,000 configs.
 
-The last line extrapolates to 50,000 configs: fixed cost + 50,000 x marginal
+3. Real configs (`bench.tune.real --configs REAL_CONFIGS`): the sweep command's
+   wall time over a plain loop of the same configs (target <= 1.1).
+4. The fleet (`bench.tune.fleet`): the driver's CPU at 100 workers on a
+   simulated 4-node cluster (target < 1 core), and the share of 512 configs
+   run again when 2 of the 4 nodes are lost (target <= 2%).
+
+The line before the last lists every target; the last extrapolates to 50,000 configs: fixed cost + 50,000 x marginal
 cost, per config, and the memory (targets: <= 10 ms per config, <= 60 MB per
 1,000 configs).
 """
@@ -111,6 +118,22 @@ def asha_vs_random(trials: int, root: str) -> dict:
     return out
 
 
+def _sub(module: str, *args: str) -> dict:
+    """Run a benchmark module with --json, its output shown as it comes; its JSON result line."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", module, *args, "--json"], stdout=subprocess.PIPE, text=True,
+                          env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    for line in lines:
+        if not line.startswith("{"):
+            print(line, flush=True)
+    if proc.returncode:
+        raise RuntimeError(f"{module} failed ({proc.returncode})")
+    return json.loads(next(line for line in reversed(lines) if line.startswith("{")))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=2000, help="trivial configs, queued (default 2000)")
@@ -119,6 +142,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="workers (trial actors) at once (default 8: what 2 cores hold; use 200 on a spot fleet)")
     parser.add_argument("--asha-trials", type=int, default=16, help="trials of each ASHA/random sweep (0: skip)")
     parser.add_argument("--rounds", type=int, default=2, help="queued sweeps of each size; the fastest counts")
+    parser.add_argument("--real-configs", default="64", help="sizes for bench.tune.real, the overhead ratio over "
+                        "real configs (comma-separated; empty: skip)")
+    parser.add_argument("--fleet", default="", help="arguments for bench.tune.fleet, the simulated spot fleet "
+                        "(concurrency and preemption; 'skip': skip)")
     parser.add_argument("--json", action="store_true", help="print a JSON result line before the last line")
     args = parser.parse_args(argv)
 
@@ -155,8 +182,20 @@ def main(argv: list[str] | None = None) -> None:
           f"workers); all-in {base['ms_per_trial'] / full['ms_per_trial']:.0f}x less per config than a Tune "
           f"trial per config")
     result["extrapolated"] = {"ms_per_trial": at_target, "mb_per_1000": full["mb_per_1000"]}
+    targets = [f"{at_target:.2f} ms per config (<= 10)", f"driver {full['mb_per_1000']:+.1f} MB per 1,000 (<= 60)"]
+    # Each in a process of its own: the fleet starts a simulated cluster, the real sweep its own embedded Ray.
+    if args.real_configs:
+        real = result["real"] = _sub("bench.tune.real", "--configs", args.real_configs)
+        targets.insert(0, "overhead " + ", ".join(f"{r['ratio']:.2f}x at {int(n):,}" for n, r in real.items())
+                       + " (<= 1.1)")
+    if args.fleet != "skip":
+        fleet = result["fleet"] = _sub("bench.tune.fleet", *args.fleet.split())
+        targets += [f"re-run share {100 * fleet['preemption']['rerun_share']:.1f}% (<= 2%)",
+                    f"driver {fleet['concurrency']['driver_cores']:.2f} cores at {fleet['concurrency']['workers']} "
+                    "workers (< 1)"]
     if args.json:
         print(json.dumps(result))
+    print("targets: " + "; ".join(targets))
     print(f"extrapolated to {TARGET_TRIALS:,} configs (queued): {at_target * TARGET_TRIALS / 1e3:.0f} s "
           f"of overhead ({at_target:.2f} ms/config, target <= 10), driver memory "
           f"{full['mb_per_1000'] * TARGET_TRIALS / 1000:+,.0f} MB "

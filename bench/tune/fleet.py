@@ -1,6 +1,6 @@
 """A spot fleet on one machine: the queue and the driver at many concurrent workers, and what losing nodes costs.
 
-    python -m bench.tune.fleet [--nodes 4] [--per-node 50] [--configs 4000] [--config-s 1.0]
+    python -m bench.tune.fleet [--nodes 4] [--per-node 25] [--configs 2000] [--config-s 1.0]
                                [--preempt-configs 512] [--preempt-per-node 4] [--kill 2] [--json]
 
 A simulated cluster on 127.0.0.1 (ray.cluster_utils.Cluster): a head with no
@@ -56,24 +56,39 @@ def waiting_worker(config: dict, *, sweep, space: dict, queue: str, seconds: flo
 
 def _sweep(configs: int, workers: int, seconds: float, where: str, kill=None) -> dict:
     """Run a queued sweep of waiting configs on every spot slot; `kill()` runs in a thread meanwhile."""
+    import types
+
     import ray
 
     from tune.driver import fit_queued, queue_name
+    from tune.queue import read_results
     from tune.sweep import SweepConfig, load_space
 
     spot_cpus = sum(n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"])
     cfg = SweepConfig(num_samples=configs, steps=2, report_every=1, scheduler="fifo", max_concurrent=workers,
                       cpus_per_trial=spot_cpus / workers)
+    # What a worker reads of the config, without tune.sweep's imports (torch): a worker here is small.
+    plain = types.SimpleNamespace(seed=cfg.seed, reports=cfg.reports, scheduler=cfg.scheduler, metric=cfg.metric,
+                                  sign=cfg.sign, pack=cfg.pack)
     killer = threading.Thread(target=kill, args=(queue_name(where),), daemon=True) if kill else None
     if killer:
         killer.start()
     cpu, started = time.process_time(), time.perf_counter()
     _, rows, state = fit_queued(waiting_worker, cfg, load_space(cfg.space), where, workers=workers, progress=False,
-                                sweep=cfg, seconds=seconds)
+                                sweep=plain, seconds=seconds)
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu
     if killer:
         killer.join()
+    # Steady state: from the moment every worker had its first config to the last config handed out, configs
+    # started per second against what `workers` busy workers would start (workers / seconds).
+    recs = list(read_results(where))
+    first = {}
+    for r in recs:
+        first[r["worker"]] = min(first.get(r["worker"], r["started"]), r["started"])
+    full, last = max(first.values()), max(r["started"] for r in recs)
+    rate = sum(full <= r["started"] <= last for r in recs) / max(last - full, 1e-9)
     return {"configs": configs, "workers": workers, "wall_s": wall, "ideal_s": configs * seconds / workers,
+            "steady_rate": rate, "steady_share": rate * seconds / workers, "steady_window_s": last - full,
             "driver_cores": cpu / wall, "queue_cores": state["cpu_s"] / wall, "peak": state["peak_running"],
             "requeued": state["requeued"], "rows": rows}
 
@@ -82,8 +97,9 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m bench.tune.fleet", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=4)
-    p.add_argument("--per-node", type=int, default=50, help="workers per node in the concurrency case")
-    p.add_argument("--configs", type=int, default=4000)
+    p.add_argument("--per-node", type=int, default=25, help="workers per node in the concurrency case (default 25: "
+                   "100 workers is what 24 GB holds)")
+    p.add_argument("--configs", type=int, default=2000)
     p.add_argument("--config-s", type=float, default=1.0, help="seconds each config takes")
     p.add_argument("--preempt-configs", type=int, default=512)
     p.add_argument("--preempt-per-node", type=int, default=4)
@@ -112,15 +128,15 @@ def main(argv: list[str] | None = None) -> dict:
         c.pop("rows")
         out["concurrency"] = c
         print(f"{c['workers']} workers ({a.nodes} nodes x {a.per_node}), {c['configs']:,} configs of {a.config_s} s: "
-              f"{c['wall_s']:.1f} s against {c['ideal_s']:.1f} s ideal ({c['wall_s'] / c['ideal_s']:.2f}x), peak "
+              f"{c['wall_s']:.1f} s ({c['ideal_s']:.1f} s of configs per worker; starting the workers takes the "
+              f"rest on 2 cores); once all were up ({c['steady_window_s']:.1f} s), {c['steady_rate']:.1f} configs "
+              f"started per second, {100 * c['steady_share']:.0f}% of what {c['workers']} busy workers start; peak "
               f"{c['peak']} holding configs; driver {c['driver_cores']:.2f} cores (target < 1), queue "
               f"{c['queue_cores']:.2f} cores", flush=True)
 
         lost = {}
 
         def kill(name):
-            from tune.driver import queue_name  # noqa: F401 (the queue is found by name)
-
             def progress():
                 try:
                     return ray.get(ray.get_actor(name).progress.remote())

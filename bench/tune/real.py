@@ -7,8 +7,9 @@ preset and a small generated dataset, timed on the wall clock as a user runs it 
 default packing); then the configs that sweep trained (from its trials.json), split between one process
 per core, each training its share in turn with the trial's own code (tune.sweep.ModelFit: the same model
 build, data path and step) and one torch thread, as a trial gets one CPU. Alternating, the fastest of
-`--rounds` each. Printed per size: both walls, the overhead ratio (sweep / plain; target <= 1.1), and
-where the sweep's extra time went: before the first trial reported, and after the last one reported.
+`--rounds` each. Printed per size: both walls, the overhead ratio (sweep / plain; target <= 1.1), where
+the sweep's extra time went (before the first report, after the last), the files and MB the sweep wrote,
+and the driver's memory as configs completed (its RSS in progress.json: at a tenth done, at the end).
 The last line: the ratio at each size.
 """
 
@@ -55,17 +56,44 @@ def plain(configs: list[dict], sweep: dict, dataset: str, storage_root: str, cor
     return time.perf_counter() - started
 
 
-def sweep(n: int, steps: int, dataset: str, storage_root: str, name: str) -> tuple[float, dict]:
+def sweep(n: int, steps: int, dataset: str, storage_root: str, name: str) -> tuple[float, dict, list]:
+    """The sweep command's wall time, its summary, and (configs done, driver RSS MB) from its progress.json
+    every 2 s."""
     env = {**os.environ, "STRATA_STORAGE": storage_root, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "tune", "--dataset", dataset, "--preset", "debug", "--scheduler",
-                           "fifo", "--num-samples", str(n), "--steps", str(steps), "--report-every", str(steps),
-                           "--sweep", name, "--json"], cwd=REPO, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - started
-    if proc.returncode:
-        raise RuntimeError(proc.stderr[-3000:])
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    return wall, summary
+    progress = Path(storage_root, "sweeps", name, "progress.json")
+    started, samples = time.perf_counter(), []
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "tune", "--dataset", dataset, "--preset", "debug",
+                                 "--scheduler", "fifo", "--num-samples", str(n), "--steps", str(steps),
+                                 "--report-every", str(steps), "--sweep", name, "--json"],
+                                cwd=REPO, env=env, stdout=out, stderr=err, text=True)
+        while proc.poll() is None:
+            time.sleep(2)
+            try:
+                p = json.loads(progress.read_text())
+                samples.append((p["done"] + p["errors"], p["driver_rss_mb"]))
+            except (FileNotFoundError, json.JSONDecodeError, KeyError):
+                pass
+        wall = time.perf_counter() - started
+        out.seek(0), err.seek(0)
+        if proc.returncode:
+            raise RuntimeError(err.read()[-3000:])
+        summary = json.loads(out.read().strip().splitlines()[-1])
+    return wall, summary, samples
+
+
+def footprint(sweep_dir: str, samples: list, n: int) -> dict:
+    """What the sweep left on disk (files, MB) and how the driver's memory moved as configs completed: its RSS
+    when a tenth and when all of them were done, and the slope between (MB per 1,000 configs)."""
+    files = [f for f in Path(sweep_dir).rglob("*") if f.is_file()]
+    mb = sum(f.stat().st_size for f in files) / 2**20
+    out = {"files": len(files), "mb": mb, "results_files": len(list(Path(sweep_dir, "results").glob("*.jsonl")))}
+    early = next(((d, r) for d, r in samples if d >= n / 10), None)
+    if early and samples and samples[-1][0] > early[0]:
+        late = samples[-1]
+        out.update(rss_at_tenth_mb=early[1], rss_at_end_mb=late[1],
+                   rss_mb_per_1000=(late[1] - early[1]) * 1000 / (late[0] - early[0]))
+    return out
 
 
 def _reports(sweep_dir: str) -> list[float]:
@@ -95,12 +123,13 @@ def main(argv: list[str] | None = None) -> dict:
         for r in range(a.rounds):
             name = f"real-{n}-{r}"
             started = time.time()
-            wall, summary = sweep(n, a.steps, dataset, storage_root, name)
+            wall, summary, samples = sweep(n, a.steps, dataset, storage_root, name)
             sweep_dir = summary["path"]
+            foot = footprint(sweep_dir, samples, n)
             trials = json.loads(Path(sweep_dir, "trials.json").read_text())["trials"]
             reports = _reports(sweep_dir)
             gaps.append({"before_first_report_s": reports[0] - started if reports else None,
-                         "after_last_report_s": started + wall - reports[-1] if reports else None})
+                         "after_last_report_s": started + wall - reports[-1] if reports else None, **foot})
             cfg = {"num_samples": n, "steps": a.steps, "report_every": a.steps, "scheduler": "fifo"}
             plains.append(plain([t["config"] for t in trials], cfg, dataset, storage_root, cores))
             walls.append(wall)
@@ -109,7 +138,10 @@ def main(argv: list[str] | None = None) -> dict:
         r = results[n]
         print(f"{n:,} configs x {a.steps} steps: sweep {r['sweep_s']:.1f} s, plain loop on {cores} cores "
               f"{r['plain_s']:.1f} s: overhead {r['ratio']:.2f}x (target <= 1.1); first report after "
-              f"{r['before_first_report_s']:.1f} s, last report {r['after_last_report_s']:.1f} s before the end",
+              f"{r['before_first_report_s']:.1f} s, last report {r['after_last_report_s']:.1f} s before the end; "
+              f"it wrote {r['files']} files, {r['mb']:.1f} MB ({r['results_files']} of results)"
+              + (f"; driver RSS {r['rss_at_tenth_mb']:.0f} MB at a tenth done, {r['rss_at_end_mb']:.0f} MB at the "
+                 f"end ({r['rss_mb_per_1000']:+.1f} MB per 1,000 configs)" if "rss_mb_per_1000" in r else ""),
               flush=True)
     if a.json:
         print(json.dumps(results))
