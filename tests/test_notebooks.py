@@ -39,7 +39,7 @@ def test_sweep_notebook_runs_top_to_bottom(storage_root, tmp_path):
     text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("name") == "stdout")
     assert "finished:" in text and "best config:" in text
     images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
-    assert len(images) == 2  # params.png and curves.png
+    assert len(images) == 3  # the histogram of every config's best metric, params.png and curves.png
     sweep = tmp_path / "storage" / "sweeps" / "nb"
     best = json.loads((sweep / "best.json").read_text())
     run = json.loads((tmp_path / "storage" / "runs" / "nb-best" / "run.json").read_text())
