@@ -47,7 +47,7 @@ def test_a_worker_waits_while_others_hold_configs_and_takes_what_a_lost_one_gave
         assert not waiting.done()  # nothing queued, but a's config may yet come back
         cq.lost("a")
         assert await asyncio.wait_for(waiting, 5) == [(0, 2)]
-        ended = asyncio.ensure_future(cq.take("a", 1, [], fresh=True))  # a's restart: nothing left for it
+        ended = asyncio.ensure_future(cq.take("a", 1, [], "a2"))  # a's restart (a new process): nothing for it
         await asyncio.sleep(0.05)
         assert not ended.done()
         assert await cq.take("b", 1, [_result(0, "b")]) is None
@@ -96,3 +96,22 @@ def test_results_are_written_a_part_at_a_time_not_a_file_per_config(tmp_path, mo
     parts = os.listdir(tmp_path / "results")
     assert len(parts) == p["parts"] == 3  # 10 + 10 + the 5 written when the sweep ended
     assert sorted(r["index"] for r in read_results(str(tmp_path))) == list(range(25))
+
+
+def test_a_call_of_a_lost_process_still_waiting_takes_nothing(tmp_path):
+    """Worker b waits at the end of a sweep (others hold the last configs) when its node is lost: its call
+    waits on in the queue though no one will read the answer. The configs that come back later must go
+    to a live worker, not to that call, or no one would ever finish them."""
+    async def main():
+        cq = ConfigQueue(str(tmp_path), 2, rungs=[], sign=1.0, max_attempts=3)
+        assert await cq.take("a", 2, [], "a1") == [(0, 1), (1, 1)]
+        stale = asyncio.ensure_future(cq.take("b", 1, [], "b1"))
+        await asyncio.sleep(0.05)
+        assert not stale.done()
+        assert await cq.requeue("b") == 0  # Tune saw b's process fail; it held nothing
+        assert await cq.requeue("a") == 2  # and a's: both configs go back
+        assert await asyncio.wait_for(stale, 5) is None  # b's old call takes nothing...
+        assert await cq.take("b", 2, [], "b2") == [(0, 2), (1, 2)]  # ...b's restarted process does
+        assert await cq.take("b", 2, [_result(0, "b"), _result(1, "b")], "b2") is None
+
+    asyncio.run(main())

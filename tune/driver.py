@@ -279,8 +279,7 @@ def fit_queued(worker, cfg: SweepConfig, space: dict, sweep_dir: str, *, workers
                 resume: bool = False, **params) -> tuple:
     """Run a queued sweep: its queue actor on this (the driver's) node, and `workers` worker trials of
     `worker(config, space=, queue=, **params)` (Tune's function trainable; `queue` is the queue's name).
-    Returns Tune's ResultGrid, a record per config
-    (`collect_queued`) and the queue's final counts."""
+    Returns Tune's ResultGrid, a record per config (`collect_queued`) and the queue's final counts."""
     import ray
     from ray import tune
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

@@ -29,6 +29,7 @@ import contextlib
 import json
 import math
 import time
+import uuid
 from collections import deque
 
 import numpy as np
@@ -108,7 +109,7 @@ def run_worker(*, sweep, space: dict, make_fit, queue: str, out: str = "") -> No
     worker = tune.get_context().get_trial_id()
     milestones = set(rungs(s.reports)) if s.scheduler == "asha" else set()
     log, rows, logged = _log_for(out), [], time.monotonic()
-    results, n, fresh, configs = [], max(s.pack, 1), True, 0
+    results, n, configs, process = [], max(s.pack, 1), 0, uuid.uuid4().hex  # process: this one's id
     started, waited = time.monotonic(), 0.0  # waited: this worker's time in queue requests
 
     def ask(call):
@@ -120,8 +121,8 @@ def run_worker(*, sweep, space: dict, make_fit, queue: str, out: str = "") -> No
             waited += time.monotonic() - t
 
     while True:
-        got = ask(q.take.remote(worker, n, results, fresh))
-        fresh, results = False, []
+        got = ask(q.take.remote(worker, n, results, process))
+        results = []
         if log and rows and (got is None or time.monotonic() - logged >= LOG_S):
             log.extend(rows)
             rows, logged = [], time.monotonic()
@@ -210,6 +211,7 @@ class ConfigQueue:
         self.buffer: list[dict] = []
         self.started, self.part, self.flushed = time.time_ns(), 0, time.monotonic()
         self.requeued = self.peak = 0
+        self.process: dict[str, str | None] = {}  # worker -> the id of its process now (None: lost)
         self.changed = None  # asyncio.Condition, made on the actor's loop (`_loop`)
 
     def _loop(self) -> asyncio.Condition:
@@ -237,14 +239,16 @@ class ConfigQueue:
     def _done(self) -> bool:
         return not self.pending and not any(self.held.values())
 
-    async def take(self, worker: str, n: int, results: list[dict], fresh: bool = False) -> list[tuple[int, int]] | None:
+    async def take(self, worker: str, n: int, results: list[dict], process: str = "") -> list[tuple[int, int]] | None:
         """Record `results` (the worker's finished configs), then give the worker up to `n` configs as
         (index, attempt): at once when some are queued, or once others' lost configs come back. None: the
-        sweep is over, and every result is written. `fresh`: the worker (re)started, so whatever it held
-        was lost with its last process."""
+        sweep is over, and every result is written; or this call's `process` (the worker process's own id)
+        is no longer the worker's. A worker's first call from a new process means it (re)started: whatever
+        it held was lost with the last one, and a call of the last one still waiting here takes nothing."""
         changed = self._loop()
-        if fresh:
+        if self.process.get(worker) != process:
             self.lost(worker)
+            self.process[worker] = process
         held = self.held.setdefault(worker, {})
         for rec in results:
             held.pop(rec["index"], None)
@@ -258,6 +262,8 @@ class ConfigQueue:
                     self.flush()  # before any worker is told the sweep is over
                     return None
                 await changed.wait()
+                if self.process.get(worker) != process:  # its process was lost while it waited
+                    return None
         got, held = [], self.held.setdefault(worker, {})  # anew: `lost` may have dropped it meanwhile
         while self.pending and len(got) < max(1, n):
             i = self.pending.popleft()
@@ -309,7 +315,9 @@ class ConfigQueue:
             self.changed.notify_all()
 
     async def requeue(self, worker: str, why: str = "") -> int:
-        """`lost`, called by the driver's callback when Tune sees a worker fail."""
+        """`lost`, called by the driver's callback when Tune sees a worker fail: its process is gone, so a
+        call of it still waiting here must take nothing (the configs would be held by no one)."""
+        self.process[worker] = None
         return self.lost(worker, why)
 
     def flush(self) -> None:
