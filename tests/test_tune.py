@@ -162,7 +162,7 @@ def test_an_optuna_sweep_over_the_model_shape_and_training_from_its_best_config(
 
 
 def test_queued_configs_are_sampled_by_index_and_asha_rule_keeps_the_better_half():
-    from tune.queue import asha_keeps, rungs, sample
+    from tune.queued import asha_keeps, rungs, sample
 
     space = SPACES["small"]
     assert sample(space, 0, 7) == sample(space, 0, 7) and sample(space, 0, 7) != sample(space, 0, 8)
@@ -186,7 +186,7 @@ def test_queued_configs_are_sampled_by_index_and_asha_rule_keeps_the_better_half
 
 @pytest.mark.slow
 def test_a_queued_sweep_accounts_for_every_config_applies_asha_across_it_and_plots_it(local_ray, dataset):
-    from tune.queue import asha_keeps, sample
+    from tune.queued import asha_keeps, sample
     from tune.sweep import load_space
 
     cfg = SweepConfig(num_samples=7, pack=3, steps=8, report_every=2, max_rows=64, eval_rows=8, space="small", seed=3)

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from tune import queue as q
-from tune.queue import ConfigQueue, asha_keeps, read_results
+from tune import queued as q
+from tune.queued import ConfigQueue, asha_keeps, read_results
 
 
 def _result(i: int, worker: str, curve=(3.0, 2.0), status="completed") -> dict:

@@ -34,7 +34,7 @@ from train.model import preset
 from train.spec import resolve
 from train.tasks import load_task
 from tune.plots import write_plots
-from tune.queue import FLUSH_S, GRACE, REDUCTION, ConfigQueue, read_results, rungs, sample
+from tune.queued import FLUSH_S, GRACE, REDUCTION, ConfigQueue, read_results, rungs, sample
 from tune.sweep import (
     MIX,
     REFERENCE_CONCURRENT,

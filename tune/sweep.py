@@ -8,7 +8,7 @@ a config's trial and `python -m train --from-sweep` see the same batches.
 Scale: Ray Tune pays a fraction of a second of driver and raylet work per
 trial, and a checkpoint per report. By default a sweep therefore runs a few
 long-lived Tune trials, one per spot slot (*workers*), which pull configs
-from the sweep's queue (tune/queue.py) until none is left. A config is
+from the sweep's queue (tune/queued.py) until none is left. A config is
 sampled from the space by its index, so anyone can recompute it; ASHA's rule
 is applied by the queue across the whole sweep. A worker checkpoints
 nothing: what it finished is with the queue, and what a lost worker held
@@ -51,7 +51,7 @@ from train.model import GPTConfig, build
 from train.pretrained import apply
 from train.spec import RunSpec
 from train.step import evaluate, make_optimizer, train_step
-from tune.queue import _log_for, _row, run_worker
+from tune.queued import _log_for, _row, run_worker
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -321,7 +321,7 @@ def trial(config: dict, *, spec: TrialSpec, space: dict) -> None:
 
 
 def work(config: dict, *, spec: TrialSpec, space: dict, queue: str) -> None:
-    """The Tune trainable of a queued sweep: a worker (tune/queue.py)."""
+    """The Tune trainable of a queued sweep: a worker (tune/queued.py)."""
     run_worker(sweep=spec.sweep, space=space, make_fit=lambda hp, state: ModelFit(hp, state, spec), queue=queue,
                out=spec.out)
 

@@ -59,7 +59,7 @@ class TrivialFit:
 
 
 def trivial_worker(config: dict, *, sweep, space: dict, queue: str) -> None:
-    from tune.queue import run_worker
+    from tune.queued import run_worker
 
     run_worker(sweep=sweep, space=space, make_fit=TrivialFit, queue=queue)
 

@@ -49,7 +49,7 @@ class WaitFit:
 
 
 def waiting_worker(config: dict, *, sweep, space: dict, queue: str, seconds: float) -> None:
-    from tune.queue import run_worker
+    from tune.queued import run_worker
 
     run_worker(sweep=sweep, space=space, make_fit=lambda hp, state: WaitFit(hp, seconds, sweep.reports), queue=queue)
 
@@ -61,7 +61,7 @@ def _sweep(configs: int, workers: int, seconds: float, where: str, kill=None) ->
     import ray
 
     from tune.driver import fit_queued, queue_name
-    from tune.queue import read_results
+    from tune.queued import read_results
     from tune.sweep import SweepConfig, load_space
 
     spot_cpus = sum(n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"])
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     from ray.cluster_utils import Cluster
 
     from strata import tiers
-    from tune.queue import read_results
+    from tune.queued import read_results
 
     temp = tempfile.mkdtemp(prefix="bench-fleet-", dir="/tmp")
     os.environ["RAY_TMPDIR"] = temp
