@@ -203,3 +203,35 @@ def test_ctrl_c_in_preprocessing_keeps_nothing_and_the_printed_command_continues
     out = cli(*again[2:], "--json", env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1])["version"] == "v0001"
+
+
+_ENDING = """
+import atexit, sys, threading, time
+from strata.shell import Command
+
+def body(cmd):
+    atexit.register(lambda: open(sys.argv[1] + ".atexit", "w").write("ran"))
+    if sys.argv[2] == "thread":  # work left in a thread that is not a daemon: the process waits for it
+        threading.Thread(target=lambda: (time.sleep(0.5), open(sys.argv[1] + ".thread", "w").write("done"))).start()
+    if sys.argv[2] == "interrupt":
+        raise KeyboardInterrupt
+    print("last line, unflushed", end="")
+    return {}
+
+Command("python -m ending").run(body)
+print(" -- after the command: never printed")
+"""
+
+
+@pytest.mark.parametrize("how", ["done", "thread", "interrupt"])
+def test_a_command_that_is_the_process_ends_it_with_its_exit_handlers_run_and_output_flushed(tmp_path, how):
+    out = subprocess.run([sys.executable, "-c", _ENDING, str(tmp_path / "m"), how], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == (130 if how == "interrupt" else 0), out.stderr
+    assert (tmp_path / "m.atexit").read_text() == "ran"
+    if how == "interrupt":
+        assert "interrupted" in out.stderr and not out.stdout
+    else:
+        assert out.stdout == "last line, unflushed", out.stdout
+    if how == "thread":
+        assert (tmp_path / "m.thread").read_text() == "done"

@@ -58,8 +58,8 @@ def _check_record(record: dict, kind: str):
 def test_train_and_sweep_runs_write_priced_records_and_reports(local_ray, dataset, priced):
     from strata.records import find_record, list_records
     from train.__main__ import main as train_main
+    from tune.config import SweepConfig
     from tune.driver import run as sweep
-    from tune.sweep import SweepConfig
 
     storage = Storage.from_env()
     out = train_main(["--dataset", dataset["ref"], "--max-steps", "30", "--log-every", "5", "--run", "costed",

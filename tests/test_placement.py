@@ -37,8 +37,8 @@ def test_each_tier_runs_only_on_its_nodes(tiered_cluster, corpus):
     from pipelines.driver import run as preprocess
     from train.config import TrainConfig
     from train.model import preset
+    from tune.config import SweepConfig
     from tune.driver import run as sweep
-    from tune.sweep import SweepConfig
 
     storage = Storage.from_env()
 

@@ -15,7 +15,7 @@ from conftest import REPO
 from ray._private.label_utils import validate_node_label_syntax
 
 from strata import tiers
-from tune.sweep import REFERENCE_CONCURRENT, SweepConfig
+from tune.config import REFERENCE_CONCURRENT, SweepConfig
 
 ROOT = Path(REPO)
 SCHEMAS = ROOT.parent / "shared" / "schemas" / "kuberay"

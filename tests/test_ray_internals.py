@@ -123,3 +123,33 @@ def test_without_a_dashboard_the_state_api_refuses_at_once(tmp_path):
         shutil.rmtree(temp, ignore_errors=True)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "refused", out.stdout[-2000:]
+
+
+def test_a_ray_started_from_a_thread_outlives_the_start():
+    """Ray starts GCS and the raylet with PR_SET_PDEATHSIG, which Linux fires when the *thread* that started
+    them ends: strata.connect.connect_early keeps its thread for the life of the process."""
+    temp = tempfile.mkdtemp(prefix="strata-ray-early-")
+    script = os.path.join(temp, "early.py")
+    with open(script, "w") as f:
+        f.write(textwrap.dedent(f"""
+        import threading, time
+        import ray
+        from strata.connect import connect, connect_early, shutdown
+
+        connect_early(dashboard=False, num_cpus=1, temp_dir={temp!r}, quiet=True)
+        print(connect(), flush=True)  # waits for the start in the thread
+        time.sleep(2)  # a killed GCS or raylet would be gone by now
+        print(ray.get(ray.remote(lambda: "answered").remote(), timeout=60), flush=True)
+        print([t.name for t in threading.enumerate()], flush=True)
+        shutdown()
+    """))
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    try:
+        out = subprocess.run([sys.executable, script], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=300)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].startswith("started embedded local Ray") and lines[1] == "answered", out.stdout[-2000:]
+    assert "strata-connect" in lines[2], lines[2]  # the thread that started Ray is still there

@@ -106,8 +106,8 @@ def test_the_whole_path_on_s3(s3_root, tmp_path, monkeypatch, capsys):
     assert exported["step"] == 6 and (tmp_path / "hf" / "model.safetensors").exists()
 
     # 4. A small sweep, and training with its best config.
+    from tune.config import SweepConfig
     from tune.driver import run as sweep
-    from tune.sweep import SweepConfig
 
     sw = sweep(SweepConfig(num_samples=2, steps=4, report_every=2, max_rows=64, eval_rows=8, scheduler="fifo"),
                dataset="web", model_preset="debug", sweep_name="s", storage=storage, progress=False)

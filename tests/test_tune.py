@@ -13,8 +13,9 @@ from strata.signing import Untrusted
 from strata.storage import Storage
 from train.config import TrainConfig
 from train.model import preset
+from tune.config import SweepConfig
 from tune.driver import run
-from tune.sweep import SPACES, STATE_FILE, SweepConfig
+from tune.sweep import SPACES, STATE_FILE
 
 
 @pytest.mark.slow

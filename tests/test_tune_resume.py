@@ -13,8 +13,8 @@ from conftest import REPO, simulated_cluster, wait_for
 
 from strata import tiers
 from strata.storage import Storage
+from tune.config import SweepConfig
 from tune.driver import run
-from tune.sweep import SweepConfig
 
 pytestmark = pytest.mark.slow
 

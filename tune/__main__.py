@@ -16,6 +16,7 @@ import time
 
 from strata.cli import add_config_arguments, finish, overrides
 from strata.cli import parser as cli_parser
+from strata.connect import connect_early
 from strata.dataset import DatasetError
 from strata.lease import LeaseBusy
 from strata.shell import Command
@@ -23,8 +24,7 @@ from strata.shell import log as _logger
 from strata.signing import Untrusted
 from strata.storage import Storage, check_name
 from train import mixture
-from tune.driver import run
-from tune.sweep import SweepConfig
+from tune.config import SweepConfig
 
 _log = _logger("tune")
 
@@ -40,6 +40,8 @@ def _main(cmd: Command) -> dict:
                         "dataset; repeat it for a mixture (NAME[:WEIGHT], or weights swept as mix.NAME in the space)")
     parser.add_argument("--preset", default="debug", help="model preset whose search space to sweep")
     parser.add_argument("--sweep", help="sweep name (default: DATASET-sweep-TIME)")
+    parser.add_argument("--dashboard", action="store_true", help="start the embedded Ray's dashboard (off by "
+                        "default: on 2 cores its processes take CPU from the trials; a joined cluster keeps its own)")
     add_config_arguments(parser, SweepConfig)
     args = parser.parse_args(argv)
     name = args.sweep or f"{args.dataset[0].partition('@')[0].partition(':')[0]}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -53,8 +55,13 @@ def _main(cmd: Command) -> dict:
         parser.error(str(e))
     try:
         check_name(name, "sweep name")
+        # Ray's processes start while this one loads the model code (torch) and checks the dataset: the
+        # trials start about 2 s sooner on 2 cores.
+        connect_early(quiet=True, dashboard=args.dashboard)
+        from tune.driver import run
+
         summary = run(cfg, dataset=mixture.spec(mixture.parse(args.dataset, weighted=False)), model_preset=args.preset, sweep_name=name,
-                      storage=storage)
+                      storage=storage, dashboard=args.dashboard)
     except LeaseBusy as e:
         sys.exit(f"error: {e}: its driver is still running; resume it once that one has ended")
     except (DatasetError, ValueError, Untrusted) as e:

@@ -33,11 +33,11 @@ from train.config import TRAIN_PRESETS
 from train.model import preset
 from train.spec import resolve
 from train.tasks import load_task
+from tune.config import REFERENCE_CONCURRENT
 from tune.plots import write_plots
 from tune.queued import FLUSH_S, GRACE, REDUCTION, ConfigQueue, read_results, rungs, sample
 from tune.sweep import (
     MIX,
-    REFERENCE_CONCURRENT,
     STATE_FILE,
     SweepConfig,
     TrialSpec,
@@ -54,8 +54,10 @@ _log = _logger("tune")
 
 
 def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, storage: Storage,
-        progress: bool = True) -> dict:
-    """Run (or, when the sweep directory holds an unfinished one, resume) a sweep; write its results."""
+        progress: bool = True, dashboard: bool = True) -> dict:
+    """Run (or, when the sweep directory holds an unfinished one, resume) a sweep; write its results.
+
+    `dashboard=False` starts an embedded Ray without its dashboard (a joined cluster keeps its own)."""
     # Per-trial JSON/TensorBoard loggers cost driver memory and time; keep CSV only.
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     # A config's own trial (--pack 1) keeps its last 2 checkpoints (model state), so Tune snapshots the
@@ -74,7 +76,7 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
     with Job("sweep", sweep_name, storage, holds=sweep_dir, what=f"sweep {sweep_name}", purpose="tune",
              tag="tune") as job:
         # Everything above is read and checked before Ray starts: a mistake costs no start-up.
-        job.connect(quiet=True)
+        job.connect(quiet=True, dashboard=dashboard)
         check_driver_node()
         # The starting weights go to the object store once; each trial process fetches them once.
         base = trial_spec.run
@@ -391,13 +393,16 @@ class RequeueLost(Callback):
 
 class QueueOver(Stopper):
     """Ends a queued sweep once its queue has handed out every config and has every result: worker trials
-    Tune has not started yet (more workers than the cluster holds now) then never start."""
+    Tune has not started yet (more workers than the cluster holds now) then never start.
 
-    def __init__(self, queue: str, every_s: float = 1.0):
-        self.queue, self.every_s, self.last, self.over = queue, every_s, 0.0, False
+    It stops the experiment `grace_s` after the queue said so: running workers end by themselves as soon as
+    they hear it, and one that Tune stopped in the middle of its last report printed a traceback."""
+
+    def __init__(self, queue: str, every_s: float = 1.0, grace_s: float = 3.0):
+        self.queue, self.every_s, self.grace_s, self.last, self.over = queue, every_s, grace_s, 0.0, None
 
     def __getstate__(self):
-        return {**self.__dict__, "last": 0.0, "over": False}
+        return {**self.__dict__, "last": 0.0, "over": None}
 
     def __call__(self, trial_id, result) -> bool:
         return False
@@ -405,11 +410,13 @@ class QueueOver(Stopper):
     def stop_all(self) -> bool:
         import ray
 
-        if not self.over and time.monotonic() - self.last >= self.every_s:
-            self.last = time.monotonic()
+        now = time.monotonic()
+        if self.over is None and now - self.last >= self.every_s:
+            self.last = now
             with contextlib.suppress(ValueError, ray.exceptions.RayError):  # gone: the sweep is ending
-                self.over = ray.get(ray.get_actor(self.queue).progress.remote(), timeout=30)["over"]
-        return self.over
+                if ray.get(ray.get_actor(self.queue).progress.remote(), timeout=30)["over"]:
+                    self.over = now
+        return self.over is not None and now - self.over >= self.grace_s
 
 
 class DropFinishedState(Callback):

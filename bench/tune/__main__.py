@@ -76,8 +76,9 @@ def overhead(trials: int, queued: bool, max_concurrent: int, root: str) -> dict:
     from ray import tune
 
     from strata.procs import rss_mb
+    from tune.config import SweepConfig
     from tune.driver import collect, fit, fit_queued, make_tuner
-    from tune.sweep import SweepConfig, load_space
+    from tune.sweep import load_space
 
     cfg = SweepConfig(num_samples=trials, pack=0 if queued else 1, steps=1, report_every=1,
                       max_concurrent=max_concurrent, scheduler="fifo",
@@ -104,8 +105,8 @@ def asha_vs_random(trials: int, root: str) -> dict:
     """The same seeded configs swept with ASHA and with no early stopping."""
     from bench.train.common import make_dataset
     from strata.storage import Storage
+    from tune.config import SweepConfig
     from tune.driver import run
-    from tune.sweep import SweepConfig
 
     storage_root, ref = make_dataset(root, mb=2.0)
     out = {}

@@ -60,9 +60,10 @@ def _sweep(configs: int, workers: int, seconds: float, where: str, kill=None) ->
 
     import ray
 
+    from tune.config import SweepConfig
     from tune.driver import fit_queued, queue_name
     from tune.queued import read_results
-    from tune.sweep import SweepConfig, load_space
+    from tune.sweep import load_space
 
     spot_cpus = sum(n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"])
     cfg = SweepConfig(num_samples=configs, steps=2, report_every=1, scheduler="fifo", max_concurrent=workers,

@@ -35,8 +35,9 @@ def _plain(args: tuple) -> float:
 
     torch.set_num_threads(1)
     from strata.storage import Storage
+    from tune.config import SweepConfig
     from tune.driver import spec_for
-    from tune.sweep import ModelFit, SweepConfig, load_space
+    from tune.sweep import ModelFit, load_space
 
     cfg = SweepConfig(**sweep)
     spec = spec_for(cfg, load_space(cfg.space), dataset, "debug", Storage(storage_root))
