@@ -62,7 +62,7 @@ _early: tuple[threading.Event, dict] | None = None  # a connect begun by connect
 
 def connect_early(**kwargs) -> None:
     """Begin `connect(**kwargs)` now, in a background thread, and return: Ray's processes start while this
-    process goes on importing and checking what its job needs (on 2 cores a sweep's trials start about 2 s
+    process goes on importing and checking what its job needs (on 2 cores a sweep's trials start 1-2 s
     sooner). The next `connect()` waits for it and returns its line or raises its error; `shutdown()` waits
     for it too. For a command that is about to connect anyway, from the main thread.
 

@@ -56,7 +56,7 @@ def _main(cmd: Command) -> dict:
     try:
         check_name(name, "sweep name")
         # Ray's processes start while this one loads the model code (torch) and checks the dataset: the
-        # trials start about 2 s sooner on 2 cores.
+        # trials start 1-2 s sooner on 2 cores.
         connect_early(quiet=True, dashboard=args.dashboard)
         from tune.driver import run
 
