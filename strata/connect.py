@@ -186,40 +186,30 @@ def state_api_at(port: int | None):
             os.environ[API_SERVER_ENV] = before
 
 
-class _DropThreadNotice(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "SIGTERM handler is not set" not in record.getMessage()
-
-
 @contextlib.contextmanager
-def _quiet_thread_notice():
-    """Ray warns that it sets no SIGTERM handler when started from a thread; connect_early sets it."""
-    log = logging.getLogger("ray._private.worker")
-    drop = _DropThreadNotice()
-    log.addFilter(drop)
-    try:
-        yield
-    finally:
-        log.removeFilter(drop)
-
-
-class _DropTokenNotice(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Token authentication is enabled for this Ray cluster" not in record.getMessage()
-
-
-@contextlib.contextmanager
-def _quiet_token_notice(quiet: bool):
-    """An embedded Ray turns token auth on and says so at WARNING on every start; it listens on loopback
-    only, so a quiet command leaves the notice out (Ray's logger, during ray.init)."""
-    log = logging.getLogger("ray._private.authentication.authentication_token_setup")
-    drop = _DropTokenNotice()
-    if quiet:
+def _drop_lines(logger: str, text: str, on: bool = True):
+    """While inside, `logger`'s records whose message holds `text` are dropped (when `on`)."""
+    log = logging.getLogger(logger)
+    drop = logging.Filter()
+    drop.filter = lambda record: text not in record.getMessage()
+    if on:
         log.addFilter(drop)
     try:
         yield
     finally:
         log.removeFilter(drop)
+
+
+def _quiet_thread_notice():
+    """Ray warns that it sets no SIGTERM handler when started from a thread; connect_early sets it."""
+    return _drop_lines("ray._private.worker", "SIGTERM handler is not set")
+
+
+def _quiet_token_notice(quiet: bool):
+    """An embedded Ray turns token auth on and says so at WARNING on every start; it listens on loopback
+    only, so a quiet command leaves the notice out (Ray's logger, during ray.init)."""
+    return _drop_lines("ray._private.authentication.authentication_token_setup",
+                       "Token authentication is enabled for this Ray cluster", quiet)
 
 
 def shutdown() -> None:
