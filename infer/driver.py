@@ -79,7 +79,7 @@ def score(spec: str, inputs: list[str], cfg: ScoreConfig, storage: Storage, name
                    "loss": nll / tokens if tokens else math.nan,
                    "bpb": nll / math.log(2) / max(1, sum(r["bytes"] for r in ok)),
                    "tokens_per_s": tokens / max(wall, 1e-9)}
-        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and cfg.tier in tiers.tiers_of(n.get("Labels", {}))]
+        nodes = [n["NodeID"] for n in tiers.nodes_of(cfg.tier, ray.nodes())]
         cost = job.finish(beside=join(out, "record.json"), work_nodes=nodes, figures=figures)
     per_million = cost["cost"] / tokens * 1e6 if tokens and cost["cost"] is not None else None
     return {"name": name, "model": model.source, "output": join(out, "table"), **figures, **cost,
@@ -97,7 +97,7 @@ def on_tier(kind: str, name: str, storage: Storage, out: str, tier: str, config:
         job.connect(quiet=True, log_to_driver=False)
         job.begin(config)
         gpu = tier == tiers.Tier.GPU
-        nodes = [n for n in ray.nodes() if n["Alive"] and tier in tiers.tiers_of(n.get("Labels", {}))]
+        nodes = tiers.nodes_of(tier, ray.nodes())
         if not nodes:
             raise StrataError(f"no alive node serves the {tier} tier (label {tiers.label_key(tier)}=true)")
         cpus = 1 if gpu else max(1, int(max(n["Resources"].get("CPU", 1) for n in nodes)))

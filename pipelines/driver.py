@@ -667,8 +667,7 @@ def _evaluation_index(cfg: PreprocessConfig) -> dict | None:
 def _tier_cpus() -> float:
     import ray
 
-    return sum(n["Resources"].get("CPU", 0) for n in ray.nodes()
-               if n["Alive"] and tiers.Tier.CPU in tiers.tiers_of(n.get("Labels", {})))
+    return tiers.cpus_of(tiers.Tier.CPU, ray.nodes())
 
 
 def _index_segments(parent, earlier, cfg: PreprocessConfig) -> dict[str, list[dict]]:

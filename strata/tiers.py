@@ -61,6 +61,18 @@ def autoscaled_tiers(labels: dict[str, str]) -> set[Tier]:
     return {t for t in Tier if labels.get(autoscale_key(t)) == LABEL_VALUE}
 
 
+def nodes_of(tier: Tier | str, nodes: list[dict]) -> list[dict]:
+    """The alive nodes of `nodes` (as `ray.nodes()` gives them) that serve `tier`."""
+    return [n for n in nodes if n.get("Alive") and Tier(tier) in tiers_of(n.get("Labels") or {})]
+
+
+def cpus_of(tier: Tier | str, nodes: list[dict], per: float | None = None) -> float | int:
+    """CPUs of the alive nodes of `tier`; with `per`, how many whole slots of `per` CPUs they hold (a slot
+    does not span nodes)."""
+    cpus = [n.get("Resources", {}).get("CPU", 0) for n in nodes_of(tier, nodes)]
+    return sum(cpus) if per is None else sum(int(c // per) for c in cpus)
+
+
 def format_labels(labels: dict[str, str]) -> str:
     """`k=v,k=v`, the syntax of `ray start --labels`."""
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))

@@ -60,3 +60,15 @@ def test_cluster_yaml_labels_are_the_tiers(cluster):
             assert t["resources"].get("GPU", 0) >= 1, f"{name} serves the gpu tier without GPUs"
     spot_types = [t for n, t in types.items() if tiers.Tier.SPOT in served[n]]
     assert any(t["node_config"].get("InstanceMarketOptions", {}).get("MarketType") == "spot" for t in spot_types)
+
+
+def test_a_tiers_nodes_and_slots_count_only_alive_nodes_that_serve_it():
+    def node(alive, cpus, *ts):
+        return {"NodeID": f"n{cpus}", "Alive": alive, "Labels": tiers.node_labels(*ts), "Resources": {"CPU": cpus}}
+
+    nodes = [node(True, 8, tiers.Tier.SPOT), node(True, 6, tiers.Tier.SPOT, tiers.Tier.CPU), node(False, 16, "spot"),
+             node(True, 4, tiers.Tier.CPU), {"NodeID": "head", "Alive": True, "Labels": None, "Resources": {}}]
+    assert [n["NodeID"] for n in tiers.nodes_of("spot", nodes)] == ["n8", "n6"]
+    assert tiers.cpus_of(tiers.Tier.SPOT, nodes) == 14 and tiers.cpus_of(tiers.Tier.CPU, nodes) == 10
+    assert tiers.cpus_of(tiers.Tier.SPOT, nodes, per=4) == 3 and tiers.cpus_of("spot", nodes, per=1.0) == 14
+    assert tiers.cpus_of(tiers.Tier.SPOT, nodes, per=0.25) == 56 and tiers.nodes_of(tiers.Tier.GPU, nodes) == []

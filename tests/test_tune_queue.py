@@ -3,7 +3,9 @@ back, ASHA across the sweep, and what a killed driver's rerun finds on record.""
 
 import asyncio
 import os
+import warnings
 
+import numpy as np
 import pytest
 
 from tune import queued as q
@@ -73,7 +75,40 @@ def test_asha_is_applied_across_the_sweep_and_a_rerun_queues_only_what_is_not_on
         p = await again.progress()
         assert p["resumed"] == 2 and p["queued"] == 3 and p["best"] == 1.0
         assert await again.take("b", 5, []) == [(2, 1), (3, 1), (4, 1)]
-        assert again.rungs[2] == [3.0, 1.0]  # the recorded configs' metrics at the rung stand
+        assert again.rungs[2].sorted == [1.0, 3.0] and again.rungs[2].count == 2  # the recorded configs' stand
+
+    asyncio.run(main())
+
+
+def test_a_rung_judges_as_the_asha_rule_does_on_every_prefix_ties_and_nan_included():
+    rng = np.random.default_rng(5)
+    for trial in range(40):
+        n = int(rng.integers(1, 60))
+        metrics = rng.choice([0.5, 1.0, 1.5, np.nan], n).tolist() if trial % 2 else rng.normal(2.0, 1.0, n).tolist()
+        rung = q.Rung()
+        for i, m in enumerate(metrics):
+            probe = float(rng.normal(2.0, 1.0)) if i % 3 else m  # a metric equal to one recorded: a tie
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # nanpercentile of all-NaN
+                assert rung.keeps(probe) == asha_keeps(metrics[:i], probe), (metrics[:i], probe)
+            rung.add(m)
+        assert rung.count == n and rung.sorted == sorted(m for m in metrics if not np.isnan(m))
+
+
+def test_a_result_that_comes_after_its_worker_was_thought_lost_is_not_run_again(tmp_path):
+    async def main():
+        cq = ConfigQueue(str(tmp_path), 4, rungs=[], sign=1.0, max_attempts=3, flush_s=3600.0)
+        assert await cq.take("a", 2, []) == [(0, 1), (1, 1)]
+        assert cq.lost("a") == 2  # the driver thought a lost: both back at the front
+        assert await cq.take("b", 1, []) == [(0, 2)]
+        assert await cq.take("a", 1, [_result(0, "a"), _result(1, "a")]) == [(2, 1)]  # a was not lost after all
+        assert cq.attempts.tolist() == [2, 1, 1, 0] and not cq.back  # 1 is on record: no longer queued
+        assert await cq.take("b", 1, [_result(0, "b")]) == [(3, 1)]  # 0 twice: the first result stands
+        waiting = asyncio.ensure_future(cq.take("b", 1, [_result(3, "b")]))
+        assert await cq.take("a", 1, [_result(2, "a")]) is None
+        assert await asyncio.wait_for(waiting, 5) is None
+        assert (await cq.progress())["done"] == 4 and sorted(r["index"] for r in read_results(str(tmp_path))) == [
+            0, 1, 2, 3]
 
     asyncio.run(main())
 

@@ -39,9 +39,8 @@ class Plan:
 def gpu_inventory(nodes: list[dict]) -> Counter:
     """GPUs of alive gpu-tier nodes, by model (`accelerator_type:<model>` resource; `unknown` without)."""
     inv: Counter = Counter()
-    for n in nodes:
-        gpus = int(n.get("Resources", {}).get("GPU", 0))
-        if not (n.get("Alive") and gpus and tiers.Tier.GPU in tiers.tiers_of(n.get("Labels", {}))):
+    for n in tiers.nodes_of(tiers.Tier.GPU, nodes):
+        if not (gpus := int(n.get("Resources", {}).get("GPU", 0))):
             continue
         models = [k[len(ACCELERATOR_PREFIX):] for k in n["Resources"] if k.startswith(ACCELERATOR_PREFIX)]
         inv[models[0] if models else "unknown"] += gpus

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -226,6 +227,7 @@ def make_tuner(trainable, cfg: SweepConfig, space: dict, sweep_dir: str, *, prog
     scheduler = (ASHAScheduler(max_t=max_t, grace_period=min(GRACE, max_t), reduction_factor=REDUCTION)
                  if cfg.scheduler == "asha" and not queue else FIFOScheduler())
     storage_path, name = sweep_dir.rstrip("/").rsplit("/", 1)
+    poll = QueuePoll(queue) if queue else None
     if queue:
         space_or_workers = {"worker": tune.grid_search(list(range(workers)))}
         concurrency = {}
@@ -242,8 +244,8 @@ def make_tuner(trainable, cfg: SweepConfig, space: dict, sweep_dir: str, *, prog
         run_config=tune.RunConfig(
             name=name, storage_path=storage_path, verbose=0,  # SweepProgress and the final table instead
             callbacks=[CSVLoggerCallback(), SignTuneState(name), *callbacks,
-                       *([SweepProgress(cfg, sweep_dir, queue=queue)] if progress else [])],
-            stop=QueueOver(queue) if queue else None,
+                       *([SweepProgress(cfg, sweep_dir, poll=poll)] if progress else [])],
+            stop=QueueOver(poll) if queue else None,
             checkpoint_config=tune.CheckpointConfig(num_to_keep=2),  # a config's own trial: the last report's
             failure_config=tune.FailureConfig(max_failures=cfg.max_failures)),
     )
@@ -259,13 +261,9 @@ def worker_count(cfg: SweepConfig) -> int:
 
     if cfg.max_concurrent:
         return min(cfg.num_samples, cfg.max_concurrent)
-    slots, autoscaled = 0, False
-    for n in ray.nodes():
-        if n.get("Alive"):
-            labels = n.get("Labels", {})
-            if tiers.Tier.SPOT in tiers.tiers_of(labels):
-                slots += int(n["Resources"].get("CPU", 0) // cfg.cpus_per_trial)
-            autoscaled |= tiers.Tier.SPOT in tiers.autoscaled_tiers(labels)
+    nodes = ray.nodes()
+    slots = tiers.cpus_of(tiers.Tier.SPOT, nodes, per=cfg.cpus_per_trial)
+    autoscaled = any(n.get("Alive") and tiers.Tier.SPOT in tiers.autoscaled_tiers(n.get("Labels") or {}) for n in nodes)
     return max(1, min(cfg.num_samples, max(slots, REFERENCE_CONCURRENT if autoscaled else 1)))
 
 
@@ -391,6 +389,28 @@ class RequeueLost(Callback):
         self._lost(trial)
 
 
+class QueuePoll:
+    """A queued sweep's progress as its queue tells it, asked at most every `every_s`: the progress bar and
+    the stopper share one, so the driver makes one request where it made two. None: the queue is gone
+    (the sweep is ending)."""
+
+    def __init__(self, queue: str, every_s: float = 1.0):
+        self.queue, self.every_s, self.at, self.last = queue, every_s, -math.inf, None
+
+    def __getstate__(self):
+        return {**self.__dict__, "at": -math.inf, "last": None}
+
+    def get(self, fresh: bool = False) -> dict | None:
+        import ray
+
+        now = time.monotonic()
+        if fresh or now - self.at >= self.every_s:
+            self.at, self.last = now, None
+            with contextlib.suppress(ValueError, ray.exceptions.RayError):
+                self.last = ray.get(ray.get_actor(self.queue).progress.remote(), timeout=30)
+        return self.last
+
+
 class QueueOver(Stopper):
     """Ends a queued sweep once its queue has handed out every config and has every result: worker trials
     Tune has not started yet (more workers than the cluster holds now) then never start.
@@ -398,24 +418,19 @@ class QueueOver(Stopper):
     It stops the experiment `grace_s` after the queue said so: running workers end by themselves as soon as
     they hear it, and one that Tune stopped in the middle of its last report printed a traceback."""
 
-    def __init__(self, queue: str, every_s: float = 1.0, grace_s: float = 3.0):
-        self.queue, self.every_s, self.grace_s, self.last, self.over = queue, every_s, grace_s, 0.0, None
+    def __init__(self, poll: QueuePoll, grace_s: float = 3.0):
+        self.poll, self.grace_s, self.over = poll, grace_s, None
 
     def __getstate__(self):
-        return {**self.__dict__, "last": 0.0, "over": None}
+        return {**self.__dict__, "over": None}
 
     def __call__(self, trial_id, result) -> bool:
         return False
 
     def stop_all(self) -> bool:
-        import ray
-
         now = time.monotonic()
-        if self.over is None and now - self.last >= self.every_s:
-            self.last = now
-            with contextlib.suppress(ValueError, ray.exceptions.RayError):  # gone: the sweep is ending
-                if ray.get(ray.get_actor(self.queue).progress.remote(), timeout=30)["over"]:
-                    self.over = now
+        if self.over is None and (p := self.poll.get()) and p["over"]:
+            self.over = now
         return self.over is not None and now - self.over >= self.grace_s
 
 
@@ -441,22 +456,17 @@ class SweepProgress(Callback):
     """Counts configs done, stopped early and failed (from the queue, or from a Tune trial per config): a
     bar on stderr, and `progress.json` in the sweep directory for notebooks and other watchers."""
 
-    def __init__(self, cfg: SweepConfig, sweep_dir: str, every_s: float = 2.0, queue: str = ""):
-        self.cfg, self.sweep_dir, self.every_s, self.queue = cfg, sweep_dir, every_s, queue
+    def __init__(self, cfg: SweepConfig, sweep_dir: str, every_s: float = 2.0, poll: QueuePoll | None = None):
+        self.cfg, self.sweep_dir, self.every_s, self.poll = cfg, sweep_dir, every_s, poll
         self.last, self.bar, self.said = 0.0, None, None
         self.peak = 0  # the most trials running at once (--max-concurrent caps it)
 
     def __getstate__(self):  # Tune pickles its callbacks with the experiment; the bar is rebuilt
         return {**self.__dict__, "bar": None, "last": 0.0, "said": None}
 
-    def counts(self, trials) -> dict:
-        if self.queue:  # what the queue knows: configs, and workers holding some (`running`)
-            import ray
-
-            try:
-                return ray.get(ray.get_actor(self.queue).progress.remote(), timeout=30)
-            except (ValueError, ray.exceptions.RayError):  # gone: the sweep has ended
-                return None
+    def counts(self, trials, fresh: bool = False) -> dict | None:
+        if self.poll:  # what the queue knows: configs, and workers holding some (`running`)
+            return self.poll.get(fresh)
         done = errors = 0
         best = None
         for t in trials:
@@ -485,7 +495,7 @@ class SweepProgress(Callback):
         if not force and now - self.last < self.every_s:
             return
         self.last = now
-        if (c := self.counts(trials)) is None:
+        if (c := self.counts(trials, fresh=force)) is None:
             return
         # The driver's memory too: it should stay flat as configs complete (results stream to storage).
         write_json_atomic(join(self.sweep_dir, "progress.json"), {**c, "updated": time.time(),

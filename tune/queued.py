@@ -25,6 +25,7 @@ killed driver loses at most FLUSH_S of results; the rerun's queue reads
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import json
 import math
@@ -76,6 +77,31 @@ def asha_keeps(recorded: list[float], metric: float) -> bool:
     if not recorded:
         return True
     return not metric > float(np.nanpercentile(recorded, 100 / REDUCTION))
+
+
+class Rung:
+    """The (signed) metrics recorded at one ASHA rung, kept sorted: `keeps` is asha_keeps over them without
+    rebuilding an array per judgement, which at 50,000 configs is O(n) each."""
+
+    def __init__(self):
+        self.sorted: list[float] = []  # NaN left out, as nanpercentile leaves it out
+        self.count = 0  # every metric recorded, NaN too: a config's place in the rung's order
+
+    def add(self, metric: float) -> None:
+        self.count += 1
+        if not math.isnan(metric):
+            bisect.insort(self.sorted, metric)
+
+    def keeps(self, metric: float) -> bool:
+        v = self.sorted
+        if not v:
+            return True
+        # numpy's default ("linear") percentile, computed the way numpy does, so that a tie decides alike
+        pos = (len(v) - 1) * (1 / REDUCTION)
+        lo = math.floor(pos)
+        t, a, b = pos - lo, v[lo], v[min(lo + 1, len(v) - 1)]
+        cut = b - (b - a) * (1 - t) if t >= 0.5 else a + (b - a) * t
+        return not metric > cut
 
 
 def _log_for(out: str):
@@ -196,18 +222,20 @@ class ConfigQueue:
         self.sweep_dir, self.configs, self.sign, self.max_attempts = sweep_dir, configs, sign, max_attempts
         self.flush_s = flush_s
         self.finished = np.zeros(configs, dtype=bool)
-        self.rungs: dict[int, list[float]] = {t: [] for t in rungs}  # signed metrics recorded at each rung
+        self.rungs = {t: Rung() for t in rungs}  # signed metrics recorded at each rung
         self.counts = {"completed": 0, "stopped early": 0, "error": 0}
         self.best = None
         for rec in read_results(sweep_dir):  # a rerun: what the killed driver's queue wrote, rungs included
             self._count(rec)
-            for t, values in self.rungs.items():
+            for t, rung in self.rungs.items():
                 if len(rec["curve"]) >= t:
-                    values.append(self.sign * rec["curve"][t - 1])
+                    rung.add(self.sign * rec["curve"][t - 1])
         self.resumed = int(self.finished.sum())
         self.pending = deque(int(i) for i in np.flatnonzero(~self.finished))
         self.held: dict[str, dict[int, int]] = {}  # worker -> {index: attempt}
-        self.attempts: dict[int, int] = {}  # index -> times handed out (only configs handed out more than never)
+        self.attempts = np.zeros(configs, dtype=np.int32)  # index -> times handed out
+        self.back: set[int] = set()  # indices a lost worker gave back, queued again: only these can be both
+        # queued and finished (a worker thought lost that was not), so only these are looked for in `pending`
         self.buffer: list[dict] = []
         self.started, self.part, self.flushed = time.time_ns(), 0, time.monotonic()
         self.requeued = self.peak = 0
@@ -267,8 +295,9 @@ class ConfigQueue:
         got, held = [], self.held.setdefault(worker, {})  # anew: `lost` may have dropped it meanwhile
         while self.pending and len(got) < max(1, n):
             i = self.pending.popleft()
-            self.attempts[i] = attempt = self.attempts.get(i, 0) + 1
-            held[i] = attempt
+            self.back.discard(i)
+            self.attempts[i] += 1
+            held[i] = attempt = int(self.attempts[i])
             got.append((i, attempt))
         self.peak = max(self.peak, sum(bool(h) for h in self.held.values()))
         return got
@@ -277,18 +306,20 @@ class ConfigQueue:
         i = rec["index"]
         if self.finished[i]:  # already on record (a worker thought lost that was not): the first stands
             return
-        with contextlib.suppress(ValueError):  # requeued meanwhile
-            self.pending.remove(i)
+        if i in self.back:  # requeued meanwhile
+            self.back.discard(i)
+            with contextlib.suppress(ValueError):
+                self.pending.remove(i)
         self._count(rec)
         self.buffer.append(rec)
 
     async def judge(self, rung: int, metric: float) -> tuple[bool, int]:
         """ASHA at a rung, over every config of the sweep: go on unless the (signed) metric is worse than
         the best 1/REDUCTION recorded there so far. Returns (go on, how many were recorded before)."""
-        values = self.rungs[rung]
-        keep = asha_keeps(values, metric)
-        values.append(metric)
-        return keep, len(values) - 1
+        r = self.rungs[rung]
+        keep = r.keeps(metric)
+        r.add(metric)
+        return keep, r.count - 1
 
     def lost(self, worker: str, why: str = "") -> int:
         """Put a lost worker's configs back at the front of the queue; a config lost max_attempts times is
@@ -304,6 +335,7 @@ class ConfigQueue:
                               f"times{f' (last: {why})' if why else ''}", "report_share": None})
             else:
                 self.pending.appendleft(i)
+                self.back.add(i)
                 back += 1
         self.requeued += back
         if self.changed is not None and held:
