@@ -4,6 +4,7 @@ import json
 import os
 import pickle
 import re
+import time
 
 import pytest
 from test_security import Payload
@@ -19,6 +20,32 @@ from tune.sweep import SPACES, STATE_FILE
 
 
 @pytest.mark.slow
+def test_a_second_sweep_in_the_same_process_is_refused_while_the_first_runs(local_ray, dataset):
+    import threading
+
+    from strata.shell import StrataError
+    from tune import driver
+
+    storage, out = Storage.from_env(), {}
+    cfg = SweepConfig(num_samples=2, steps=2, report_every=2, max_rows=64, eval_rows=8, scheduler="fifo")
+    first = threading.Thread(target=lambda: out.update(run(cfg, dataset=dataset["ref"], model_preset="debug",
+                                                            sweep_name="first", storage=storage)))
+    first.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not driver._ONE_SWEEP.locked() and first.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert first.is_alive(), "the first sweep ended before the second could start"
+        with pytest.raises(StrataError, match="another sweep is running in this process"):
+            run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name="second", storage=storage)
+        assert not os.path.exists(storage.sweep("second"))  # refused before it leased or wrote anything
+    finally:
+        first.join(300)
+    assert out["trials"] == 2 and out["completed"] == 2  # the first went on undisturbed
+    out = run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name="second", storage=storage)
+    assert out["completed"] == 2  # and one after it runs
+
+
 def test_sweep_runs_trials_and_writes_the_best_config(local_ray, dataset):
     cfg = SweepConfig(num_samples=3, steps=4, report_every=2, max_rows=64, eval_rows=8, scheduler="fifo")
     out = run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name="sw", storage=Storage.from_env())

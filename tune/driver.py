@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 from dataclasses import asdict, replace
 
@@ -19,7 +20,7 @@ from ray.tune.stopper import Stopper
 
 from strata import tiers
 from strata.procs import rss_mb
-from strata.shell import Job
+from strata.shell import Job, StrataError
 from strata.shell import log as _logger
 from strata.storage import (
     Storage,
@@ -51,6 +52,9 @@ from tune.sweep import (
 from tune.trust import SignTuneState, check_tune_state, sign_tuner
 
 _log = _logger("tune")
+# Ray Tune drives one experiment per process: two sweeps started from two threads of one process both hung
+# (neither wrote a result in 600 s; two processes at once are fine). So a second one is refused.
+_ONE_SWEEP = threading.Lock()
 
 
 
@@ -58,7 +62,22 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
         progress: bool = True, dashboard: bool = True) -> dict:
     """Run (or, when the sweep directory holds an unfinished one, resume) a sweep; write its results.
 
-    `dashboard=False` starts an embedded Ray without its dashboard (a joined cluster keeps its own)."""
+    `dashboard=False` starts an embedded Ray without its dashboard (a joined cluster keeps its own). One
+    sweep at a time per process: a second one started while the first runs (another thread, a notebook's
+    background cell) is refused with a StrataError."""
+    if not _ONE_SWEEP.acquire(blocking=False):
+        raise StrataError(f"sweep {sweep_name}: another sweep is running in this process, and Ray Tune runs one "
+                          "at a time per process (two at once hang). Start it after that one ends, or from "
+                          "another process: `python -m tune ...` or `ray job submit -- python -m tune ...`")
+    try:
+        return _run(cfg, dataset=dataset, model_preset=model_preset, sweep_name=sweep_name, storage=storage,
+                    progress=progress, dashboard=dashboard)
+    finally:
+        _ONE_SWEEP.release()
+
+
+def _run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, storage: Storage,
+         progress: bool, dashboard: bool) -> dict:
     # Per-trial JSON/TensorBoard loggers cost driver memory and time; keep CSV only.
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     # A config's own trial (--pack 1) keeps its last 2 checkpoints (model state), so Tune snapshots the
