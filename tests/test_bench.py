@@ -133,6 +133,10 @@ def test_real_config_sweep_benchmark_times_the_command_and_the_plain_loop_and_pr
     result = json.loads(lines[-2])["4"]
     assert result["sweep_s"] > result["before_first_report_s"] > 0 and result["plain_s"] > 0
     assert result["ratio"] == pytest.approx(result["sweep_s"] / result["plain_s"])
+    # The reference sweep's figures by the law: what grows with configs scaled from 4 to 50,000.
+    assert result["mb_at_reference"] == pytest.approx(result["mb"] * 50_000 / 4)
+    assert result["files_at_reference"] >= result["files"] and any(line.startswith("  extrapolated to 50,000 configs: ")
+                                                                   for line in lines)
     assert lines[-1].startswith("overhead, sweep / plain loop: ") and lines[-1].endswith("(target <= 1.1)")
 
 

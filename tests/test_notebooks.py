@@ -11,19 +11,10 @@ from conftest import REPO
 pytestmark = pytest.mark.slow
 
 
-def test_sweep_notebook_runs_top_to_bottom(storage_root, tmp_path):
-    nbformat = pytest.importorskip("nbformat")
+def _execute(nb, env: dict) -> str:
+    """Run `nb` in a fresh kernel with `env` set; its stdout."""
     nbclient = pytest.importorskip("nbclient")
-    import ray
-
-    path = os.path.join(REPO, "notebooks", "sweep.ipynb")
-    nb = nbformat.read(path, as_version=4)
-    assert all(not c.get("outputs") and not c.get("execution_count") for c in nb.cells if c.cell_type == "code"), \
-        "commit the notebook with its outputs stripped"
-    ray.shutdown()  # the kernel starts its own embedded Ray; two on 2 CPUs would only slow each other
     temps = set(glob.glob("/tmp/strata-ray-*"))
-    env = {"STRATA_STORAGE": str(tmp_path / "storage"), "STRATA_SWEEP": "nb", "STRATA_NUM_SAMPLES": "3",
-           "STRATA_SWEEP_STEPS": "8", "STRATA_TRAIN_STEPS": "4", "STRATA_SPACE": "lr-batch"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the kernel inherits this process's environment
     try:
@@ -36,12 +27,38 @@ def test_sweep_notebook_runs_top_to_bottom(storage_root, tmp_path):
                 os.environ[k] = v
         for d in set(glob.glob("/tmp/strata-ray-*")) - temps:
             shutil.rmtree(d, ignore_errors=True)
-    text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("name") == "stdout")
-    assert "finished:" in text and "best config:" in text
-    images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
-    assert len(images) == 3  # the histogram of every config's best metric, params.png and curves.png
+    return "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("name") == "stdout")
+
+
+def _images(nb) -> list:
+    return [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+
+
+def test_sweep_notebook_runs_top_to_bottom_and_shows_an_ended_sweep_without_running_it_again(storage_root, tmp_path):
+    nbformat = pytest.importorskip("nbformat")
+    import ray
+
+    path = os.path.join(REPO, "notebooks", "sweep.ipynb")
+    nb = nbformat.read(path, as_version=4)
+    assert all(not c.get("outputs") and not c.get("execution_count") for c in nb.cells if c.cell_type == "code"), \
+        "commit the notebook with its outputs stripped"
+    ray.shutdown()  # the kernel starts its own embedded Ray; two on 2 CPUs would only slow each other
+    env = {"STRATA_STORAGE": str(tmp_path / "storage"), "STRATA_SWEEP": "nb", "STRATA_NUM_SAMPLES": "3",
+           "STRATA_SWEEP_STEPS": "8", "STRATA_TRAIN_STEPS": "4", "STRATA_SPACE": "lr-batch"}
+    text = _execute(nb, env)
+    assert "finished:" in text and "best config:" in text and "has ended" not in text
+    assert len(_images(nb)) == 3  # the histogram of every config's best metric, params.png and curves.png
     sweep = tmp_path / "storage" / "sweeps" / "nb"
     best = json.loads((sweep / "best.json").read_text())
     run = json.loads((tmp_path / "storage" / "runs" / "nb-best" / "run.json").read_text())
     assert run["config"]["train"]["lr"] == pytest.approx(best["config"]["lr"])
     assert json.loads((sweep / "progress.json").read_text())["done"] == 3
+
+    # The same sweep named again (its dataset given, no training): shown as it ended, nothing run or written.
+    written = {str(f): f.stat().st_mtime_ns for f in sweep.rglob("*") if f.is_file()}
+    again = nbformat.read(path, as_version=4)
+    again.cells = [c for c in again.cells if not c.source.startswith("train_args")]
+    text = _execute(again, {**env, "STRATA_DATASET": best["dataset"]})
+    assert "sweep nb has ended: showing its results" in text and "best config:" in text
+    assert len(_images(again)) == 3
+    assert {str(f): f.stat().st_mtime_ns for f in sweep.rglob("*") if f.is_file()} == written

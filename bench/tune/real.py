@@ -9,8 +9,10 @@ per core, each training its share in turn with the trial's own code (tune.sweep.
 build, data path and step) and one torch thread, as a trial gets one CPU. Alternating, the fastest of
 `--rounds` each. Printed per size: both walls, the overhead ratio (sweep / plain; target <= 1.1), where
 the sweep's extra time went (before the first report, after the last), the files and MB the sweep wrote,
-and the driver's memory as configs completed (its RSS in progress.json: at a tenth done, at the end).
-The last line: the ratio at each size.
+and the driver's memory as configs completed (its RSS in progress.json: at a tenth done, at the end),
+then those figures extrapolated to the reference sweep of 50,000 configs by their law: results parts,
+MB and the driver's growth go as the configs (a part per 10 s or 2,000 results), the rest is a few
+files per worker. The last line: the ratio at each size.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+REFERENCE = 50_000  # configs of the reference sweep
 
 
 def _plain(args: tuple) -> float:
@@ -89,11 +92,15 @@ def footprint(sweep_dir: str, samples: list, n: int) -> dict:
     files = [f for f in Path(sweep_dir).rglob("*") if f.is_file()]
     mb = sum(f.stat().st_size for f in files) / 2**20
     out = {"files": len(files), "mb": mb, "results_files": len(list(Path(sweep_dir, "results").glob("*.jsonl")))}
+    fixed = out["files"] - out["results_files"]  # per worker (its trial's files, its metrics.jsonl): no n in it
+    scale = REFERENCE / n
+    out.update(files_at_reference=round(fixed + out["results_files"] * scale), mb_at_reference=mb * scale)
     early = next(((d, r) for d, r in samples if d >= n / 10), None)
     if early and samples and samples[-1][0] > early[0]:
         late = samples[-1]
         out.update(rss_at_tenth_mb=early[1], rss_at_end_mb=late[1],
                    rss_mb_per_1000=(late[1] - early[1]) * 1000 / (late[0] - early[0]))
+        out["rss_at_reference_mb"] = late[1] + out["rss_mb_per_1000"] * (REFERENCE - late[0]) / 1000
     return out
 
 
@@ -144,6 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
               + (f"; driver RSS {r['rss_at_tenth_mb']:.0f} MB at a tenth done, {r['rss_at_end_mb']:.0f} MB at the "
                  f"end ({r['rss_mb_per_1000']:+.1f} MB per 1,000 configs)" if "rss_mb_per_1000" in r else ""),
               flush=True)
+        print(f"  extrapolated to {REFERENCE:,} configs: {r['files_at_reference']:,} files, {r['mb_at_reference']:.0f} MB"
+              + (f", driver RSS {r['rss_at_reference_mb']:.0f} MB" if "rss_at_reference_mb" in r else ""), flush=True)
     if a.json:
         print(json.dumps(results))
     print("overhead, sweep / plain loop: " + ", ".join(f"{r['ratio']:.2f}x at {n:,} configs" for n, r in results.items())
