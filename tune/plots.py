@@ -53,7 +53,8 @@ def metric_vs_params(trials: list[dict], space: dict, metric: str = "val_loss"):
         ax.set_ylabel(f"best {metric}")
     for ax in list(axes.flat)[len(keys):]:
         ax.set_visible(False)
-    axes.flat[0].legend(fontsize=7)
+    for handle in axes.flat[0].legend(fontsize=7).legend_handles:  # as drawn, faint points would not show
+        handle.set_alpha(1)
     fig.suptitle(f"best {metric} by hyperparameter ({len(trials)} trials)")
     fig.tight_layout()
     return fig
@@ -80,6 +81,7 @@ def curves(trials: list[dict], report_every: int, top: int, metric: str = "val_l
         label = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(t["config"].items()))
         ax.plot(steps, t["curve"], marker="o", markersize=3, label=label[:60])
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))  # steps are whole
     ax.set_ylabel(metric)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6)
