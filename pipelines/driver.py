@@ -242,7 +242,7 @@ class Preprocess:
         # Pass 3's sort as tasks (measured on 2 cores, 24-96 packed files: 1.5-1.8x sooner than Ray 2.60's
         # default shuffle, whose reducers are actors started per run).
         ctx.shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
-        if not (cpus := _tier_cpus()):
+        if not (cpus := tiers.cpus_of(tiers.Tier.CPU, ray.nodes())):
             raise DatasetError(f"no alive node serves the cpu tier (label {tiers.label_key(tiers.Tier.CPU)}=true)")
         self.cpus, self.units = cpus, plan_units(files, self.cfg.read)
         self.total_bytes = sum(f["size"] for f in files)
@@ -662,12 +662,6 @@ def _evaluation_index(cfg: PreprocessConfig) -> dict | None:
     _say(f"decontamination: {decontam.size(built):,} n-grams of {len(built['names'])} evaluation file(s): "
          + "; ".join(f"{basename(p)} {f['records']:,} records, {f['ngrams']:,} n-grams" for p, f in built["files"].items()))
     return built
-
-
-def _tier_cpus() -> float:
-    import ray
-
-    return tiers.cpus_of(tiers.Tier.CPU, ray.nodes())
 
 
 def _index_segments(parent, earlier, cfg: PreprocessConfig) -> dict[str, list[dict]]:

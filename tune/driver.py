@@ -5,6 +5,7 @@ plots, best config) and the run record. `python -m tune` is its CLI."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -57,7 +58,25 @@ _log = _logger("tune")
 _ONE_SWEEP = threading.Lock()
 
 
+def _alone(run):
+    """`run`, refused with a StrataError while another sweep runs in this process."""
+    @functools.wraps(run)
+    def alone(cfg, **kwargs):
+        if not _ONE_SWEEP.acquire(blocking=False):
+            raise StrataError(f"sweep {kwargs['sweep_name']}: another sweep is running in this process, and Ray "
+                              "Tune runs one at a time per process (two at once hang). Start it after that one "
+                              "ends, or from another process: `python -m tune ...` or `ray job submit -- python -m "
+                              "tune ...`")
+        try:
+            return run(cfg, **kwargs)
+        finally:
+            _ONE_SWEEP.release()
 
+    return alone
+
+
+
+@_alone
 def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, storage: Storage,
         progress: bool = True, dashboard: bool = True) -> dict:
     """Run (or, when the sweep directory holds an unfinished one, resume) a sweep; write its results.
@@ -65,19 +84,6 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
     `dashboard=False` starts an embedded Ray without its dashboard (a joined cluster keeps its own). One
     sweep at a time per process: a second one started while the first runs (another thread, a notebook's
     background cell) is refused with a StrataError."""
-    if not _ONE_SWEEP.acquire(blocking=False):
-        raise StrataError(f"sweep {sweep_name}: another sweep is running in this process, and Ray Tune runs one "
-                          "at a time per process (two at once hang). Start it after that one ends, or from "
-                          "another process: `python -m tune ...` or `ray job submit -- python -m tune ...`")
-    try:
-        return _run(cfg, dataset=dataset, model_preset=model_preset, sweep_name=sweep_name, storage=storage,
-                    progress=progress, dashboard=dashboard)
-    finally:
-        _ONE_SWEEP.release()
-
-
-def _run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, storage: Storage,
-         progress: bool, dashboard: bool) -> dict:
     # Per-trial JSON/TensorBoard loggers cost driver memory and time; keep CSV only.
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     # A config's own trial (--pack 1) keeps its last 2 checkpoints (model state), so Tune snapshots the
