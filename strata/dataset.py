@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import posixpath
 import re
 import signal
 import threading
@@ -40,11 +39,14 @@ import pyarrow.parquet as pq
 from strata.shell import StrataError
 from strata.storage import (
     S3_ATTEMPTS,
+    PathRefused,
     Storage,
+    check_name,
+    delete,
     delete_dir,
     delta_options,
     filesystem,
-    is_uri,
+    inside,
     join,
     list_dir,
     read_bytes,
@@ -265,20 +267,12 @@ class DatasetVersion:
         return sum(s.rows for s in self.shards if s.split == split)
 
     def file(self, rel: str) -> str:
-        """A path the manifest names, under the dataset's directory; a manifest is data read back from
-        storage, so a path that would leave the dataset (`..`, absolute, a URI, a link out) is refused
-        before anything reads, writes or deletes there."""
-        norm = posixpath.normpath(rel) if rel else ""
-        if not norm or norm == "." or norm.startswith(("/", "../")) or norm == ".." or "://" in rel or "\\" in rel:
-            raise DatasetError(f"{self.ref}: its manifest names {rel!r}, which is not a path inside the dataset; "
-                               "refused")
-        path = join(self.root, *norm.split("/"))
-        if not is_uri(path):
-            root = os.path.realpath(self.root)
-            if not os.path.realpath(path).startswith(root + os.sep):
-                raise DatasetError(f"{self.ref}: {rel!r} leads outside the dataset ({os.path.realpath(path)}); "
-                                   "refused")
-        return path
+        """A path the manifest or the log names, under the dataset's directory (strata.storage.inside: a
+        path that would leave it is refused before anything reads, writes or deletes there)."""
+        try:
+            return inside(self.root, rel, f"{self.ref}: its manifest")
+        except PathRefused as e:
+            raise DatasetError(str(e)) from None
 
     def shard_paths(self, split: str) -> list[str]:
         return [self.file(s.path) for s in self.shards if s.split == split]
@@ -470,11 +464,27 @@ def history(storage: Storage, name: str) -> list[DatasetVersion]:
     """Every committed version of `name`, oldest first (one log entry read per version: each names its
     parent). Without the snapshots' shard lists (`shards` reads one when asked)."""
     path = storage.dataset(name)
-    out, number = [], _head(path, name).live
+    head = _head(path, name)
+    out, number = [], head.live
     while number is not None:
-        out.append(v := _load(path, number, name))
-        number = int(v.manifest.parent[1:]) if v.manifest.parent else None
+        out.append(v := _load(path, number, name, head))
+        number = _parent_number(v, name, head.table.version())
     return out[::-1]
+
+
+def _parent_number(v: DatasetVersion, name: str, newest: int) -> int | None:
+    """The Delta version `v` extends. A parent is always an earlier commit, so a chain that loops or runs
+    past the table's versions (a crafted or corrupt manifest) is an error naming both, not an endless walk."""
+    parent = v.manifest.parent
+    if not parent:
+        return None
+    m = re.fullmatch(r"v(\d+)", parent) if isinstance(parent, str) else None
+    number = int(m.group(1)) if m else -1
+    if not 1 <= number < v.number or number > newest:
+        raise DatasetError(f"dataset {name!r}: version {v.manifest.version} names {parent!r} as its parent, which "
+                           f"is not an earlier version of the table (1..{min(v.number - 1, newest)}): its manifest is "
+                           "corrupt; refused")
+    return number
 
 
 def list_versions(storage: Storage, name: str) -> list[str]:
@@ -695,17 +705,42 @@ def _delete_leased(storage: Storage, name: str, version: str) -> list[str]:
                            f"only the newest version ({versions[-1]}) can be deleted")
     head = _head(path, name)
     v = _load(path, head.live, name)
-    dirs = sorted({posixpath.dirname(s.path) for s in v.added} | ({v.manifest.files} if v.manifest.files else set()))
-    dirs = [v.file(d) for d in dirs]  # each checked to be inside, before anything is deleted
+    tag, doomed = _own_files(v, head)  # every path checked before anything is deleted
     now_ms = int(time.time() * 1000)
     removes = [RemoveAction(s.path, True, now_ms, s.bytes, {"split": s.split, "version": str(v.number)})
                for s in v.added]
-    parent = int(v.manifest.parent[1:]) if v.manifest.parent else None
-    write_commit(head.table, v.manifest.dtype, removes, {"delete": version, "live": parent, "deleted": [*head.deleted, version]})
-    for d in dirs:
-        delete_dir(d)
-    return dirs
+    write_commit(head.table, v.manifest.dtype, removes,
+                 {"delete": version, "live": _parent_number(v, name, head.table.version()),
+                  "deleted": [*head.deleted, version]})
+    for f in doomed:
+        delete(f)
+    delete_dir(storage.run_files(name, tag))  # the run's own files: a directory strata names, not the log
+    return [storage.run_shards(name, tag), storage.run_files(name, tag)]
 
+
+def _own_files(v: DatasetVersion, head: Head) -> tuple[str, list[str]]:
+    """What deleting `v` may remove: the run tag its commit's application transaction names, and the
+    files the version added, each `data/<tag>/<file>` exactly. A log entry or manifest that names
+    anything else (`..`, another run's directory, the log) is refused, naming the path, before anything
+    is deleted: no directory named by metadata is ever removed."""
+    files = v.manifest.files
+    tag = files[len("_strata/"):] if isinstance(files, str) and files.startswith("_strata/") else ""
+    try:
+        check_name(tag, "run tag")
+    except ValueError:
+        raise DatasetError(f"{v.ref}: its manifest names {files!r} as its run's files, not _strata/<run>: refused "
+                           "to delete anything") from None
+    if retrying(head.table.transaction_version, RUN_APP + tag) != v.number:
+        raise DatasetError(f"{v.ref}: the log does not say this version committed run {tag!r}: refused to delete "
+                           "anything")
+    doomed = []
+    for s in v.added:
+        parts = s.path.split("/") if isinstance(s.path, str) else []
+        if len(parts) != 3 or parts[:2] != ["data", tag]:
+            raise DatasetError(f"{v.ref}: the version adds {s.path!r}, which is not a file of its own run directory "
+                               f"data/{tag}/: refused to delete anything")
+        doomed.append(v.file(s.path))
+    return tag, doomed
 
 def abandoned_runs(storage: Storage, name: str, before_gen: int, head: Head | None = None) -> list[str]:
     """Run tags (`g<gen>-<work>`) with files under `data/` or `_strata/` that no version committed (or

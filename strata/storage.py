@@ -129,6 +129,39 @@ def check_name(name: str, what: str = "name") -> str:
     return name
 
 
+class PathRefused(StrataError, ValueError):
+    """A path read from storage (or given as an output) that would leave where it must stay."""
+
+
+def inside(base: str, rel, what: str) -> str:
+    """`rel`, a relative path read from storage (a manifest, a Delta log entry, a record, a sweep part),
+    as a path under `base`; refused (PathRefused, naming `what` and the path) unless it stays there:
+    not empty, not absolute, no `..`, no URI or backslash, and on local disk no link out of `base`.
+
+    The one containment check for every path strata reads from storage before it reads, writes or
+    deletes there."""
+    import posixpath
+
+    norm = posixpath.normpath(rel) if isinstance(rel, str) and rel else ""
+    if (not norm or norm in (".", "..") or norm.startswith(("/", "../")) or "://" in rel or "\\" in rel
+            or "\x00" in rel or norm != rel.rstrip("/")):
+        raise PathRefused(f"{what} names {rel!r}, which is not a plain path inside {base}; refused")
+    path = join(base, *norm.split("/"))
+    if not is_uri(path):
+        root = os.path.realpath(base)
+        if not os.path.realpath(path).startswith(root + os.sep):
+            raise PathRefused(f"{what} names {rel!r}, which leads outside {base} ({os.path.realpath(path)}); refused")
+    return path
+
+
+def under(path: str, base: str) -> bool:
+    """Whether `path` is `base` or below it (local paths by their real path, URIs by prefix)."""
+    if is_uri(path) or is_uri(base):
+        return path.rstrip("/") == base.rstrip("/") or path.startswith(base.rstrip("/") + "/")
+    p, b = os.path.realpath(path), os.path.realpath(base)
+    return p == b or p.startswith(b.rstrip(os.sep) + os.sep)
+
+
 @dataclass(frozen=True)
 class Storage:
     """Paths under one storage root."""
@@ -181,6 +214,20 @@ class Storage:
     def records(self) -> str:
         """One JSON record per run of any kind (`python -m strata runs` lists them)."""
         return join(self.root, "records")
+
+    def managed(self) -> list[str]:
+        """The directories strata writes and reads back: a user's output never goes inside one."""
+        return [self.datasets(), self.runs(), self.sweeps(), join(self.root, "scores"), join(self.root, "evals"),
+                join(self.root, "generations"), self.records()]
+
+    def check_output(self, path: str, what: str = "output") -> str:
+        """Refuse (PathRefused) an output path a user gave that lies inside a directory strata manages
+        (a dataset, a run, a sweep, its records): writing there could overwrite a commit or a checkpoint."""
+        for d in self.managed():
+            if under(path, d):
+                raise PathRefused(f"{what} {path} is inside {d}, which strata manages (datasets, runs, sweeps and "
+                                  "their records): give a path outside it")
+        return path
 
 
 # ---- reads -------------------------------------------------------------------------------------

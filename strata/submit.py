@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from strata import tiers
+from strata import signing, tiers
 from strata.runinfo import code_version
 from strata.shell import Command, Parser, StrataError, UsageError, log
 from strata.signing import TOKEN_FILES
@@ -104,7 +104,28 @@ def runtime_env(working_dir: str, env_file: str | None, storage: str | None = No
     if storage:  # the submitter's storage wins over anything the file says
         env_vars["STRATA_STORAGE"] = storage
     env_vars.setdefault("STRATA_CODE_VERSION", code_version())  # the upload has no .git to ask
+    # The cluster's nodes sign and check checkpoints with the submitter's key (strata.signing), so what the
+    # job writes loads back here, and what was trained here continues there.
+    env_vars.setdefault(signing.KEY_ENV, signing.secret().decode())
     return env
+
+
+UPLOADED = ("strata", "pipelines", "train", "tune", "infer", "bench", "pyproject.toml", "cluster.yaml", "prices.yaml")
+
+
+def check_links(working_dir: str) -> None:
+    """Refuse a symbolic link in what the upload takes (runtime-env.yaml's allow-list) that points outside
+    the working directory: the upload would carry the file it points to, whatever that is."""
+    root = os.path.realpath(working_dir)
+    for top in UPLOADED:
+        start = os.path.join(working_dir, top)
+        paths = [start] if not os.path.isdir(start) or os.path.islink(start) else [
+            os.path.join(d, n) for d, dirs, files in os.walk(start) for n in [*dirs, *files]
+            if not n.startswith(".") and n != "__pycache__"]
+        for path in paths:
+            if os.path.islink(path) and not os.path.realpath(path).startswith(root + os.sep):
+                raise ValueError(f"{path} is a link to {os.path.realpath(path)}, outside {root}: the upload would "
+                                 "carry that file; replace the link with the file, or leave it out")
 
 
 def job_storage(address: str, given: str | None) -> str:
@@ -184,15 +205,22 @@ def python_for(address: str, python: str | None) -> str:
     return sys.executable if _is_loopback(address) else "python"
 
 
-def check_address(address: str, insecure_http: bool = False) -> None:
-    """Refuse plain HTTP to anything but loopback: the token would cross the network in the clear."""
+def check_address(address: str, insecure_http: bool = False, token_set: bool = True) -> None:
+    """Refuse plain HTTP, or Ray Client's `ray://` without TLS, to anything but loopback while a token is
+    set: the token would cross the network in the clear."""
     from urllib.parse import urlparse
 
     url = urlparse(address if "://" in address else f"http://{address}")
-    if url.scheme == "http" and url.hostname not in ("127.0.0.1", "localhost", "::1") and not insecure_http:
+    remote = url.hostname not in ("127.0.0.1", "localhost", "::1")
+    if url.scheme == "http" and remote and not insecure_http:
         raise ValueError(f"{address} is plain HTTP to another machine: the cluster token would travel in the clear. "
                          "Reach the head through a port-forward or an SSH tunnel (http://127.0.0.1:8265), or "
                          "TLS (https://...); --insecure-http sends it anyway")
+    tls = os.environ.get("RAY_USE_TLS", "").lower() in ("1", "true")
+    if url.scheme == "ray" and remote and token_set and not tls and not insecure_http:
+        raise ValueError(f"{address} is Ray Client (ray://) to another machine without TLS: the cluster token would "
+                         "travel in the clear in its gRPC headers. Use the head's job API through a tunnel "
+                         "(http://127.0.0.1:8265), or configure Ray's TLS (RAY_USE_TLS=1 with its certificates)")
 
 
 def check_token_mode(path: str, fix: bool | None = None) -> bool:
@@ -223,7 +251,9 @@ def submit(kind: str, args: list[str], *, address: str, slot: str | None = None,
     """Submit; returns {"submission_id", "status", "duplicate"}. Waits and streams logs unless wait=False."""
     if kind not in MODULES:
         raise ValueError(f"unknown job kind {kind!r}: one of {', '.join(MODULES)}")
-    check_address(address, insecure_http)
+    check_address(address, insecure_http, token_set=token()[0] is not None)
+    if working_dir:
+        check_links(working_dir)
     root = job_storage(address, storage)
     if slot:
         sub_id = sub_id or submission_id(kind, args, slot, at)

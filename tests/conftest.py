@@ -19,6 +19,8 @@ import uuid
 import pytest
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+# Tests never write to the real home (~/.ray, ~/.strata): every process they start gets a temporary one.
+os.environ["HOME"] = tempfile.mkdtemp(prefix="strata-test-home-")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
     os.environ.pop(var, None)

@@ -132,7 +132,7 @@ def test_submitted_training_job_reads_the_submitted_dataset(head, dataset, stora
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith("{")))
     assert (summary["run"], summary["start_step"], summary["steps"]) == ("submitted", 0, 2)
-    assert {".metadata", "meta.json"} <= set(os.listdir(summary["checkpoint"]))
+    assert {"meta.json", "signed-0.json"} <= set(os.listdir(summary["checkpoint"]))
 
 
 def _submit(head, *args, env=None):

@@ -56,21 +56,45 @@ def test_a_signed_checkpoint_loads_whole(checkpoint):
     assert load_for_sampling(str(d))[2] == 1
 
 
-def test_nothing_in_a_checkpoint_is_pickled_beside_the_tensors(checkpoint):
-    """DCP pickles non-tensor values and unpickles them with weights_only=False: the optimizer's param groups
-    go to JSON, so every entry DCP holds is a tensor."""
-    d, *_ = checkpoint
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+SHARD = "shard-00001-model-00001-of-00001.safetensors"
 
-    metadata = FileSystemReader(str(d)).read_metadata()
-    assert metadata.state_dict_metadata and all(isinstance(m, TensorStorageMetadata)
-                                                for m in metadata.state_dict_metadata.values())
+
+def _loaders(d, cfg):
+    """Every way strata reads a checkpoint: training's resume, the run's pre-check, sampling (and through it
+    infer and --init-from), and the weights alone (export)."""
+    from train.checkpoint import check_checkpoint, load_model_state
+
+    return [lambda: load(str(d), *_fresh(cfg), rank=0), lambda: check_checkpoint(str(d)),
+            lambda: load_for_sampling(str(d)), lambda: load_model_state(str(d), GPT(cfg))]
+
+
+def test_a_checkpoint_holds_no_pickle_and_no_loader_unpickles(checkpoint, monkeypatch):
+    """Every file is JSON or safetensors; every loader runs with pickle and torch.load made to fail."""
+    from safetensors import safe_open
+
+    d, cfg, *_ = checkpoint
+    names = sorted(os.listdir(d))
+    assert {SHARD, "rng-0.safetensors", "meta.json", "optim-groups.json", "signed-0.json"} == set(names)
+    for name in names:
+        if name.endswith(".json"):
+            json.loads((d / name).read_text())
+        else:
+            with safe_open(str(d / name), framework="pt") as f:
+                assert list(f.keys())
+    assert json.loads((d / "meta.json").read_text())["format"] == 2
+
+    def refuse(*a, **k):
+        raise AssertionError("something was unpickled")
+
+    for mod, attr in ((pickle, "load"), (pickle, "loads"), (pickle, "Unpickler"), (torch, "load")):
+        monkeypatch.setattr(mod, attr, refuse)
+    for load_it in _loaders(d, cfg):
+        load_it()
     groups = json.loads((d / "optim-groups.json").read_text())
     assert groups[0]["lr"] == 1e-3 and groups[0]["params"]
 
 
-@pytest.mark.parametrize("planted", [".metadata", "rng-0.pt", "__0_0.distcp", "optim-groups.json"])
+@pytest.mark.parametrize("planted", [SHARD, "rng-0.safetensors", "optim-groups.json", "meta.json"])
 def test_a_pickle_planted_in_a_checkpoint_is_refused_naming_the_file_and_never_runs(checkpoint, tmp_path, planted):
     """The red team's repro: the first bytes of a file overwritten with a pickle that would run code."""
     d, cfg, *_ = checkpoint
@@ -78,10 +102,7 @@ def test_a_pickle_planted_in_a_checkpoint_is_refused_naming_the_file_and_never_r
     payload = pickle.dumps(Payload(str(marker)))
     data = (d / planted).read_bytes()
     (d / planted).write_bytes(payload + data[len(payload):])
-    loaders = [lambda: load(str(d), *_fresh(cfg), rank=0)]
-    if planted in (".metadata", "__0_0.distcp"):  # what sampling reads of a checkpoint
-        loaders.append(lambda: load_for_sampling(str(d)))
-    for load_it in loaders:
+    for load_it in _loaders(d, cfg)[:1] + ([_loaders(d, cfg)[2]] if planted in (SHARD, "meta.json") else []):
         with pytest.raises(Untrusted, match=f"{re.escape(planted)} does not match its signed SHA-256"):
             load_it()
     assert not marker.exists(), "the planted pickle ran"
@@ -89,28 +110,127 @@ def test_a_pickle_planted_in_a_checkpoint_is_refused_naming_the_file_and_never_r
 
 def test_swapped_weights_and_added_files_are_refused(checkpoint):
     d, cfg, *_ = checkpoint
-    shard = d / "__0_0.distcp"
+    shard = d / SHARD
     data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # one byte of a tensor: a weight, not code
+    data[-5] ^= 0xFF  # one byte of a tensor: a weight, not code
     shard.write_bytes(bytes(data))
-    with pytest.raises(Untrusted, match="__0_0.distcp does not match"):
+    with pytest.raises(Untrusted, match=f"{SHARD} does not match"):
         load(str(d), *_fresh(cfg), rank=0)
-    shard.write_bytes(bytes(data[: len(data) // 2]) + bytes([data[len(data) // 2] ^ 0xFF]) + bytes(data[len(data) // 2 + 1:]))
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
     load(str(d), *_fresh(cfg), rank=0)  # restored: it loads again
-    (d / "__1_0.distcp").write_bytes(b"planted")
-    with pytest.raises(Untrusted, match="__1_0.distcp is in no signed list"):
+    (d / "shard-00002-model-00001-of-00001.safetensors").write_bytes(b"planted")
+    with pytest.raises(Untrusted, match="shard-00002-model-00001-of-00001.safetensors is in no signed list"):
         load(str(d), *_fresh(cfg), rank=0)
-    os.remove(d / "__1_0.distcp")
+    os.remove(d / "shard-00002-model-00001-of-00001.safetensors")
     os.remove(d / "signed-0.json")
     with pytest.raises(Untrusted, match="has no signed list of its files"):
         load_for_sampling(str(d))
 
 
-def test_a_checkpoint_signed_with_another_key_is_refused(checkpoint, monkeypatch):
+def test_a_checkpoint_signed_with_another_key_names_both_keys_and_the_keyring_verifies(checkpoint, monkeypatch,
+                                                                                       tmp_path):
+    from strata import signing
+
     d, cfg, *_ = checkpoint
+    old_secret, old_id = signing.secret(), signing.key_id()
     monkeypatch.setenv("STRATA_SIGNING_KEY", "another cluster's key")
-    with pytest.raises(Untrusted, match="another key"):
+    with pytest.raises(Untrusted, match=f"signed with key {old_id}; this machine has key {signing.key_id()}.*keyring"):
         load(str(d), *_fresh(cfg), rank=0)
+    ring = tmp_path / "keyring"
+    ring.write_bytes(b"# keys of earlier years\n" + old_secret + b"\n")
+    monkeypatch.setenv("STRATA_SIGNING_KEYRING", str(ring))
+    assert load(str(d), *_fresh(cfg), rank=0)["step"] == 1
+
+
+def test_token_files_that_appear_after_training_change_nothing(checkpoint, monkeypatch, tmp_path):
+    """M6: the key was the first token file that existed; Ray and the README's own step create them."""
+    d, cfg, *_ = checkpoint
+    home = pathlib.Path(os.environ["HOME"])
+    for path in (home / ".ray" / "auth_token", home / ".strata" / "ray-token"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("a fresh ray token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "a rotated token")
+    for load_it in _loaders(d, cfg):
+        load_it()
+
+
+def _format_1(dest, model, opt, meta, secret: bytes):
+    """A checkpoint as strata wrote them before 2026-12-04: DCP's default files (a pickled .metadata),
+    torch.save'd RNG, and a signed list without a key's fingerprint, keyed by `secret`."""
+    import hashlib
+    import hmac
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from train.checkpoint import _groups_to_json, _sha256
+
+    ms, os_ = get_state_dict(model, opt)
+    dcp.save({"model": ms, "optim": {"state": os_["state"]}}, checkpoint_id=str(dest), no_dist=True)
+    torch.save({"torch": torch.get_rng_state()}, dest / "rng-0.pt")
+    (dest / "meta.json").write_text(json.dumps({"step": 1, **meta, "tied_embeddings": True}))
+    (dest / "optim-groups.json").write_text(json.dumps(_groups_to_json(os_["param_groups"])))
+    files = {n: _sha256(str(dest / n)) for n in sorted(os.listdir(dest))}
+    k = hmac.new(secret, b"strata file signatures v1", hashlib.sha256).digest()
+    sig = hmac.new(k, json.dumps(files, sort_keys=True).encode(), hashlib.sha256).hexdigest()
+    (dest / "signed-0.json").write_text(json.dumps({"files": files, "signature": sig}))
+
+
+def test_a_checkpoint_of_format_1_loads_when_its_signature_holds(checkpoint, tmp_path, monkeypatch):
+    d, cfg, model, opt = checkpoint
+    meta = json.loads((d / "meta.json").read_text())
+    old = tmp_path / "checkpoint-old"
+    old.mkdir()
+    home = pathlib.Path(os.environ["HOME"])
+    (home / ".ray").mkdir(exist_ok=True)
+    (home / ".ray" / "auth_token").write_text("the token its key came from\n")
+    _format_1(old, model, opt, meta, b"the token its key came from")
+    (home / ".strata").mkdir(exist_ok=True)
+    (home / ".strata" / "ray-token").write_text("a token that appeared later")  # first in the old order
+    fresh, fresh_opt = _fresh(cfg)
+    assert load(str(old), fresh, fresh_opt, rank=0)["step"] == 1
+    assert torch.equal(fresh.blocks[0].attn.qkv.weight, model.blocks[0].attn.qkv.weight)
+    assert load_for_sampling(str(old))[2] == 1
+    marker = tmp_path / "ran"
+    payload = pickle.dumps(Payload(str(marker)))
+    (old / ".metadata").write_bytes(payload)
+    with pytest.raises(Untrusted, match=r"\.metadata does not match its signed SHA-256"):
+        load_for_sampling(str(old))
+    os.remove(old / "signed-0.json")
+    _format_1_signed = json.dumps({"files": {}, "signature": "0" * 64})
+    (old / "signed-0.json").write_text(_format_1_signed)
+    with pytest.raises(Untrusted, match="does not match its signature"):
+        load_for_sampling(str(old))
+    assert not marker.exists()
+
+
+def test_crafted_metadata_is_refused_before_a_model_is_built(checkpoint):
+    """m3: meta.json's model_config decides what is allocated; it is checked against its signature first,
+    then against what the weight files can hold."""
+    from strata.signing import signature
+    from train.checkpoint import _sha256
+
+    d, cfg, *_ = checkpoint
+    meta = json.loads((d / "meta.json").read_text())
+    meta["model_config"]["n_layer"] = 1_000_000
+    (d / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(Untrusted, match="meta.json does not match its signed SHA-256"):
+        load_for_sampling(str(d))
+    listed = json.loads((d / "signed-0.json").read_text())  # re-signed by a holder of the key: still refused
+    listed["files"]["meta.json"] = _sha256(str(d / "meta.json"))
+    (d / "signed-0.json").write_text(json.dumps({"files": listed["files"],
+                                                 **signature(json.dumps(listed["files"], sort_keys=True).encode())}))
+    with pytest.raises(Untrusted, match="more than its weight files"):
+        load_for_sampling(str(d))
+    for bad in (1e9, "12", None):
+        meta["model_config"]["n_layer"] = bad
+        (d / "meta.json").write_text(json.dumps(meta))
+        listed["files"]["meta.json"] = _sha256(str(d / "meta.json"))
+        (d / "signed-0.json").write_text(json.dumps({"files": listed["files"],
+                                                     **signature(json.dumps(listed["files"], sort_keys=True).encode())}))
+        with pytest.raises(Untrusted, match="model_config"):
+            load_for_sampling(str(d))
 
 
 def test_plain_http_to_another_machine_is_refused_unless_asked():
@@ -211,3 +331,63 @@ def test_a_report_goes_under_the_storage_root_whatever_its_record_says(tmp_path)
     assert os.listdir(outside) == []
     _, chosen = report("train/planted", storage, out=str(tmp_path / "mine.html"))  # --out is the user's to choose
     assert chosen == str(tmp_path / "mine.html") and os.path.exists(chosen)
+
+
+def test_ray_client_to_another_machine_is_refused_while_a_token_is_set(monkeypatch):
+    """M5: Ray Client sends `authorization: Bearer <token>` in its gRPC headers, in the clear without TLS."""
+    from strata.submit import check_address
+
+    monkeypatch.delenv("RAY_USE_TLS", raising=False)
+    with pytest.raises(ValueError, match=r"Ray Client \(ray://\) to another machine without TLS"):
+        check_address("ray://198.18.0.9:10001")
+    check_address("ray://198.18.0.9:10001", token_set=False)  # nothing secret to send
+    check_address("ray://127.0.0.1:10001")
+    monkeypatch.setenv("RAY_USE_TLS", "1")
+    check_address("ray://198.18.0.9:10001")
+
+
+def test_strata_submit_refuses_ray_client_in_the_clear_before_sending_anything(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {**os.environ, "RAY_ADDRESS": "ray://198.18.0.9:10001", "RAY_AUTH_TOKEN": "t0ken"}
+    env.pop("RAY_USE_TLS", None)
+    out = subprocess.run([sys.executable, "-m", "strata", "submit", "preprocess", "--", "--dataset", "d"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2 and "without TLS" in out.stderr and "t0ken" not in out.stderr + out.stdout
+
+
+def test_a_link_out_of_the_upload_is_refused(tmp_path):
+    """m10: the upload carried the target of a symlinked *.py."""
+    from strata.submit import check_links
+
+    work = tmp_path / "work"
+    (work / "strata").mkdir(parents=True)
+    (work / "strata" / "ok.py").write_text("x = 1\n")
+    os.symlink(work / "strata" / "ok.py", work / "strata" / "alias.py")  # inside: fine
+    check_links(str(work))
+    secret = tmp_path / "id_rsa"
+    secret.write_text("PRIVATE KEY")
+    os.symlink(secret, work / "strata" / "keys.py")
+    with pytest.raises(ValueError, match=r"keys.py is a link to .*id_rsa, outside"):
+        check_links(str(work))
+
+
+def test_the_signing_key_travels_in_the_jobs_environment_and_never_follows_token_files(monkeypatch, tmp_path):
+    from strata import signing
+    from strata.submit import runtime_env
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for var in ("STRATA_SIGNING_KEY", "STRATA_SIGNING_KEY_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    mine = signing.key_id()
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("ray's own token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "another")
+    assert signing.key_id() == mine
+    env = runtime_env("", None)["env_vars"]
+    assert env["STRATA_SIGNING_KEY"] == signing.secret().decode()
+    monkeypatch.setenv("STRATA_SIGNING_KEY", env["STRATA_SIGNING_KEY"])  # what the job's nodes see
+    assert signing.key_id() == mine

@@ -38,10 +38,12 @@ def test_ddp_run_checkpoints_and_a_rerun_continues(local_ray, dataset, capfd):
     assert (first["start_step"], first["steps"]) == (0, 6)
     assert math.isfinite(first["first_loss"]) and math.isfinite(first["last_loss"])
     assert first["val_loss"] is not None
-    # One directory per checkpoint: DCP's metadata, each rank's shard and RNG state, and the meta.
+    # One directory per checkpoint: each rank's safetensors shard and RNG state, and the meta; no pickle.
     files = set(os.listdir(first["checkpoint"]))
-    assert {".metadata", "meta.json", "rng-0.pt", "rng-1.pt"} <= files
-    assert any(f.startswith("__0_") for f in files) or any(f.startswith("__1_") for f in files)
+    assert {"meta.json", "rng-0.safetensors", "rng-1.safetensors", "signed-0.json", "signed-1.json"} <= files
+    assert {f for f in files if f.startswith("shard-")} <= {f"shard-0000{r}-model-00001-of-00001.safetensors"
+                                                           for r in (1, 2)}
+    assert not {f for f in files if f.endswith((".pt", ".distcp", ".metadata"))}
     assert os.path.basename(first["checkpoint"]) == "checkpoint-00000006"
     assert [os.path.basename(c) for c in committed_checkpoints(first["path"])] == \
         ["checkpoint-00000004", "checkpoint-00000006"]
@@ -92,10 +94,10 @@ def test_ddp_run_checkpoints_and_a_rerun_continues(local_ray, dataset, capfd):
 
     marker = os.path.join(third["path"], "pwned")
     payload = pickle.dumps(_Payload(marker))
-    shard = os.path.join(third["checkpoint"], "__0_0.distcp")
+    shard = os.path.join(third["checkpoint"], "shard-00001-model-00001-of-00001.safetensors")
     with open(shard, "r+b") as f:
         f.write(payload)
-    with pytest.raises(Untrusted, match="__0_0.distcp does not match its signed SHA-256"):
+    with pytest.raises(Untrusted, match="shard-00001-model-00001-of-00001.safetensors does not match its signed SHA-256"):
         run(model, _cfg(14), dataset=ref, run_name="ddp", storage=storage, workers=2, use_gpu=False, max_failures=0)
     assert not os.path.exists(marker), "the planted pickle ran"
 

@@ -1,22 +1,25 @@
 """Sharded, asynchronous checkpoints: torch.distributed.checkpoint (DCP) written beside training,
 handed to Ray Train, which uploads them and keeps the last N.
 
-A checkpoint directory `checkpoint-<step>` holds
+A checkpoint directory `checkpoint-<step>` (format 2) holds no pickle at all:
 
-    .metadata, __<rank>_0.distcp   model and optimizer tensors, sharded: every rank writes its own part
+    shard-<rank+1>-model-00001-of-00001.safetensors
+                                   model and optimizer tensors, sharded: every rank writes its own part
+                                   (DCP's safetensors storage: each file's header says, in JSON, where
+                                   its pieces sit in the whole tensors, so a load reshards to any world)
     optim-groups.json              the optimizer's hyperparameters (AdamW's param groups), as JSON
-    rng-<rank>.pt                  that rank's RNG states (tensors only: loaded with weights_only)
-    meta.json                      step, data position, loss, reason, model/train config, tokenizer
-    signed-<rank>.json             every file that rank wrote with its SHA-256, and an HMAC over the list
-                                   (strata.signing, keyed by the cluster's secret)
+    rng-<rank>.safetensors         that rank's RNG states
+    meta.json                      format, step, data position, loss, reason, model/train config, tokenizer
+    signed-<rank>.json             every file that rank wrote with its SHA-256, the signing key's
+                                   fingerprint, and an HMAC over the list (strata.signing)
 
-Nothing in a checkpoint runs when it is read. DCP unpickles `.metadata` and, with
-`weights_only=False`, any non-tensor value saved beside the tensors; so only
-tensors go through DCP (the optimizer's param groups go to JSON), and every file
-is checked against its signed SHA-256 before it is read: `.metadata` before DCP
-opens it, each shard as DCP is about to read it (each rank hashes only the files
-it reads), the RNG state and the JSON files before they load. A file that is not
-listed, or does not match, refuses the checkpoint with a line naming the file.
+Reading one is safe with no key: safetensors and JSON run nothing. The signed lists still say the files
+are the ones strata wrote: a file that is not listed, or does not match, refuses the checkpoint with a
+line naming the file; a list signed by a key this machine lacks names both keys.
+
+Format 1 (before 2026-12-04: `.metadata`, `__<rank>_0.distcp`, `rng-<rank>.pt`) still loads. Its
+`.metadata` is a pickle, so it is read only when its signature holds under a key strata may have made
+it with (strata.signing.check): `.metadata` before DCP opens it, each shard as DCP is about to read it.
 
 Saving (`AsyncCheckpointer.start`): every rank copies its shards to CPU memory
 (the only time training waits), then a background thread writes them to a
@@ -43,8 +46,9 @@ import time
 
 import torch
 
-from strata.signing import Untrusted, check, sign
+from strata.signing import Untrusted, check, signature
 
+FORMAT = 2  # meta.json's "format": 2, safetensors and JSON only; 1 (no field), DCP's pickled .metadata
 META = "meta.json"
 TIED = "tied_embeddings"  # in meta.json: the output layer was the token embedding when saved
 OPTIM_GROUPS = "optim-groups.json"
@@ -57,17 +61,24 @@ def dir_name(step: int) -> str:
     return f"checkpoint-{step:08d}"
 
 
-def _rng_state() -> dict:
+def _rng_state() -> dict[str, torch.Tensor]:
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     return state
 
 
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = [state[k] for k in sorted((k for k in state if k.startswith("cuda.")), key=lambda k: int(k[5:]))]
+    if "cuda" in state:  # format 1: one list
+        cuda = state["cuda"]
+    if len(cuda) and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _rng_file(rank: int) -> str:
+    return f"rng-{rank}.safetensors"
 
 
 class AsyncCheckpointer:
@@ -87,15 +98,18 @@ class AsyncCheckpointer:
         assert self.pending is None, "finish the previous checkpoint first"
         getattr(self.model, "module", self.model).check_tied()  # what is saved is what sampling will load
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
         local = tempfile.mkdtemp(prefix=f"strata-{dir_name(step)}-rank{self.rank}-")
-        torch.save(_rng_state(), os.path.join(local, f"rng-{self.rank}.pt"))
+        save_file(_rng_state(), os.path.join(local, _rng_file(self.rank)))
         if self.rank == 0:
             with open(os.path.join(local, META), "w") as f:
-                json.dump({"step": step, **meta, TIED: True, "saved_at": time.time()}, f)
+                json.dump({"format": FORMAT, "step": step, **meta, TIED: True, "saved_at": time.time()}, f)
             with open(os.path.join(local, OPTIM_GROUPS), "w") as f:  # the same on every rank
                 json.dump(_groups_to_json(optim_state["param_groups"]), f)
-        self.future = dcp.async_save(_tensors_only(model_state, optim_state), checkpoint_id=local,
-                                     process_group=self.pg)
+        self.future = dcp.async_save(_tensors_only(model_state, optim_state), process_group=self.pg,
+                                     storage_writer=HuggingFaceStorageWriter(local, save_distributed=True))
         self.pending = (step, local)
 
     def written(self) -> bool:
@@ -137,17 +151,26 @@ def load(directory: str, model, optimizer, rank: int, pg=None) -> dict:
     groups = _groups_from_json(json.loads(signed.read(OPTIM_GROUPS)))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict={"state": state["optim"]["state"], "param_groups": groups})
-    rng = f"rng-{rank}.pt"
-    if os.path.exists(os.path.join(directory, rng)):  # absent when the world grew: seeds differ from a straight run
-        signed.verify(rng)
-        _set_rng_state(torch.load(os.path.join(directory, rng), weights_only=True))
-    return json.loads(signed.read(META))
+    for rng in (_rng_file(rank), f"rng-{rank}.pt"):  # absent when the world grew: seeds differ from a straight run
+        if os.path.exists(os.path.join(directory, rng)):
+            signed.verify(rng)
+            _set_rng_state(_read_rng(os.path.join(directory, rng)))
+            break
+    return signed.meta()
 
 
-def load_model_state(directory: str, model) -> dict:
+def _read_rng(path: str) -> dict:
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    return torch.load(path, weights_only=True)  # format 1: tensors only, no pickle runs
+
+
+def load_model_state(directory: str, model, signed: SignedFiles | None = None) -> dict:
     """The model's weights alone, in one process (sample, export); returns the meta."""
-    signed = SignedFiles(directory)
-    meta = json.loads(signed.read(META))
+    signed = signed or SignedFiles(directory)
+    meta = signed.meta()
     # Every tensor its own buffer: a tied model's state_dict shares one between head and wte, into which
     # the checkpoint's two would load one over the other.
     state = {"model": {k: torch.empty_like(v) for k, v in model.state_dict().items()}}
@@ -194,7 +217,7 @@ def sign_files(directory: str, rank: int) -> None:
              if not name.startswith(SIGNED)}
     body = json.dumps(files, sort_keys=True)
     with open(os.path.join(directory, f"{SIGNED}{rank}.json"), "w") as f:
-        json.dump({"files": files, "signature": sign(body.encode())}, f)
+        json.dump({"files": files, **signature(body.encode())}, f)
 
 
 def _sha256(path: str) -> str:
@@ -231,10 +254,13 @@ class SignedFiles:
         for name in lists:
             try:
                 listed = json.loads(read_bytes(join(directory, name)))
-                files, signature = listed["files"], listed["signature"]
+                files, sig = listed["files"], listed["signature"]
+                if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+                    raise TypeError(name)
             except (ValueError, KeyError, TypeError):
                 raise Untrusted(f"checkpoint {directory}: {name} is not a signed file list; refused") from None
-            check(json.dumps(files, sort_keys=True).encode(), signature, f"checkpoint {directory}: {name}")
+            check(json.dumps(files, sort_keys=True).encode(), sig, f"checkpoint {directory}: {name}",
+                  signed_by=listed.get("key"))
             self.digests.update(files)
         if unlisted := [n for n in names if n not in self.digests and n not in lists]:
             raise Untrusted(f"checkpoint {directory}: {unlisted[0]} is in no signed list of its files (added after "
@@ -261,21 +287,85 @@ class SignedFiles:
         self.verify(name)
         return read_bytes(join(self.directory, name))
 
+    def meta(self) -> dict:
+        """meta.json, checked against its signed digest, as a dict (one line naming the file otherwise)."""
+        try:
+            meta = json.loads(self.read(META))
+        except ValueError:
+            meta = None
+        if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+            raise Untrusted(f"checkpoint {self.directory}: {META} is not a checkpoint's meta (no integer step); refused")
+        return meta
+
+    @property
+    def legacy(self) -> bool:
+        """Format 1: DCP's pickled `.metadata`."""
+        return DCP_METADATA in self.digests
+
+    def weight_bytes(self) -> int:
+        """The size of the files that hold tensors: no model in them can have more parameters than bytes."""
+        from strata.storage import join
+
+        return sum(_size(join(self.directory, n)) for n in self.present
+                   if n.endswith((".safetensors", ".distcp")) and not n.startswith("rng-"))
+
     def reader(self):
-        """A DCP storage reader that checks `.metadata` before it is unpickled and every shard file before
-        it is read."""
-        from torch.distributed.checkpoint import FileSystemReader
+        """A DCP storage reader that checks every file before it is read: format 2's safetensors as DCP is
+        about to read them; format 1's `.metadata` before it is unpickled, and each shard."""
+        from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader
 
         signed = self
-        signed.verify(DCP_METADATA)
+        if self.legacy:
+            signed.verify(DCP_METADATA)
 
-        class Reader(FileSystemReader):
+            class Legacy(FileSystemReader):
+                def read_data(self, plan, planner):
+                    for item in plan.items:
+                        signed.verify(self.storage_data[item.storage_index].relative_path)
+                    return super().read_data(plan, planner)
+
+            return Legacy(self.directory)
+
+        class Reader(HuggingFaceStorageReader):
+            def read_metadata(self):
+                real = self.fs
+                self.fs = _ShardsOnly(real)  # the rng-<rank> files are safetensors too, but no DCP shards
+                try:
+                    return super().read_metadata()
+                except Exception:  # a header that does not parse: say which file changed, if one did
+                    for name in sorted(signed.present):
+                        if name.startswith("shard-"):
+                            signed.verify(name)
+                    raise
+                finally:
+                    self.fs = real
+
             def read_data(self, plan, planner):
                 for item in plan.items:
-                    signed.verify(self.storage_data[item.storage_index].relative_path)
+                    signed.verify(os.path.basename(self.storage_data[item.storage_index].relative_path))
                 return super().read_data(plan, planner)
 
         return Reader(self.directory)
+
+
+class _ShardsOnly:
+    """A DCP filesystem whose listing shows only the model's shard files."""
+
+    def __init__(self, fs):
+        self._fs = fs
+
+    def ls(self, path):
+        return [p for p in self._fs.ls(path) if os.path.basename(str(p)).startswith("shard-")]
+
+    def __getattr__(self, name):
+        return getattr(self._fs, name)
+
+
+def _size(path: str) -> int:
+    from strata.storage import filesystem
+
+    fs, p = filesystem(path)
+    return fs.get_file_info(p).size or 0
 
 
 def _load_one_process(state: dict, signed: SignedFiles) -> None:
@@ -299,7 +389,41 @@ def _dcp_load(state: dict, signed: SignedFiles, **kwargs) -> None:
         refused = [exc for exc, _ in e.failures.values() if isinstance(exc, Untrusted)]
         if refused:
             raise refused[0] from None
-        raise
+        first = next(iter(e.failures.values()), (e, None))[0]
+        raise Untrusted(f"checkpoint {signed.directory}: its tensors do not load ({type(first).__name__}: "
+                        f"{str(first).splitlines()[0] if str(first) else ''}); refused") from None
+    except (RuntimeError, ValueError, KeyError, OSError) as e:
+        if isinstance(e, Untrusted):
+            raise
+        raise Untrusted(f"checkpoint {signed.directory}: its tensors do not load ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}); refused") from None
+
+
+def model_config(meta: dict, signed: SignedFiles):
+    """The model a checkpoint holds, from its (verified) meta, checked before anything is allocated: the
+    fields' types and rules (GPTConfig's), and a parameter count its weight files can hold (one byte a
+    parameter at the least), so crafted metadata cannot make a reader allocate gigabytes."""
+    from dataclasses import fields
+
+    from train.model import GPTConfig
+
+    cfg, where = meta.get("model_config"), f"checkpoint {signed.directory}: {META}"
+    names = {f.name for f in fields(GPTConfig)}
+    if not isinstance(cfg, dict) or not set(cfg) <= names:
+        raise Untrusted(f"{where} has no model_config of GPTConfig's fields; refused")
+    for k, v in cfg.items():
+        if k not in ("dropout", "bias") and (isinstance(v, bool) or not isinstance(v, int)):
+            raise Untrusted(f"{where}: model_config.{k} is {v!r}, not an integer; refused")
+    try:
+        c = GPTConfig(**cfg)
+    except (TypeError, ValueError) as e:
+        raise Untrusted(f"{where}: model_config is not a valid model ({e}); refused") from None
+    params = c.vocab_size * c.n_embd + c.seq_len * c.n_embd + 12 * c.n_layer * c.n_embd ** 2
+    have = signed.weight_bytes()
+    if params > have:
+        raise Untrusted(f"{where}: model_config describes {params:,} parameters, more than its weight files' "
+                        f"{have:,} bytes hold; refused")
+    return c
 
 
 class UntiedCheckpoint(ValueError):
@@ -318,9 +442,10 @@ def _check_tied(weights: dict, directory: str, meta: dict) -> None:
 
 def check_checkpoint(directory: str) -> None:
     """What a run checks before it continues from a checkpoint: its signed lists, its small files
-    (`.metadata`, meta.json, the param groups; each worker checks the shards it reads), and the tie."""
+    (meta.json, the param groups, format 1's `.metadata`; each worker checks the shards it reads), and the
+    tie."""
     signed = SignedFiles(directory)
-    for name in (DCP_METADATA, META, OPTIM_GROUPS):
+    for name in (DCP_METADATA, META, OPTIM_GROUPS) if signed.legacy else (META, OPTIM_GROUPS):
         signed.verify(name)
     check_tied(directory)
 

@@ -13,10 +13,19 @@ import torch
 
 from strata.cli import parser as cli_parser
 from strata.dataset import TokenizerInfo
+from strata.shell import StrataError
+from strata.signing import Untrusted
 from strata.storage import Storage
 from strata.tokenizer import from_info
-from train.checkpoint import META, committed_checkpoints, load_model_state, local_copy
-from train.model import GPT, GPTConfig
+from train.checkpoint import (
+    META,
+    SignedFiles,
+    committed_checkpoints,
+    load_model_state,
+    local_copy,
+    model_config,
+)
+from train.model import GPT
 
 
 def latest_checkpoint(run_dir: str) -> str:
@@ -30,11 +39,14 @@ def latest_checkpoint(run_dir: str) -> str:
 def load(checkpoint: str) -> tuple[GPT, object, int]:
     """Model, tokenizer and step from a checkpoint directory."""
     with local_copy(checkpoint) as d:
-        with open(os.path.join(d, META)) as f:
-            meta = json.load(f)
-        model = GPT(GPTConfig(**meta["model_config"]), init=False)  # every weight comes from the checkpoint
-        load_model_state(d, model)
-    tok = from_info(TokenizerInfo(**meta["tokenizer"]), meta.get("tokenizer_definition"))
+        signed = SignedFiles(d)  # signatures and limits checked before the model is built
+        meta = signed.meta()
+        model = GPT(model_config(meta, signed), init=False)  # every weight comes from the checkpoint
+        load_model_state(d, model, signed)
+    try:
+        tok = from_info(TokenizerInfo(**meta["tokenizer"]), meta.get("tokenizer_definition"))
+    except (KeyError, TypeError, ValueError) as e:
+        raise Untrusted(f"checkpoint {checkpoint}: {META} has no usable tokenizer ({e}); refused") from None
     return model.eval(), tok, meta["step"]
 
 
@@ -70,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
         ckpt = args.checkpoint or latest_checkpoint(Storage.from_env(args.storage).run(args.run))
         torch.set_num_threads(max(1, os.cpu_count() or 1))
         texts = sample(ckpt, args.prompt, args.tokens, args.samples, args.temperature, args.seed)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, StrataError) as e:
         sys.exit(f"error: {e}")
     for t in texts:
         print(t + "\n" + "-" * 40, file=sys.stderr if args.json else sys.stdout)

@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import fnmatch
 import glob
-import hmac
 import os
 
 from ray.tune import Callback
 
-from strata.signing import check, sign
+from strata.signing import Untrusted, check, key_id, sign
 from strata.storage import join, list_dir, read_bytes, read_json, write_json_atomic
 
 # What Tune reads back with pickle from an experiment directory's top level.
 UNPICKLED = ("tuner.pkl", "*.pkl", "experiment_state-*", "*-state-*", "search_gen_state-*")
-SIGNATURES = "strata-signatures-"  # strata-signatures-<what>.json: {"files": {name: hmac}}
+SIGNATURES = "strata-signatures-"  # strata-signatures-<what>.json: {"files": {name: hmac}, "key": fingerprint}
 
 
 def unpickled(name: str) -> bool:
@@ -39,25 +38,32 @@ def unpickled(name: str) -> bool:
 def sign_files(directory: str, names: list[str], what: str) -> None:
     """Write strata-signatures-<what>.json in `directory` over the named files there."""
     files = {n: sign(read_bytes(join(directory, n))) for n in names}
-    write_json_atomic(join(directory, f"{SIGNATURES}{what}.json"), {"files": files})
+    write_json_atomic(join(directory, f"{SIGNATURES}{what}.json"), {"files": files, "key": key_id()})
 
 
 def check_tune_state(sweep_dir: str) -> None:
     """Raise Untrusted unless every file Tune would unpickle in `sweep_dir` carries strata's signature."""
     entries = [name for name, is_dir in list_dir(sweep_dir) if not is_dir]
-    signed: dict[str, set[str]] = {}
+    signed: dict[str, list[tuple[str, str | None]]] = {}
     for name in entries:
         if name.startswith(SIGNATURES) and name.endswith(".json"):
             try:
-                for f, sig in read_json(join(sweep_dir, name)).get("files", {}).items():
-                    signed.setdefault(f, set()).add(sig)
+                listed = read_json(join(sweep_dir, name))
+                for f, sig in listed.get("files", {}).items():
+                    signed.setdefault(f, []).append((sig, listed.get("key")))
             except (ValueError, AttributeError):
                 continue  # an unreadable signature file signs nothing
     for name in sorted(filter(unpickled, entries)):
-        data, sigs = read_bytes(join(sweep_dir, name)), signed.get(name, set())
-        mine = sign(data)
-        if not any(hmac.compare_digest(mine, s) for s in sigs):
-            check(data, next(iter(sigs), None), f"sweep state {join(sweep_dir, name)}")  # raises, saying why
+        data, sigs = read_bytes(join(sweep_dir, name)), signed.get(name) or [(None, None)]
+        errors = []
+        for sig, by in sigs:
+            try:
+                check(data, sig, f"sweep state {join(sweep_dir, name)}", signed_by=by)
+                break
+            except Untrusted as e:
+                errors.append(e)
+        else:
+            raise errors[0]
 
 
 class SignTuneState(Callback):
