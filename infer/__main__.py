@@ -133,7 +133,7 @@ def _generate(args, parser, name: str) -> dict:
     from infer.driver import on_tier
     from infer.generate import run_generate
     from infer.model import resolve
-    from strata.storage import join, read_bytes, write_bytes_atomic
+    from strata.storage import join, text_of, write_bytes_atomic
 
     if not args.prompts:
         parser.error("generate needs --prompts FILE.jsonl")
@@ -142,8 +142,10 @@ def _generate(args, parser, name: str) -> dict:
     cfg = _config(args, parser)
     storage = Storage.from_env(args.storage)
     try:
+        if args.output:
+            storage.check_output(args.output, "--output")
         prompts = []
-        for n, line in enumerate(read_bytes(args.prompts).decode().splitlines(), 1):
+        for n, line in enumerate(text_of(args.prompts, "--prompts").splitlines(), 1):
             if line.strip():
                 item = json.loads(line)
                 if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):

@@ -521,8 +521,7 @@ def failpoint(name: str) -> None:
 
 def properties(tokenizer: TokenizerInfo, seq_len: int, dtype: str) -> dict[str, str]:
     """The table's properties: Delta's log settings, and what every version must share."""
-    return {"delta.checkpointInterval": str(CHECKPOINT_INTERVAL), "delta.logRetentionDuration": LOG_RETENTION,
-            "strata.schemaVersion": str(SCHEMA_VERSION), "strata.tokenizer.kind": tokenizer.kind,
+    return {**SAFETY, "strata.schemaVersion": str(SCHEMA_VERSION), "strata.tokenizer.kind": tokenizer.kind,
             "strata.tokenizer.vocabSize": str(tokenizer.vocab_size), "strata.tokenizer.eotId": str(tokenizer.eot_id),
             "strata.tokenizer.hash": tokenizer.hash, "strata.seqLen": str(seq_len), "strata.dtype": dtype}
 
@@ -542,8 +541,37 @@ def create_table(path: str, name: str, tokenizer: TokenizerInfo, seq_len: int, d
         return table  # another writer created it first
 
 
+SAFETY = {"delta.checkpointInterval": str(CHECKPOINT_INTERVAL), "delta.logRetentionDuration": LOG_RETENTION,
+          "delta.enableExpiredLogCleanup": "false"}
+"""The log settings strata relies on: every version's manifest is in its log entry, so no entry may expire."""
+
+
+def _no_cleanup():
+    """Post-commit hooks that may write a log checkpoint but never delete an old log entry, whatever the
+    table's properties say (another writer may have changed them)."""
+    from deltalake import PostCommitHookProperties
+
+    return PostCommitHookProperties(create_checkpoint=True, cleanup_expired_logs=False)
+
+
+def _keep_safe(table, name: str, conf: dict) -> None:
+    """Restore the log settings another writer changed (one commit of its own, itself deleting nothing),
+    saying so in one line, before strata commits on top of them."""
+    changed = {k: v for k, v in SAFETY.items() if conf.get(k) != v and not (k == "delta.enableExpiredLogCleanup"
+                                                                             and k not in conf)}
+    if not changed:
+        return
+    from strata.shell import log
+
+    log("dataset").warning(f"dataset {name!r}: another writer changed " + ", ".join(
+        f"{k} to {conf.get(k)!r}" for k in changed) + "; restored before this commit (strata keeps every log entry)")
+    retrying(table.alter.set_table_properties, SAFETY, raise_if_not_exists=False,
+             post_commithook_properties=_no_cleanup())
+
+
 def _check_table(table, name: str, tokenizer: TokenizerInfo, seq_len: int, dtype: str) -> None:
-    """Every version shares the table's token ids, row length and type (its properties say which)."""
+    """Every version shares the table's token ids, row length and type (its properties say which), and the
+    log settings strata relies on hold (restored if another writer changed them)."""
     conf = retrying(table.metadata).configuration
     mine = properties(tokenizer, seq_len, dtype)
     keys = ("strata.tokenizer.hash", "strata.seqLen", "strata.dtype")
@@ -554,6 +582,7 @@ def _check_table(table, name: str, tokenizer: TokenizerInfo, seq_len: int, dtype
                            f"{conf.get('strata.tokenizer.hash')}, seq_len {conf.get('strata.seqLen')} and "
                            f"{conf.get('strata.dtype')} ids; this run's are {tokenizer.kind} {tokenizer.hash}, "
                            f"{seq_len} and {dtype}: use the same tokenizer and seq_len, or another dataset name")
+    _keep_safe(table, name, conf)
 
 
 def commit(storage: Storage, name: str, tag: str, manifest_fields: dict, *, lease=None,
@@ -651,7 +680,8 @@ def write_commit(table, dtype: str, actions: list, meta: dict, apps: list | None
     table.create_write_transaction(actions, "append", table_schema(dtype), partition_by=PARTITIONS,
                                    commit_properties=CommitProperties(
                                        custom_metadata={"strata": json.dumps(meta, sort_keys=True)},
-                                       app_transactions=apps or None, max_commit_retries=0))
+                                       app_transactions=apps or None, max_commit_retries=0),
+                                   post_commithook_properties=_no_cleanup())
 
 
 def _totals(parent: DatasetVersion | None, new: list[Shard], fields: dict) -> dict:
@@ -706,6 +736,7 @@ def _delete_leased(storage: Storage, name: str, version: str) -> list[str]:
     head = _head(path, name)
     v = _load(path, head.live, name)
     tag, doomed = _own_files(v, head)  # every path checked before anything is deleted
+    _keep_safe(head.table, name, retrying(head.table.metadata).configuration)
     now_ms = int(time.time() * 1000)
     removes = [RemoveAction(s.path, True, now_ms, s.bytes, {"split": s.split, "version": str(v.number)})
                for s in v.added]

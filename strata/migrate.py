@@ -36,6 +36,7 @@ from strata.dataset import (
 from strata.lease import Lease
 from strata.storage import (
     Storage,
+    check_name,
     delete,
     delete_dir,
     exists,
@@ -82,7 +83,8 @@ def migrate(storage: Storage, name: str, say=print) -> list[str]:
         if not old:
             raise DatasetError(f"dataset {name!r} ({path}) has no version in the format before Delta Lake: "
                                "nothing to migrate")
-        manifests = [read_json(join(path, n, LEGACY_MANIFEST)) for _, n in old]
+        manifests = [_checked(read_json(join(path, n, LEGACY_MANIFEST)), join(path, n, LEGACY_MANIFEST), n)
+                     for _, n in old]
         table, done, parent, runs = open_table(path), [], "", []
         for m in manifests:
             tag = m["files"].split("/", 1)[1]
@@ -114,6 +116,37 @@ def migrate(storage: Storage, name: str, say=print) -> list[str]:
         for _, n in old:
             delete_dir(join(path, n))
         return done
+
+
+def _checked(m, where: str, dirname: str) -> dict:
+    """A legacy manifest whose paths stay inside its own run's directory: `files` is `data/<run>`, each
+    shard `data/<run>/<file>`, and the version its directory's; anything else is refused, naming the file,
+    before anything is copied or deleted."""
+    def refuse(what: str):
+        return DatasetError(f"{where}: {what}; refused (nothing was migrated or deleted)")
+
+    if not isinstance(m, dict) or m.get("version") != dirname:
+        raise refuse(f"it is not the manifest of {dirname}")
+    files = m.get("files")
+    tag = files[len("data/"):] if isinstance(files, str) and files.startswith("data/") else ""
+    try:
+        check_name(tag, "run directory")
+    except ValueError:
+        raise refuse(f"its files field {files!r} is not data/<run>") from None
+    shards = m.get("shards")
+    if not isinstance(shards, list) or not all(isinstance(x, dict) for x in shards):
+        raise refuse("its shards are not a list of shards")
+    for x in shards:
+        parts = x.get("path").split("/") if isinstance(x.get("path"), str) else []
+        if x.get("version") == dirname and (len(parts) != 3 or parts[:2] != ["data", tag]):
+            raise refuse(f"it names the shard {x.get('path')!r}, which is not a file of data/{tag}/")
+    if not isinstance(m.get("tokenizer"), dict):
+        raise refuse("it has no tokenizer")
+    for key in ("rejects", "tails"):
+        if m.get(key) and not (isinstance(m[key], str) and m[key].startswith(f"data/{tag}/")
+                               and ".." not in m[key].split("/")):
+            raise refuse(f"its {key} {m[key]!r} is not under data/{tag}/")
+    return m
 
 
 def _copy_own_files(path: str, tag: str, shards: set[str], version: str) -> None:

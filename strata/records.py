@@ -43,19 +43,62 @@ def write_record(storage: Storage, info: dict, *, name: str, beside: str, usage:
     return record
 
 
-def list_records(storage: Storage) -> list[dict]:
-    """Every run's record, oldest first."""
+KINDS = ("preprocess", "train", "sweep", "score", "eval", "generate", "serve")
+_NUMBERS = ("started_at", "ended_at", "seconds", "node_hours")
+
+
+def check_record(r, path: str) -> dict:
+    """A record read back from storage, its fields' types checked (a record is data anyone with write
+    access to the root could have written): the record, or ValueError naming the file and the field."""
+    def bad(what: str):
+        return ValueError(f"record {path}: {what}; not a strata run record")
+
+    if not isinstance(r, dict):
+        raise bad("not a JSON object")
+    if r.get("kind") not in KINDS:
+        raise bad(f"kind {r.get('kind')!r} is not one of {', '.join(KINDS)}")
+    name = r.get("name")
+    if not isinstance(name, str) or not name or not all(c.isascii() and (c.isalnum() or c in "._-@") for c in name):
+        raise bad(f"name {name!r} is not a run name")
+    for k in _NUMBERS:
+        if isinstance(r.get(k), bool) or not isinstance(r.get(k), int | float):
+            raise bad(f"{k} is {r.get(k)!r}, not a number")
+    if r.get("cost") is not None and (isinstance(r["cost"], bool) or not isinstance(r["cost"], int | float)):
+        raise bad(f"cost is {r['cost']!r}, not a number")
+    for k in ("utilization", "figures", "by_type"):
+        if not isinstance(r.get(k), dict):
+            raise bad(f"{k} is not an object")
+    if not isinstance(r.get("outputs"), str):
+        raise bad("outputs is not a path")
+    return r
+
+
+def _read(storage: Storage, name: str) -> dict:
+    """One record, or an error row ({"error": ..., "file": ...}) that says why it is not one."""
+    path = join(storage.records(), name)
+    try:
+        return check_record(read_json(path), path)
+    except (ValueError, UnicodeDecodeError, OSError) as e:
+        said = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return {"error": said if path in said else f"record {path}: not JSON ({said})", "file": path}
+
+
+def list_records(storage: Storage, errors: bool = False) -> list[dict]:
+    """Every run's record, oldest first; with `errors`, a file that is not a record comes as an error row
+    (`error`, `file`) after them, instead of being left out."""
     names = [name for name, is_dir in list_dir(storage.records()) if not is_dir and name.endswith(".json")]
-    records = [read_json(join(storage.records(), name)) for name in names]
-    return sorted(records, key=lambda r: r.get("started_at", 0))
+    read = [_read(storage, name) for name in names]
+    records = sorted((r for r in read if "error" not in r), key=lambda r: r["started_at"])
+    return records + ([r for r in read if "error" in r] if errors else [])
 
 
 def find_record(storage: Storage, ref: str) -> dict:
     """The latest record named `ref` (or `kind/name`)."""
     kind, _, name = ref.rpartition("/")
-    matches = [r for r in list_records(storage) if r["name"] == name and (not kind or r["kind"] == kind)]
+    records = list_records(storage)
+    matches = [r for r in records if r["name"] == name and (not kind or r["kind"] == kind)]
     if not matches:
-        known = sorted({f"{r['kind']}/{r['name']}" for r in list_records(storage)})
+        known = sorted({f"{r['kind']}/{r['name']}" for r in records})
         raise FileNotFoundError(f"no run named {ref!r} under {storage.records()}"
                                 + (f"; runs: {', '.join(known[-20:])}" if known else "; no runs recorded yet"))
     return matches[-1]

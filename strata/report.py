@@ -7,6 +7,7 @@ import base64
 import html
 import io
 import json
+import sys
 import time
 
 from strata.records import find_record, list_records
@@ -33,7 +34,16 @@ def _headline(r: dict) -> str:
         return f"{f.get('steps', 0)} steps, loss {f.get('last_loss') or 0:.3f}, {f.get('tokens_per_s') or 0:,.0f} tok/s"
     if r["kind"] == "preprocess":
         return f"{f.get('version')}: {f.get('tokens') or 0:,} tokens, {f.get('tokens_per_s') or 0:,.0f} tok/s"
-    return f"{f.get('trials', 0)} trials, best {f.get('metric', '')} {f.get('best') or 0:.4f}"
+    if r["kind"] == "score":
+        return f"{f.get('documents') or 0:,} documents, {f.get('tokens') or 0:,} tokens scored"
+    if r["kind"] == "eval":
+        acc = f"acc {f['acc']:.4f}" if isinstance(f.get("acc"), int | float) else "no accuracy"
+        return f"{f.get('items') or 0:,} items, {acc}"
+    if r["kind"] == "generate":
+        return f"{f.get('prompts') or 0:,} prompts, {f.get('tokens') or 0:,} tokens generated"
+    if r["kind"] == "sweep":
+        return f"{f.get('trials', 0)} trials, best {f.get('metric', '')} {f.get('best') or 0:.4f}"
+    return ", ".join(f"{k} {v}" for k, v in sorted(f.items()) if isinstance(v, int | float))[:60]
 
 
 def runs_table(records: list[dict]) -> str:
@@ -217,6 +227,8 @@ def _main(cmd: Command) -> int:
                               for r in records]))
         else:
             print(runs_table(records) if records else f"no runs recorded under {storage.records()}")
+        for bad in list_records(storage, errors=True)[len(records):]:
+            print(f"error  {bad['error']}", file=sys.stderr if a.json else sys.stdout)
         return 0
     text, path = report(a.run, storage, a.out)  # a run it cannot find: one line, exit 1 (Command)
     print(json.dumps({"report": path}) if a.json else f"{text}\n  report       {path}")

@@ -238,6 +238,18 @@ def read_bytes(path: str) -> bytes:
         return f.read()
 
 
+def text_of(path: str, what: str = "file") -> str:
+    """A text file a user gave (a task, prompts), decoded as UTF-8; ValueError naming the file and the
+    first bad byte otherwise."""
+    data = read_bytes(path)
+    try:
+        return data.decode()
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ValueError(f"{what} {path}: not UTF-8 text (byte {e.start}, line {line}: {data[e.start:e.start + 1]!r}); "
+                         "convert it, e.g. with iconv -t UTF-8") from None
+
+
 def read_json(path: str) -> dict:
     return json.loads(read_bytes(path).decode())
 

@@ -28,10 +28,14 @@ class TaskError(ValueError):
 
 
 def load_task(path: str) -> list[dict]:
-    from strata.storage import read_bytes
+    from strata.storage import text_of
 
     items = []
-    for n, line in enumerate(read_bytes(path).decode().splitlines(), 1):
+    try:
+        text = text_of(path, "task")
+    except ValueError as e:
+        raise TaskError(str(e)) from None
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
