@@ -82,8 +82,8 @@ def test_a_parent_chain_that_loops_is_an_error_naming_the_versions(tmp_path):
     commit(storage, "ds", *_stage(storage, "ds"))
     for parent in ("v0002", "v0009", "v00x1", 3):
         edit_manifest(storage.dataset("ds"), 2, lambda m, p=parent: m.update(parent=p))
-        done = []
-        t = threading.Thread(target=lambda: done.append(_raises(lambda: history(storage, "ds"))), daemon=True)
+        done: list = []
+        t = threading.Thread(target=lambda d=done: d.append(_raises(lambda: history(storage, "ds"))), daemon=True)
         t.start()
         t.join(30)
         assert done and isinstance(done[0], DatasetError), parent
@@ -168,14 +168,16 @@ def test_generate_output_never_lands_in_what_strata_manages(tmp_path):
     storage = Storage(str(tmp_path / "root"))
     commit(storage, "ds", *_stage(storage, "ds"))
     entry = os.path.join(storage.dataset("ds"), "_delta_log", f"{1:020d}.json")
-    before = open(entry, "rb").read()
+    with open(entry, "rb") as f:
+        before = f.read()
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
     env = {**os.environ, "STRATA_STORAGE": storage.root}
     out = subprocess.run([sys.executable, "-m", "infer", "generate", "--model", "nothing", "--prompts", str(prompts),
                           "--output", entry], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "which strata manages" in out.stderr and entry in out.stderr
-    assert open(entry, "rb").read() == before
+    with open(entry, "rb") as f:
+        assert f.read() == before
     prompts.write_bytes(b'{"prompt": "caf\xe9"}\n')
     out = subprocess.run([sys.executable, "-m", "infer", "generate", "--model", "nothing", "--prompts", str(prompts)],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
