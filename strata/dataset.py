@@ -213,15 +213,41 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: dict) -> Manifest:
+        if not isinstance(d, dict):
+            raise DatasetError(f"a manifest is a JSON object, not {type(d).__name__}")
         if d.get("schema_version") != SCHEMA_VERSION:
             raise DatasetError(
                 f"dataset {d.get('dataset')}@{d.get('version')} has schema version "
                 f"{d.get('schema_version')}; this strata reads version {SCHEMA_VERSION}")
         d = dict(d)
         d.pop("shards", None)  # a manifest of the format before Delta Lake (strata migrate)
-        d["tokenizer"] = TokenizerInfo(**d["tokenizer"])
-        d["documents"] = DocumentCounts(**d["documents"])
-        return cls(**d)
+        where = f"dataset {d.get('dataset')}@{d.get('version')}"
+        try:
+            d["tokenizer"] = _typed(TokenizerInfo, d["tokenizer"])
+            d["documents"] = _typed(DocumentCounts, d["documents"])
+            return _typed(cls, d)
+        except (KeyError, TypeError) as e:
+            raise DatasetError(f"{where}: its manifest is not strata's ({e}); refused") from None
+
+
+_TYPES = {"str": str, "int": int, "float": int | float, "dict": dict, "list[dict]": list, "list | None": list | None,
+          "dict[str, int]": dict}
+
+
+def _typed(cls, d):
+    """`cls(**d)` once every field whose annotation is a plain type holds that type (TypeError naming the
+    field otherwise): a manifest is data read back from storage."""
+    from dataclasses import fields
+
+    if not isinstance(d, dict):
+        raise TypeError(f"{cls.__name__} is {type(d).__name__}, not an object")
+    for f in fields(cls):
+        t = _TYPES.get(f.type) if isinstance(f.type, str) else None
+        if f.name in d and t is not None and (isinstance(d[f.name], bool) or not isinstance(d[f.name], t)):
+            raise TypeError(f"{f.name} is {type(d[f.name]).__name__}, not {f.type}")
+    if isinstance(d.get("version"), str) and not re.fullmatch(r"v\d{4,}", d["version"]):
+        raise TypeError(f"version {d['version']!r} is not vNNNN")
+    return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -362,17 +388,30 @@ def open_table(path: str, version: int | None = None):
         return retrying(DeltaTable, path, version=version, storage_options=delta_options(path))
     except TableNotFoundError:
         return None
+    except Exception as e:
+        if transient(e) or type(e).__name__ not in ("DeltaError", "DeltaProtocolError", "SchemaMismatchError"):
+            raise
+        said = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DatasetError(f"the Delta table at {path} does not read: {said}; its log was damaged or written by "
+                           "something else") from None
 
 
 def _entry(path: str, number: int) -> tuple[dict, list[dict]]:
     """Commit `number`'s commit info and the files it added: one read of its log entry."""
-    info, adds = {}, []
-    for line in read_bytes(join(path, LOG, f"{number:020d}.json")).splitlines():
+    info, adds, where = {}, [], join(path, LOG, f"{number:020d}.json")
+    for line in read_bytes(where).splitlines():
         if line.strip():
-            action = json.loads(line)
-            info = action.get("commitInfo", info)
-            if "add" in action:
-                adds.append(action["add"])
+            try:
+                action = json.loads(line)
+                info = action.get("commitInfo", info)
+                if "add" in action:
+                    add = action["add"]
+                    if not (isinstance(add["path"], str) and isinstance(add["size"], int)
+                            and isinstance(add["partitionValues"]["split"], str)):
+                        raise TypeError
+                    adds.append(add)
+            except (ValueError, KeyError, TypeError, AttributeError):
+                raise DatasetError(f"{where}: a line that is not a Delta action strata can read; refused") from None
     return info, adds
 
 
@@ -380,7 +419,11 @@ def _strata(info: dict) -> dict | None:
     """What strata wrote in a commit: {"manifest", "deleted"} for a version, {"delete", "live",
     "deleted"} for a deletion; None for another writer's commit (say an OPTIMIZE)."""
     value = info.get("strata")
-    return json.loads(value) if isinstance(value, str) else value
+    try:
+        value = json.loads(value) if isinstance(value, str) else value
+    except ValueError:
+        raise DatasetError("a Delta commit's strata field is not JSON: the log was changed by hand; refused") from None
+    return value if value is None or isinstance(value, dict) else {}
 
 
 @dataclass(frozen=True)
@@ -425,6 +468,9 @@ def _load(path: str, number: int, name: str, head: Head | None = None) -> Datase
     if not st or "manifest" not in st:
         raise DatasetError(f"dataset {name!r}: Delta version {number} is not a strata version")
     manifest = Manifest.from_dict(st["manifest"])
+    if manifest.version != label(number) or manifest.dataset != name:
+        raise DatasetError(f"dataset {name!r}: Delta version {number}'s manifest says it is "
+                           f"{manifest.dataset}@{manifest.version}: corrupt or copied from elsewhere; refused")
     row_len = manifest.seq_len + 1
     added = tuple(sorted((Shard(path=a["path"], split=a["partitionValues"]["split"], version=manifest.version,
                                 rows=(rows := json.loads(a.get("stats") or "{}").get("numRecords", 0)),
@@ -771,6 +817,7 @@ def _own_files(v: DatasetVersion, head: Head) -> tuple[str, list[str]]:
             raise DatasetError(f"{v.ref}: the version adds {s.path!r}, which is not a file of its own run directory "
                                f"data/{tag}/: refused to delete anything")
         doomed.append(v.file(s.path))
+    v.file(f"_strata/{tag}")  # the run's own directory, not a link out of the dataset
     return tag, doomed
 
 def abandoned_runs(storage: Storage, name: str, before_gen: int, head: Head | None = None) -> list[str]:

@@ -121,11 +121,16 @@ def basename(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
+class BadName(StrataError, ValueError):
+    """A name that cannot be a path part (a user's typo, or a name read back from storage)."""
+
+
 def check_name(name: str, what: str = "name") -> str:
     """Names become path parts and Ray ids: keep them to [A-Za-z0-9._-]."""
-    ok = name and all((c.isascii() and c.isalnum()) or c in "._-" for c in name) and not name.startswith(".")
+    ok = (isinstance(name, str) and name and all((c.isascii() and c.isalnum()) or c in "._-" for c in name)
+          and not name.startswith("."))
     if not ok:
-        raise ValueError(f"invalid {what} {name!r}: use ASCII letters, digits, '.', '_' and '-' only")
+        raise BadName(f"invalid {what} {name!r}: use ASCII letters, digits, '.', '_' and '-' only")
     return name
 
 

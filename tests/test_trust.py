@@ -80,14 +80,16 @@ def test_a_parent_chain_that_loops_is_an_error_naming_the_versions(tmp_path):
     storage = Storage(str(tmp_path))
     commit(storage, "ds", *_stage(storage, "ds"))
     commit(storage, "ds", *_stage(storage, "ds"))
-    for parent in ("v0002", "v0009", "v00x1", 3):
+    for parent in (3, "v0009", "v00x1", "v0002"):  # the self-loop last: the CLI below meets it
         edit_manifest(storage.dataset("ds"), 2, lambda m, p=parent: m.update(parent=p))
         done: list = []
         t = threading.Thread(target=lambda d=done: d.append(_raises(lambda: history(storage, "ds"))), daemon=True)
         t.start()
         t.join(30)
         assert done and isinstance(done[0], DatasetError), parent
-        assert "version v0002 names" in str(done[0]) and "not an earlier version" in str(done[0])
+        said = str(done[0])
+        assert ("version v0002 names" in said and "not an earlier version" in said) or (
+            parent == 3 and "ds@v0002: its manifest is not strata's (parent is int" in said), said
     out = subprocess.run([sys.executable, "-m", "pipelines.datasets", "list", "ds"], cwd=REPO, timeout=120,
                          env={**os.environ, "STRATA_STORAGE": str(tmp_path)}, capture_output=True, text=True)
     assert out.returncode == 1 and "not an earlier version" in out.stderr and "Traceback" not in out.stderr
@@ -206,3 +208,65 @@ def test_another_writer_shortening_log_retention_deletes_no_version(tmp_path, ca
     assert all(conf[k] == v for k, v in SAFETY.items())
     assert "another writer changed delta.logRetentionDuration" in caplog.text
     assert resolve(storage, "ds@v0001").manifest.version == "v0001"
+
+
+def test_junk_in_storage_is_one_line_naming_it_and_the_other_datasets_still_list(tmp_path):
+    """m5: wrong types in a manifest, a damaged log, a name with `..`: exit 1 with one line, never 70."""
+    storage = Storage(str(tmp_path))
+    commit(storage, "good", *_stage(storage, "good"))
+    commit(storage, "typed", *_stage(storage, "typed"))
+    edit_manifest(storage.dataset("typed"), 1, lambda m: m.update(seq_len="8", documents={"read": [1]}))
+    junk = os.path.join(storage.dataset("junk"), "_delta_log")
+    os.makedirs(junk)
+    with open(os.path.join(junk, f"{0:020d}.json"), "w") as f:
+        f.write("{junk\n")
+    env = {**os.environ, "STRATA_STORAGE": str(tmp_path)}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "pipelines.datasets", *args], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    listing = cli("list")
+    assert listing.returncode == 0, listing.stderr
+    rows = dict(line.split(None, 1) for line in listing.stdout.splitlines())
+    assert rows["good"].startswith("1 version(s)") and "does not read" in rows["junk"]
+    assert "typed@v0001: its manifest is not strata's (read is list, not int)" in rows["typed"]
+    for ref, said in (("../../etc", "invalid dataset name '../../etc'"), ("junk", "does not read"),
+                      ("typed", "its manifest is not strata's")):
+        out = cli("show", ref)
+        assert out.returncode == 1 and said in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_crafted_model_folder_is_one_line_before_anything_is_allocated(exported_model, tmp_path):
+    """m5: a model folder whose config says n_layer 1e9, or whose weights are not safetensors."""
+    import shutil
+
+    from train.pretrained import load
+
+    storage = Storage(str(tmp_path / "root"))
+    for edit, said in (({"n_layer": 1e9}, "n_layer is 1000000000.0, not a positive integer"),
+                       ({"n_layer": 10**9}, "has no tensor 'h.999999999.ln_1.weight'"),
+                       ({"vocab_size": 7}, "wte.weight is (320, 64), not the (7, 64)")):
+        d = tmp_path / f"m{len(os.listdir(tmp_path))}"
+        shutil.copytree(exported_model, d)
+        config = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**config, **edit}))
+        with pytest.raises(ValueError, match=re_escape(said)):
+            load(str(d), storage)
+    d = tmp_path / "garbage"
+    shutil.copytree(exported_model, d)
+    (d / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(ValueError, match="model.safetensors is not a safetensors file"):
+        load(str(d), storage)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    out = subprocess.run([sys.executable, "-m", "infer", "generate", "--model", str(d), "--prompts", str(prompts)],
+                         cwd=REPO, env={**os.environ, "STRATA_STORAGE": storage.root}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1 and "is not a safetensors file" in out.stderr and "Traceback" not in out.stderr
+
+
+def re_escape(s: str) -> str:
+    import re
+
+    return re.escape(s)

@@ -72,7 +72,15 @@ def read_gpt2(directory: str) -> Pretrained:
     """A GPT-2 checkpoint directory (config.json, model.safetensors) under this model's names."""
     from safetensors.numpy import load as load_safetensors
 
-    config = read_json(join(directory, "config.json"))
+    try:
+        config = read_json(join(directory, "config.json"))
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError(f"{join(directory, 'config.json')} is not JSON") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{join(directory, 'config.json')} is not a JSON object")
+    for k in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size"):
+        if isinstance(config.get(k), bool) or not isinstance(config.get(k), int) or config[k] < 1:
+            raise ValueError(f"{join(directory, 'config.json')}: {k} is {config.get(k)!r}, not a positive integer")
     problems = []
     if config.get("model_type") != "gpt2":
         problems.append(f"model_type is {config.get('model_type')!r}, not 'gpt2'")
@@ -90,10 +98,28 @@ def read_gpt2(directory: str) -> Pretrained:
         raw = load_safetensors(read_bytes(join(directory, "model.safetensors")))
     except FileNotFoundError:
         raise ValueError(f"{directory} has no model.safetensors") from None
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type: the file is not safetensors
+        raise ValueError(f"{join(directory, 'model.safetensors')} is not a safetensors file "
+                         f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     raw = {k.removeprefix("transformer."): v for k, v in raw.items()}
     n_layer = config["n_layer"]
+    try:
+        return _from_gpt2(directory, config, raw, n_layer)
+    except KeyError as e:
+        raise ValueError(f"{join(directory, 'model.safetensors')} has no tensor {e.args[0]!r}, which its "
+                         f"config.json ({n_layer} layers) needs") from None
+
+
+def _from_gpt2(directory: str, config: dict, raw: dict, n_layer: int) -> Pretrained:
+    if f"h.{n_layer - 1}.ln_1.weight" not in raw:  # before a loop over a crafted layer count
+        raise KeyError(f"h.{n_layer - 1}.ln_1.weight")
     weights = {"wte.weight": raw["wte.weight"], "wpe.weight": raw["wpe.weight"],
                "ln_f.weight": raw["ln_f.weight"], "ln_f.bias": raw["ln_f.bias"]}
+    for k, shape in (("wte.weight", (config["vocab_size"], config["n_embd"])),
+                     ("wpe.weight", (config["n_positions"], config["n_embd"]))):
+        if tuple(np.shape(raw[k])) != shape:
+            raise ValueError(f"{join(directory, 'model.safetensors')}: {k} is {tuple(np.shape(raw[k]))}, not the "
+                             f"{shape} its config.json says")
     if "lm_head.weight" in raw and not np.array_equal(raw["lm_head.weight"], raw["wte.weight"]):
         raise ValueError(f"{directory}: lm_head is not tied to the token embeddings, as this model's is")
     biases = []
