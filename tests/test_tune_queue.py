@@ -3,6 +3,7 @@ back, ASHA across the sweep, and what a killed driver's rerun finds on record.""
 
 import asyncio
 import os
+import re
 import warnings
 
 import numpy as np
@@ -150,3 +151,24 @@ def test_a_call_of_a_lost_process_still_waiting_takes_nothing(tmp_path):
         assert await cq.take("b", 2, [_result(0, "b"), _result(1, "b")], "b2") is None
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("line, said", [
+    ('{"index": -1, "curve": [], "status": "completed"}', "index -1 is not a config of this sweep (0..3)"),
+    ('{"index": 4, "curve": [], "status": "completed"}', "index 4 is not a config"),
+    ('{"index": true, "curve": [], "status": "completed"}', "index True is not a config"),
+    ('{"index": 1, "curve": [], "status": "done"}', "status 'done' is not one of"),
+    ('{"index": 1, "curve": ["x"], "status": "completed"}', "curve is not a list of numbers"),
+    ("junk", "not a JSON object"),
+])
+def test_a_results_part_that_is_not_the_queues_is_one_line_naming_it(tmp_path, line, said):
+    """m12: index -1 marked the last config done; junk raised IndexError or KeyError."""
+    import json
+
+    parts = tmp_path / "results"
+    parts.mkdir()
+    (parts / "part-1.jsonl").write_text(json.dumps(_result(0, "w")) + "\n" + line + "\n")
+    with pytest.raises(q.SweepPartError, match=f"part-1.jsonl:2: {re.escape(said)}"):
+        list(read_results(str(tmp_path), 4))
+    with pytest.raises(q.SweepPartError, match="part-1.jsonl:2"):
+        ConfigQueue(str(tmp_path), 4, rungs=[], sign=1.0, max_attempts=2)

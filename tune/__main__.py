@@ -25,6 +25,7 @@ from strata.signing import Untrusted
 from strata.storage import Storage, check_name
 from train import mixture
 from tune.config import SweepConfig
+from tune.queued import SweepPartError
 
 _log = _logger("tune")
 
@@ -64,7 +65,7 @@ def _main(cmd: Command) -> dict:
                       storage=storage, dashboard=args.dashboard)
     except LeaseBusy as e:
         sys.exit(f"error: {e}: its driver is still running; resume it once that one has ended")
-    except (DatasetError, ValueError, Untrusted) as e:
+    except (DatasetError, ValueError, Untrusted, SweepPartError) as e:
         sys.exit(f"error: {e}")
     b = summary["best"]
     _log.info(f"sweep {name}: {outcome(summary)}, {summary['iterations']} iterations; best {b['metric_name']} "

@@ -310,6 +310,8 @@ def fit_queued(worker, cfg: SweepConfig, space: dict, sweep_dir: str, *, workers
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     name = queue_name(sweep_dir)
+    for _ in read_results(sweep_dir, cfg.num_samples):  # a rerun's parts, checked here: one line if one is junk
+        pass
     queue = ray.remote(ConfigQueue).options(
         name=name, num_cpus=0, max_restarts=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
@@ -363,7 +365,7 @@ def collect_queued(sweep_dir: str, cfg: SweepConfig, space: dict, grid) -> list[
     """Every config of a queued sweep, from its results: none goes unaccounted for. A config with no
     result (every worker failed before it ran) is an error with the first worker's error."""
     failed = next((f"{type(r.error).__name__}: {r.error}"[:500] for r in grid if r.error), None)
-    have = {rec["index"]: rec for rec in read_results(sweep_dir)}
+    have = {rec["index"]: rec for rec in read_results(sweep_dir, cfg.num_samples)}
     out = []
     for i in range(cfg.num_samples):
         rec = have.pop(i, None) or {"config": None, "curve": [], "status": "error", "worker": "none", "attempts": 0,

@@ -35,7 +35,8 @@ from collections import deque
 
 import numpy as np
 
-from strata.storage import JsonlWriter, join, list_dir, read_bytes, write_bytes_atomic
+from strata.shell import StrataError
+from strata.storage import JsonlWriter, join, list_dir, text_of, write_bytes_atomic
 
 FLUSH_S, FLUSH_ROWS = 10.0, 2000
 GRACE, REDUCTION = 2, 2  # ASHA: first rung after 2 reports, keep the best half at each rung
@@ -199,15 +200,45 @@ def _error(e: Exception) -> str:
     return f"{type(e).__name__}: {e}"[:500]
 
 
-def read_results(sweep_dir: str):
+STATUSES = ("completed", "stopped early", "error")
+
+
+class SweepPartError(StrataError):
+    """A results part of a sweep that is not what the queue writes."""
+
+
+def _checked(line: str, where: str, configs: int | None) -> dict:
+    """One result line, its fields' types and its index's range checked (a part is data read back from
+    storage): the record, or SweepPartError naming the file and the line."""
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        rec = None
+    problem = ("not a JSON object" if not isinstance(rec, dict) else
+               f"index {rec.get('index')!r} is not a config of this sweep (0..{configs - 1 if configs else '?'})"
+               if isinstance(rec.get("index"), bool) or not isinstance(rec.get("index"), int) or rec["index"] < 0
+               or (configs is not None and rec["index"] >= configs) else
+               f"status {rec.get('status')!r} is not one of {', '.join(STATUSES)}" if rec.get("status") not in STATUSES
+               else "curve is not a list of numbers" if not isinstance(rec.get("curve"), list) or not all(
+                   isinstance(v, int | float) and not isinstance(v, bool) for v in rec["curve"])
+               else "attempts is not a whole number" if isinstance(rec.get("attempts", 0), bool)
+               or not isinstance(rec.get("attempts", 0), int) else None)
+    if problem:
+        raise SweepPartError(f"{where}: {problem}; this sweep's results were written by something else, or "
+                             "damaged: move the file away to run those configs again")
+    return rec
+
+
+def read_results(sweep_dir: str, configs: int | None = None):
     """Every config result a queued sweep has written, in the order written (the first of any index
-    written twice, which a killed driver's rerun can do)."""
+    written twice, which a killed driver's rerun can do); each checked (`configs`: the sweep's size)."""
     seen = set()
     for name, is_dir in list_dir(join(sweep_dir, RESULTS)):
         if is_dir or not name.endswith(".jsonl"):
             continue
-        for line in read_bytes(join(sweep_dir, RESULTS, name)).decode().splitlines():
-            if line.strip() and (rec := json.loads(line))["index"] not in seen:
+        path = join(sweep_dir, RESULTS, name)
+        for n, line in enumerate(text_of(path, "sweep results part").splitlines(), 1):
+            if line.strip() and (rec := _checked(line, f"{path}:{n}", configs))["index"] not in seen:
                 seen.add(rec["index"])
                 yield rec
 
@@ -225,7 +256,7 @@ class ConfigQueue:
         self.rungs = {t: Rung() for t in rungs}  # signed metrics recorded at each rung
         self.counts = {"completed": 0, "stopped early": 0, "error": 0}
         self.best = None
-        for rec in read_results(sweep_dir):  # a rerun: what the killed driver's queue wrote, rungs included
+        for rec in read_results(sweep_dir, configs):  # a rerun: what the killed driver's queue wrote, rungs included
             self._count(rec)
             for t, rung in self.rungs.items():
                 if len(rec["curve"]) >= t:
