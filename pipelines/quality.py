@@ -31,6 +31,7 @@ from strata.shell import log as _logger
 from strata.storage import exists, filesystem, join, make_dirs
 
 _say = _logger("preprocess").info
+_warn = _logger("preprocess").warning
 
 QUALITY_SEGMENTS = 8  # cache files carried from version to version before they are merged into one
 _KEEP = re.compile(r"^\s*(bpb|loss)\s*(<=|<|>=|>)\s*([-+0-9.eE]+)\s*$")
@@ -108,6 +109,50 @@ def read_scores(paths: list[str]) -> pa.Table:
     return pa.concat_tables(tables).sort_by("key") if tables else SCHEMA.empty_table()
 
 
+def digest(path: str) -> str:
+    """SHA-256 of a cache file: the manifest keeps it, and a file that does not match is not used."""
+    import hashlib
+
+    from strata.storage import read_bytes
+
+    return hashlib.sha256(read_bytes(path)).hexdigest()
+
+
+def _checked_cache(parent: dict) -> list[str]:
+    """The parent's cache files that match the digests its manifest keeps. A cache is only a cache: a file
+    that was changed, cannot be read, or has no digest (a version made before digests) is left out with a
+    warning, and its documents are scored again."""
+    scores, digests = list(parent.get("scores") or []), parent.get("digests")
+    if not isinstance(digests, list) or len(digests) != len(scores):
+        if scores:
+            _warn(f"quality: the score cache of {len(scores)} file(s) has no digests in its manifest (made before "
+                  "2026-12-04); its documents are scored again")
+        return []
+    kept = []
+    for path, want in zip(scores, digests, strict=True):
+        try:
+            ok = digest(path) == want
+        except OSError as e:
+            ok = False
+            _warn(f"quality: score cache file {path} cannot be read ({e}); its documents are scored again")
+            continue
+        if ok:
+            kept.append(path)
+        else:
+            _warn(f"quality: score cache file {path} does not match the digest in its manifest (changed since it "
+                  "was written); its documents are scored again")
+    return kept
+
+
+def _read_or_none(path: str) -> pa.Table:
+    """A killed run's own score file, or an empty table (with a warning) when it does not read."""
+    try:
+        return read_scores([path])
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged file vary; it is only a cache
+        _warn(f"quality: score cache file {path} does not read ({type(e).__name__}); its documents are scored again")
+        return SCHEMA.empty_table()
+
+
 def write_scores(path: str, table: pa.Table) -> str:
     fs, p = filesystem(path)
     pq.write_table(table.cast(SCHEMA).sort_by("key"), p, filesystem=fs)
@@ -145,10 +190,11 @@ def score(cfg: QualityConfig, model, docs_files: list[str], *, exact: bool, pare
 
     started = time.time()
     mid = model_id(model.weights)
-    carried = list(parent["scores"]) if parent and parent.get("model_id") == mid else []
+    carried = _checked_cache(parent) if parent and parent.get("model_id") == mid else []
     mine = join(out_dir, "scores.parquet")
     had = exists(mine)
-    before = read_scores([mine]) if had else SCHEMA.empty_table()  # what a killed run of this work scored
+    before = _read_or_none(mine) if had else SCHEMA.empty_table()  # what a killed run of this work scored
+    had = had and before.num_rows > 0
     cache = pa.concat_tables([read_scores(carried), before])
     cache_keys = cache.column("key").to_numpy()
     actors = cfg.quality_actors or max(1, int(cpus) - 1)
@@ -177,7 +223,7 @@ def score(cfg: QualityConfig, model, docs_files: list[str], *, exact: bool, pare
                             reused=int(np.sum(rows.column("skip").to_numpy())) if rows.num_rows else 0,
                             tokens_scored=tokens, seconds=round(seconds, 2),
                             tokens_per_s=round(tokens / max(seconds, 1e-9), 1))
-    decision.state = {"model": model.source, "model_id": mid, "scores": files}
+    decision.state = {"model": model.source, "model_id": mid, "scores": files, "digests": [digest(f) for f in files]}
     _say(f"quality: {decision.figures['documents']:,} documents, {decision.figures['scored']:,} scored and "
          f"{decision.figures['reused']:,} reused; {decision.figures['filtered']:,} fail {cfg.rule()} "
          f"(threshold {_number(decision.figures['threshold'])})")

@@ -835,7 +835,7 @@ def abandoned_runs(storage: Storage, name: str, before_gen: int, head: Head | No
     out = set()
     for sub in ("data", "_strata"):
         for tag, d in list_dir(join(path, sub)):
-            m = re.match(r"^g(\d{8})-", tag)
+            m = re.match(r"^g(\d{8,})-", tag)
             if d and m and int(m.group(1)) < before_gen and tag not in live and tag not in out:
                 number = retrying(head.table.transaction_version, RUN_APP + tag) if head.table else None
                 if number is None or label(number) in head.deleted:

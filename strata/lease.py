@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import socket
 import threading
@@ -29,7 +30,7 @@ from strata.storage import create_exclusive, delete, join, list_dir, read_json, 
 DEFAULT_TTL_S = 60.0
 TTL_ENV = "STRATA_LEASE_TTL_S"
 HOST = socket.gethostname()
-_GEN_RE = re.compile(r"^g(\d{8})\.json$")
+_GEN_RE = re.compile(r"^g(\d{8,})\.json$")  # 8 digits at least, more past 99,999,999
 
 
 class LeaseBusy(StrataError):
@@ -123,7 +124,10 @@ class Lease:
                 "renewed_at": now, "expires_at": now + self.ttl_s, "released": released, "ttl_s": self.ttl_s}
 
     def try_acquire(self) -> dict | None:
-        """Take the lease if nobody holds it; returns None on success, else the holder's state."""
+        """Take the lease if nobody holds it; returns None on success, else the holder's state. A writer that
+        loses the race for the next generation backs off (jittered, doubling to 2 s) before it looks again, so
+        racing writers never storm the store with listings."""
+        races = 0
         while True:
             gens = _generations(self.directory)
             top = gens[-1] if gens else 0
@@ -139,7 +143,9 @@ class Lease:
                 self._thread = threading.Thread(target=self._renew, daemon=True, name=f"lease {self.what}")
                 self._thread.start()
                 return None
-            # another writer took top + 1 first: look again
+            # another writer took top + 1 first: look again, after a pause
+            races += 1
+            time.sleep(min(2.0, 0.02 * 2 ** min(races, 7)) * random.uniform(0.5, 1.0))
 
     def acquire(self, *, wait: bool = True, timeout_s: float | None = None, poll_s: float = 2.0,
                 log=None) -> Lease:
@@ -155,7 +161,7 @@ class Lease:
             if busy.get("owner") != said:
                 log(f"waiting for {describe(busy)}, which holds {self.what}")
                 said = busy.get("owner")
-            time.sleep(poll_s)
+            time.sleep(poll_s * random.uniform(0.75, 1.25))  # jittered: waiters do not poll in step
         return self
 
     def _renew(self) -> None:

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 from conftest import make_corpus
 
-from pipelines.quality import QualityConfig, _decide, parse_keep, read_scores
+from pipelines.quality import QualityConfig, _decide, parse_keep, read_scores, write_scores
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -82,7 +82,7 @@ def _corpus_texts(root):
 
 
 def test_preprocess_filters_by_score_and_the_next_version_reuses_the_scores(tmp_path, local_ray, exported_model,
-                                                                            any_root):
+                                                                            any_root, capfd):
     """Version 1 keeps the best half of its documents by bits per byte under the model; the scores it
     cached equal the model's own; version 2, over new documents and a copy of old ones, scores only the
     new and reuses the rest. On local disk and on the S3 server."""
@@ -145,6 +145,26 @@ def test_preprocess_filters_by_score_and_the_next_version_reuses_the_scores(tmp_
     make_corpus(root3, docs=3, seed=13)
     run(debug("q", read={"inputs": (root3,)}, dedup={"exact_dedup": False, "near_dedup": False}), storage)
     assert latest(storage, "q").manifest.quality == v2.manifest.quality
+
+    # A cache is only a cache (m1, m2): one file's scores planted (every document "perfect"), the other
+    # damaged; neither is used, the next run says so, scores those documents again, and decides as before.
+    from strata.storage import write_bytes_atomic
+
+    planted, damaged = [v2.file(f) for f in v2.manifest.quality["scores"]][:2]
+    table = read_scores([planted])
+    write_scores(planted, table.set_column(3, "bpb", pa.array([0.0] * table.num_rows)))
+    write_bytes_atomic(damaged, b"PAR1 not parquet")
+    root4 = str(tmp_path / "in4")
+    os.makedirs(root4)
+    for name in some[:3]:
+        shutil.copy(os.path.join(root, name), os.path.join(root4, f"again-{name}"))
+    capfd.readouterr()
+    out4 = run(debug("q", read={"inputs": (root4,)}, dedup={"exact_dedup": False, "near_dedup": False},
+                     quality=quality), storage)
+    said = capfd.readouterr().err
+    assert said.count("does not match the digest in its manifest") == 2, said
+    q4 = out4["stats"]["quality"]
+    assert q4["reused"] == 0 and q4["scored"] == 3
 
 
 @pytest.mark.slow

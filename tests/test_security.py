@@ -391,3 +391,43 @@ def test_the_signing_key_travels_in_the_jobs_environment_and_never_follows_token
     assert env["STRATA_SIGNING_KEY"] == signing.secret().decode()
     monkeypatch.setenv("STRATA_SIGNING_KEY", env["STRATA_SIGNING_KEY"])  # what the job's nodes see
     assert signing.key_id() == mine
+
+
+def test_a_fenced_off_generation_publishes_nothing_whatever_the_timing(checkpoint, tmp_path):
+    """Fencing, not timing (issue 44, 11): checkpoints an earlier lease generation hands over after a later one
+    took the run are ignored by every reader, however late Ray Train registers them."""
+    import shutil
+
+    from train.checkpoint import committed_checkpoints, fence, forget_missing
+
+    d, *_ = checkpoint
+    run = tmp_path / "run"
+    run.mkdir()
+
+    def add(step: int, gen: int) -> str:
+        name = f"checkpoint-{step:08d}"
+        shutil.copytree(d, run / name)
+        meta = json.loads((run / name / "meta.json").read_text())
+        (run / name / "meta.json").write_text(json.dumps({**meta, "step": step, "lease_gen": gen}))
+        snap = run / "checkpoint_manager_snapshot.json"
+        state = json.loads(snap.read_text()) if snap.exists() else {"checkpoint_results": [],
+                                                                  "checkpoint_report_indices": []}
+        state["checkpoint_results"].append({"checkpoint_dir_name": name})
+        state["checkpoint_report_indices"].append(step)
+        state["latest_checkpoint_result"] = {"checkpoint_dir_name": name}
+        snap.write_text(json.dumps(state))
+        return name
+
+    names = lambda: [os.path.basename(c) for c in committed_checkpoints(str(run))]  # noqa: E731
+    add(2, gen=1)
+    fence(str(run), 2)  # generation 2 takes the run: it saw step 2
+    add(4, gen=1)  # generation 1's workers had handed step 4 over before they saw the lease go
+    add(6, gen=1)
+    assert names() == ["checkpoint-00000002"]
+    add(8, gen=2)  # the new holder's own
+    assert names() == ["checkpoint-00000002", "checkpoint-00000008"]
+    fence(str(run), 3)  # a third generation lists what counts, and keeps ignoring the stale ones
+    add(10, gen=1)
+    assert names() == ["checkpoint-00000002", "checkpoint-00000008"]
+    assert sorted(forget_missing(str(run))) == ["checkpoint-00000004", "checkpoint-00000006", "checkpoint-00000010"]
+    assert names() == ["checkpoint-00000002", "checkpoint-00000008"]

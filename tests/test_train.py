@@ -326,6 +326,7 @@ def test_a_run_that_lost_its_lease_commits_no_more_checkpoints(local_ray, datase
 
     from strata.lease import LeaseLost, _generations, _path
     from strata.storage import create_exclusive
+    from train.checkpoint import fence
 
     monkeypatch.setenv("STRATA_LEASE_TTL_S", "4")
     storage = Storage.from_env()
@@ -347,8 +348,9 @@ def test_a_run_that_lost_its_lease_commits_no_more_checkpoints(local_ray, datase
     taker = {"owner": "another host pid 1", "host": "elsewhere", "pid": 1, "acquired_at": time.time(),
              "renewed_at": time.time(), "expires_at": time.time() + 600, "released": False}
     assert create_exclusive(_path(run_dir, gen + 1), json.dumps(taker).encode())
+    fence(run_dir, gen + 1)  # what the new holder does first (train.trainer)
     taken_at = max(int(os.path.basename(c).split("-")[1]) for c in committed_checkpoints(run_dir))
     thread.join(timeout=300)
     assert isinstance(outcome.get("error"), LeaseLost), outcome
     committed = [int(os.path.basename(c).split("-")[1]) for c in committed_checkpoints(run_dir)]
-    assert max(committed) <= taken_at + 2, (committed, taken_at)  # at most the one already handed over
+    assert max(committed) == taken_at, (committed, taken_at)  # fenced: nothing the old holder handed over later

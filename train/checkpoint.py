@@ -508,12 +508,62 @@ def is_intact(directory: str) -> bool:
     """Whether a checkpoint's files are still there (one deleted by hand is not)."""
     from strata.storage import exists, join
 
-    return exists(join(directory, META)) and exists(join(directory, ".metadata"))
+    return exists(join(directory, META)) and exists(join(directory, f"{SIGNED}0.json"))
+
+
+FENCES = "fences"  # <run>/fences/g<gen>.json: what a lease generation found committed when it took the run
+
+
+def fence(run_dir: str, gen: int) -> None:
+    """Close every earlier lease generation of the run: record the checkpoints committed now. A checkpoint
+    an earlier holder's workers hand over later (they had not yet seen the lease go, or Ray Train registers
+    it late) names that earlier generation and is not in this list, so readers ignore it: no timing lets a
+    stale holder publish."""
+    from strata.storage import basename, join, write_json_atomic
+
+    write_json_atomic(join(run_dir, FENCES, f"g{gen:08d}.json"),
+                      {"gen": gen, "checkpoints": [basename(c) for c in committed_checkpoints(run_dir)]})
+
+
+def _fences(run_dir: str) -> list[tuple[int, set]]:
+    import re
+
+    from strata.storage import join, list_dir, read_json
+
+    out = []
+    for name, d in list_dir(join(run_dir, FENCES)):
+        if not d and (m := re.fullmatch(r"g(\d{8,})\.json", name)):
+            try:
+                listed = read_json(join(run_dir, FENCES, name)).get("checkpoints")
+            except (ValueError, AttributeError, OSError):
+                listed = None
+            out.append((int(m.group(1)), set(listed) if isinstance(listed, list) else set()))
+    return sorted(out, key=lambda f: f[0])
+
+
+def _stale(run_dir: str, checkpoints: list[str]) -> set[str]:
+    """The checkpoints written under a lease generation that a later one had closed before they were
+    committed: the first fence after their generation does not list them."""
+    from strata.storage import basename
+
+    fences = _fences(run_dir)
+    if not fences:
+        return set()
+    stale = set()
+    for c in checkpoints:
+        try:
+            gen = read_meta(c).get("lease_gen")
+        except (OSError, ValueError):
+            continue  # unreadable: loading it will say why
+        after = next((names for g, names in fences if isinstance(gen, int) and g > gen), None)
+        if after is not None and basename(c) not in after:
+            stale.add(basename(c))
+    return stale
 
 
 def forget_missing(run_dir: str) -> list[str]:
-    """Drop registered checkpoints that are gone or incomplete (deleted by hand) from Ray Train's
-    record, so the run continues from the newest intact one; returns the names dropped.
+    """Drop registered checkpoints that are gone or incomplete (deleted by hand), or stale (handed over by
+    a fenced-off lease generation), from Ray Train's record, so the run continues from the newest intact one; returns the names dropped.
 
     Ray Train refuses to start a run whose record names a missing directory
     (`_assert_checkpoints_exist`), and no public API edits the record: this rewrites Ray Train's file, whose
@@ -521,7 +571,7 @@ def forget_missing(run_dir: str) -> list[str]:
     from strata.storage import join, read_bytes, write_bytes_atomic
 
     registered = registered_checkpoints(run_dir)
-    gone = {c.rsplit("/", 1)[-1] for c in registered if not is_intact(c)}
+    gone = {c.rsplit("/", 1)[-1] for c in registered if not is_intact(c)} | _stale(run_dir, registered)
     if not gone:
         return []
     path = join(run_dir, SNAPSHOT)
@@ -546,5 +596,10 @@ def forget_missing(run_dir: str) -> list[str]:
 
 
 def committed_checkpoints(run_dir: str) -> list[str]:
-    """The registered checkpoints that are intact, oldest first: the ones a reader may load."""
-    return [c for c in registered_checkpoints(run_dir) if is_intact(c)]
+    """The registered checkpoints that are intact and were not handed over by a lease generation after it
+    was fenced off, oldest first: the ones a reader may load."""
+    from strata.storage import basename
+
+    registered = [c for c in registered_checkpoints(run_dir) if is_intact(c)]
+    stale = _stale(run_dir, registered)
+    return [c for c in registered if basename(c) not in stale]

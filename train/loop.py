@@ -260,7 +260,8 @@ def _checkpoint(checkpointer: AsyncCheckpointer, decision, done: int, metrics: d
                                   "model_config": asdict(spec.model), "train_config": asdict(spec.train),
                                   "micro_batch": tcfg.batch_size, "grad_accum": tcfg.grad_accum,
                                   "tokenizer": asdict(spec.tokenizer),
-                                  "tokenizer_definition": spec.tokenizer_definition})
+                                  "tokenizer_definition": spec.tokenizer_definition,
+                                  "lease_gen": (config.get("lease") or {}).get("gen")})
         if decision.reason in ("end", "preemption"):  # must be registered before the run ends or the node goes
             handover.append((*checkpointer.take(), True))
     if handover and config.get("lease"):  # every rank, so all of them stop together: report is a barrier

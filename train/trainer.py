@@ -15,7 +15,13 @@ from strata.runlog import read_launches, read_log, record_launch
 from strata.shell import Job, StrataError
 from strata.shell import log as _logger
 from strata.storage import Storage, basename, exists, join, read_json
-from train.checkpoint import check_checkpoint, committed_checkpoints, forget_missing, read_meta
+from train.checkpoint import (
+    check_checkpoint,
+    committed_checkpoints,
+    fence,
+    forget_missing,
+    read_meta,
+)
 from train.config import TrainConfig, accumulation
 from train.loop import train_loop_per_worker
 from train.model import GPTConfig, describe
@@ -63,6 +69,7 @@ def _run_leased(spec: RunSpec, *, run_name, run_dir, job: Job, workers, use_gpu,
     if spec.train.max_repeat and spec.train.batch_size:
         _check_repeats(spec, workers)
     size = describe(spec.model)
+    fence(run_dir, job.lease.gen)  # before anything is read: an earlier holder's late checkpoints do not count
     resume_from = _newest_intact(run_dir)
     if resume_from:
         check_checkpoint(resume_from)
