@@ -93,6 +93,15 @@ class CleanConfig:
         check_fields(self, {"decontaminate_min_words": AT_LEAST_ONE})
         if self.languages not in (None, "*") and not all(c.strip().isalpha() for c in self.languages.split(",")):
             raise ValueError(f"languages must be comma-separated ISO 639 codes such as en,de, not {self.languages!r}")
+        if self.languages not in (None, "*"):
+            known = lid_labels()
+            if unknown := sorted({c.strip().lower() for c in self.languages.split(",")} - known):
+                import difflib
+
+                near = {c: difflib.get_close_matches(c, sorted(known), n=3, cutoff=0.5) for c in unknown}
+                raise ValueError(f"--languages: {', '.join(unknown)} {'is not a language' if len(unknown) == 1 else 'are not languages'} the detector knows (fastText "
+                                 f"lid.176, {len(known)} ISO 639 codes)" + "".join(
+                                     f"; for {c}, did you mean {' or '.join(n)}?" for c, n in near.items() if n))
         if self.normalization not in ("NFC", "NFKC", "none"):
             raise ValueError("normalization must be NFC, NFKC or none")
         if self.whitespace not in ("trim", "collapse"):
@@ -243,6 +252,14 @@ def _lid_model():
     if not path.is_file():
         raise RuntimeError(f"the language model {LID_MODEL[1]} is missing from the {LID_MODEL[0]} package")
     return fasttext.load_model(str(path))
+
+
+@functools.lru_cache(maxsize=1)
+def lid_labels() -> frozenset[str]:
+    """Every language code the detector can answer (asked once: fastText-predict has no label list, so one
+    prediction returns them all)."""
+    labels, _ = _lid_model().predict("a", k=-1, threshold=-1.0)
+    return frozenset(label.removeprefix("__label__") for label in labels)
 
 
 class LanguageRule:

@@ -48,6 +48,12 @@ class PackConfig:
                             **dict.fromkeys(("seed", "split_seed"), NON_NEGATIVE)})
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ValueError("validation_fraction must be in [0, 1)")
+        if self.seq_len + 1 >= 2**31:  # a row is one Arrow list of seq_len + 1 ids: its length is an int32
+            raise ValueError(f"--seq-len {self.seq_len}: a row holds seq_len + 1 token ids in one list, whose length "
+                             f"is a 32-bit integer: at most {2**31 - 2:,}")
+        if (self.seq_len + 1) * 4 > self.shard_bytes:  # 4: the widest token type, uint32
+            raise ValueError(f"--seq-len {self.seq_len}: one row ({self.seq_len + 1:,} ids, up to 4 bytes each) is "
+                             f"larger than --shard-bytes {self.shard_bytes:,}: raise --shard-bytes or lower --seq-len")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,6 +14,7 @@ import tempfile
 import threading
 
 from strata import tiers
+from strata.shell import stop_on_sigterm
 
 # Makes every Ray process bind to and talk on 127.0.0.1. Only for the embedded
 # local Ray: in a real cluster it would cut nodes off from each other.
@@ -76,6 +77,7 @@ def connect_early(**kwargs) -> None:
     if _early is not None or ray.is_initialized():
         return
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+    stop_on_sigterm()  # a strata command: SIGTERM stops it as Ctrl-C does
     done, box = threading.Event(), {}
 
     def start():
@@ -129,9 +131,14 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=log_to_driver, logging_level=logging.WARNING if quiet else logging.INFO)
+        stop_on_sigterm()
         return f"joined Ray cluster at {address}"
     _use_loopback()
-    temp_dir = temp_dir or tempfile.mkdtemp(prefix="strata-ray-")
+    if temp_dir is None:  # its own: private, and removed when this process is done with Ray
+        temp_dir = tempfile.mkdtemp(prefix="strata-ray-")  # 0700
+        _OWN_TEMP.append(temp_dir)
+        if len(_OWN_TEMP) == 1:
+            atexit.register(_remove_own_temp)  # before ray.init: runs after Ray's own shutdown at exit
     # Two strata commands started at the same moment (two cron slots, a notebook beside a CLI) would both
     # see port 8265 free and both bind it. Starts on one machine take turns: once the first has bound its
     # ports, the second's probe sees them taken and picks free ones.
@@ -153,6 +160,9 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
                         _system_config={"preload_python_modules": list(preload)} if preload else None,
                     )
                 _STARTED.add(ray.get_runtime_context().gcs_address)
+                if temp_dir in _OWN_TEMP:
+                    os.chmod(temp_dir, 0o700)  # Ray makes its temp dir 0777: others keep out of its sockets and logs
+                stop_on_sigterm()  # ray.init installed its own SIGTERM handler
                 atexit.register(stop_monitor)  # runs before Ray's own exit handler, registered earlier
                 break
             except Exception as e:  # a port taken between the probe and the bind by something else
@@ -221,6 +231,22 @@ def shutdown() -> None:
     if ray.is_initialized():
         stop_monitor()
         ray.shutdown()
+    _remove_own_temp()
+
+
+_OWN_TEMP: list[str] = []  # the temp dirs of embedded Rays this process started
+
+
+def _remove_own_temp() -> None:
+    """Remove the temp dirs of the embedded Rays this process started and has shut down."""
+    import shutil
+
+    import ray
+
+    if ray.is_initialized():
+        return
+    while _OWN_TEMP:
+        shutil.rmtree(_OWN_TEMP.pop(), ignore_errors=True)
 
 
 def stop_monitor(node=None) -> None:

@@ -34,6 +34,27 @@ EXIT_USAGE = 2  # a flag or value it cannot take (argparse's code)
 EXIT_BUG = 70  # EX_SOFTWARE: a bug; the traceback follows
 EXIT_BUSY = 75  # EX_TEMPFAIL: another run holds what this one would write
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a job manager, Kubernetes, `kill`): the command stops as Ctrl-C stops it."""
+
+
+def _terminated(signum, frame):
+    raise Terminated
+
+
+def stop_on_sigterm() -> None:
+    """From the main thread of a command that is the process: SIGTERM raises Terminated there, so the
+    command stops as on Ctrl-C (what was kept, the command that continues) instead of Ray's handler, which
+    exits from inside whatever Ray call is running (a C++ abort, exit 134). `connect` sets it again after
+    ray.init, which installs Ray's own."""
+    import signal
+    import threading
+
+    if _ACTIVE and _ACTIVE[-1].whole_process and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
 
 
 class StrataError(Exception):
@@ -146,14 +167,15 @@ class Command:
         """Run `body(self)`, return what it returns; errors and Ctrl-C end the process as described above.
         `user_errors` are other exception types whose message is meant for the user."""
         _ACTIVE.append(self)
+        stop_on_sigterm()
         try:
             out = body(self)
             if self.whole_process:
                 end_process(0)
             return out
-        except KeyboardInterrupt:
-            self._say(self._interruption())
-            _exit(EXIT_INTERRUPTED)
+        except KeyboardInterrupt as e:
+            self._say(("terminated (SIGTERM), " if isinstance(e, Terminated) else "") + self._interruption())
+            _exit(EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED)
         except StrataError as e:
             self._error(e, e.exit_code)
         except user_errors as e:

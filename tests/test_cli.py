@@ -205,6 +205,28 @@ def test_ctrl_c_in_preprocessing_keeps_nothing_and_the_printed_command_continues
     assert json.loads(out.stdout.strip().splitlines()[-1])["version"] == "v0001"
 
 
+@pytest.mark.slow
+def test_sigterm_stops_a_command_as_ctrl_c_does_and_its_ray_temp_dir_goes(corpus, tmp_path):
+    """m9: SIGTERM (a job manager, Kubernetes, kill) gave Ray's C++ abort, exit 134; m11: the embedded Ray's
+    temp dir was left behind, mode 0777."""
+    import re
+    import signal
+
+    env = {"STRATA_STORAGE": str(tmp_path / "store")}
+    proc, lines = _follow(["pipelines.preprocess", "--input", corpus["path"], "--dataset", "termed"],
+                          env, until="pass 1/3")
+    temp = next(m.group(1) for line in lines if (m := re.search(r"temp (/\S+strata-ray-\w+)\)", line)))
+    assert os.stat(temp).st_mode & 0o777 == 0o700
+    os.kill(proc.pid, signal.SIGTERM)  # the process alone, as a job manager sends it
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, "".join(lines) + rest
+    last = rest.strip().splitlines()[-1]
+    assert last.startswith("[preprocess] terminated (SIGTERM), interrupted: preprocessing into dataset termed; "
+                           "kept no new version"), last
+    assert "Traceback" not in rest and "abort" not in rest.lower()
+    assert not os.path.exists(temp)
+
+
 _ENDING = """
 import atexit, sys, threading, time
 from strata.shell import Command

@@ -270,3 +270,21 @@ def re_escape(s: str) -> str:
     import re
 
     return re.escape(s)
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--languages", "en,xx"], "--languages: xx is not a language the detector knows"),
+    (["--languages", "eng"], "did you mean en"),
+    (["--seq-len", "99999999999"], "--seq-len 99999999999: a row holds seq_len + 1 token ids"),
+    (["--seq-len", "9000000", "--shard-bytes", "1000000"], "larger than --shard-bytes"),
+])
+def test_flags_are_checked_before_anything_runs(tmp_path, flags, said):
+    """m8: --languages xx was accepted and filtered everything; --seq-len 99999999999 failed late."""
+    from pipelines.clean import CleanConfig
+
+    CleanConfig(languages="en,de,fr")  # codes the detector knows
+    out = subprocess.run([sys.executable, "-m", "pipelines.preprocess", "--input", str(tmp_path), "--dataset", "x",
+                          *flags], cwd=REPO, env={**os.environ, "STRATA_STORAGE": str(tmp_path)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and said in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert not os.path.exists(tmp_path / "datasets")
