@@ -62,9 +62,23 @@ def test_ddp_run_checkpoints_and_a_rerun_continues(local_ray, dataset, capfd):
     events = [os.path.join(dp, f) for dp, _, fs in os.walk(os.path.join(first["path"], "tensorboard")) for f in fs]
     assert events and any(b"train/loss" in pathlib.Path(e).read_bytes() for e in events)
 
+    # Token files that appear after training (Ray makes ~/.ray/auth_token, the README's laptop step
+    # ~/.strata/ray-token) change no key: the run continues, samples and loads as infer and --quality-model do.
+    home, made = pathlib.Path(os.environ["HOME"]), []
+    for path in (home / ".ray" / "auth_token", home / ".strata" / "ray-token"):
+        if not path.exists():
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(f"a token that appeared later {path.name}\n")
+            made.append(path)
+    from infer.model import resolve as resolve_model
+    from train.sample import sample
+
+    assert resolve_model("ddp", storage).source == "ddp@6" and sample(first["checkpoint"], "a", 3, 1, 0.0, 0)
     capfd.readouterr()
     again = run(model, _cfg(10), dataset=ref, run_name="ddp", storage=storage, workers=2, use_gpu=False)
     assert "[train] continuing run ddp from step 6" in capfd.readouterr().err
+    for path in made:
+        path.unlink()
     assert (again["start_step"], again["steps"]) == (6, 4)
     with open(os.path.join(again["checkpoint"], "meta.json")) as f:
         assert json.load(f)["step"] == 10
