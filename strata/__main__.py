@@ -9,6 +9,7 @@ import sys
 def main() -> None:
     commands = {"demo": "run the main job end to end on an embedded local Ray",
                 "submit": "submit preprocess, train or tune to a Ray cluster (see submit --help)",
+                "head": "start, stop or check a Ray head on this machine for submit: head start|status|stop",
                 "runs": "list every recorded run with its cost and key figures",
                 "report": "summarise one run and write an HTML report with plots: report RUN",
                 "plan": "estimate wall time and cost of a workload on each node type",
@@ -32,6 +33,10 @@ def main() -> None:
         from strata.migrate import main as migrate
 
         sys.exit(migrate(sys.argv[2:]))
+    elif sys.argv[1] == "head":
+        from strata.head import main as head
+
+        sys.exit(head(sys.argv[2:]))
     elif sys.argv[1] == "submit":
         from strata.submit import main as submit
 

@@ -230,6 +230,8 @@ def _main(cmd: Command) -> int:
         for bad in list_records(storage, errors=True)[len(records):]:
             print(f"error  {bad['error']}", file=sys.stderr if a.json else sys.stdout)
         return 0
+    if a.out:
+        storage.check_output(a.out, "--out")
     text, path = report(a.run, storage, a.out)  # a run it cannot find: one line, exit 1 (Command)
     print(json.dumps({"report": path}) if a.json else f"{text}\n  report       {path}")
     return 0

@@ -192,8 +192,8 @@ def check_tiers(kind: str, address: str, headers: dict) -> None:
         raise ValueError(
             f"no node of the cluster at {address} serves the {missing[0]} tier, which {kind} needs for "
             f"{ROLE[missing[0]]} (node label {tiers.label_key(missing[0])}={tiers.LABEL_VALUE}), and no autoscaler "
-            f"announces one: start a node with `ray start --labels={labels} ...`, or the head of a laptop "
-            "cluster with every tier (README: From a laptop to a cluster)")
+            f"announces one: start a node with `ray start --labels={labels} ...`, or a laptop's head with every "
+            "tier: `strata head start` (README: From a laptop to a cluster)")
 
 
 def python_for(address: str, python: str | None) -> str:
@@ -322,7 +322,8 @@ def _main(cmd: Command) -> int:
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("kind", choices=sorted(MODULES), help="which stage to run")
     p.add_argument("--address", default=os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS"),
-                   help="the cluster's dashboard address, e.g. http://127.0.0.1:8265 (default: $RAY_ADDRESS)")
+                   help="the cluster's dashboard address, e.g. http://127.0.0.1:8265 (default: $RAY_API_SERVER_ADDRESS, "
+                   "else $RAY_ADDRESS)")
     p.add_argument("--storage", help="the storage root the job writes to (default: $STRATA_STORAGE; a head on "
                    "this machine may use ~/strata-data; a remote cluster needs storage all its nodes reach)")
     p.add_argument("--slot", help="hourly, daily or SECONDS: one submission per slot (for cron)")
@@ -341,7 +342,8 @@ def _main(cmd: Command) -> int:
                    "without asking")
     a = p.parse_args(head)
     if not a.address:
-        p.error("--address (or RAY_ADDRESS) is required: the cluster's dashboard, e.g. http://127.0.0.1:8265")
+        p.error("--address (or RAY_API_SERVER_ADDRESS) is required: the cluster's dashboard, e.g. "
+                "http://127.0.0.1:8265 (`strata head start` starts one on this machine)")
     try:
         at = dt.datetime.fromisoformat(a.slot_time).replace(tzinfo=dt.UTC).timestamp() if a.slot_time else None
         if at is not None and not a.slot:

@@ -74,17 +74,90 @@ def _head_env(temp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def head(storage_root):
-    """The laptop head exactly as the README starts it (its flags; the test adds free ports and --block)."""
-    line = readme_command(".venv/bin/ray start --head")
-    assert f"--labels={tiers.format_labels(tiers.local_node_labels())}" in line.split(), \
-        "the README's head should serve every tier"
+    """The laptop head exactly as the README starts it (`strata head start`; the test adds free ports and a
+    home of its own, where the head's record goes), stopped as the README stops it."""
+    line = readme_command(".venv/bin/strata head start")
     temp = tempfile.mkdtemp(prefix="rayj-", dir="/tmp")
-    os.makedirs(os.path.join(temp, "ray"))
-    env = _head_env(temp)
-    proc, address = _start_head([os.path.join(BIN, "ray"), *shlex.split(line)[1:]], env)
+    env = {**_head_env(temp), "HOME": temp}
+    proc, address = _strata_head(line, env)
     yield {"address": address, "env": env}
-    _stop_head(proc)
+    _strata(["head", "stop"], env)
     shutil.rmtree(temp, ignore_errors=True)
+
+
+def _strata(args: list[str], env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([os.path.join(BIN, "strata"), *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+def _strata_head(line: str, env: dict) -> tuple[subprocess.CompletedProcess, str]:
+    """`strata head start` (the README's line) on free ports; returns (its run, the dashboard address) once
+    the job server answers."""
+    port, dash, agent = _free_port(), _free_port(), _free_port()
+    out = _strata([*shlex.split(line)[1:], f"--port={port}", f"--dashboard-port={dash}", f"--agent-port={agent}",
+                   "--num-cpus=2"], env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    address = f"http://127.0.0.1:{dash}"
+    assert f"export RAY_API_SERVER_ADDRESS={address}" in out.stdout
+    deadline = time.time() + 120
+    while subprocess.run([os.path.join(BIN, "ray"), "job", "list", "--address", address], env=env,
+                         capture_output=True, text=True).returncode != 0:
+        assert time.time() < deadline, "the head's job server never answered"
+        time.sleep(2)
+    return out, address
+
+
+@pytest.mark.slow
+def test_stopping_the_head_stops_it_alone_and_another_ray_on_the_machine_runs_on(tmp_path):
+    """The README's recipe once ended in `ray stop`, which stopped every Ray on the machine (another user's
+    embedded Ray among them). `strata head stop` stops the head `strata head start` recorded, and nothing else;
+    and every socket the head listens on is on 127.0.0.1."""
+    import psutil
+
+    beat = tmp_path / "beat"
+    other = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time, ray; os.environ['RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'] = '0';"
+        f"ray.init(address='local', num_cpus=1, include_dashboard=False, _temp_dir={str(tmp_path / 'ray')!r});"
+        "f = ray.remote(lambda i: i + 1)\n"
+        "for i in range(100000):\n"
+        f"    open({str(beat)!r}, 'w').write(str(ray.get(f.remote(i)))); time.sleep(0.3)")],
+        env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not beat.exists():
+            assert other.poll() is None and time.time() < deadline, "the other Ray never ran a task"
+            time.sleep(0.5)
+        env = {**_head_env(str(tmp_path)), "HOME": str(tmp_path / "home")}
+        os.makedirs(env["HOME"])
+        _, address = _strata_head(readme_command(".venv/bin/strata head start"), env)
+        rec = json.loads((tmp_path / "home" / ".strata" / "head.json").read_text())
+        group = [p for p in psutil.process_iter() if _pgid(p.pid) == rec["pgid"]]
+        listening = {c.laddr.ip for p in group for c in _connections(p) if c.status == psutil.CONN_LISTEN}
+        assert listening and listening <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening
+        assert _strata(["head", "status"], env).returncode == 0
+        stopped = _strata(["head", "stop"], env)
+        assert stopped.returncode == 0 and "stopped the head" in stopped.stderr, stopped.stderr
+        assert not [p for p in group if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not os.path.exists(rec["temp"]) and _strata(["head", "status"], env).returncode == 1
+        seen = beat.read_text()
+        time.sleep(3)
+        assert other.poll() is None and beat.read_text() != seen, "the other Ray stopped with the head"
+    finally:
+        other.terminate()
+        other.wait(timeout=60)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _connections(p):
+    try:
+        return p.net_connections(kind="inet")
+    except Exception:  # noqa: BLE001 - gone, or not ours to look at
+        return []
 
 
 def _job(head, command, *args, env=None):

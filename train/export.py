@@ -25,6 +25,7 @@ from dataclasses import asdict
 import torch
 
 from strata.cli import parser as cli_parser
+from strata.shell import StrataError
 from strata.shell import log as _logger
 from strata.storage import Storage
 from train.model import GPT, GPTConfig
@@ -107,9 +108,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", required=True, help="new directory to write the Hugging Face model to")
     args = parser.parse_args(argv)
     try:
-        ckpt = args.checkpoint or latest_checkpoint(Storage.from_env(args.storage).run(args.run))
+        storage = Storage.from_env(args.storage)
+        storage.check_output(args.out, "--out")
+        ckpt = args.checkpoint or latest_checkpoint(storage.run(args.run))
         result = export(ckpt, args.out)
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
+    except (FileNotFoundError, FileExistsError, ValueError, StrataError) as e:
         sys.exit(f"error: {e}")
     _log.info(f"step {result['step']} of {ckpt} -> {args.out} ({', '.join(result['files'])})")
     if args.json:
