@@ -114,9 +114,10 @@ def test_stopping_the_head_stops_it_alone_and_another_ray_on_the_machine_runs_on
     import psutil
 
     beat = tmp_path / "beat"
+    short = tempfile.mkdtemp(prefix="rayo-", dir="/tmp")  # Ray's socket paths must fit in 107 bytes
     other = subprocess.Popen([sys.executable, "-c", (
         "import os, sys, time, ray; os.environ['RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'] = '0';"
-        f"ray.init(address='local', num_cpus=1, include_dashboard=False, _temp_dir={str(tmp_path / 'ray')!r});"
+        f"ray.init(address='local', num_cpus=1, include_dashboard=False, _temp_dir={short!r});"
         "f = ray.remote(lambda i: i + 1)\n"
         "for i in range(100000):\n"
         f"    open({str(beat)!r}, 'w').write(str(ray.get(f.remote(i)))); time.sleep(0.3)")],
@@ -126,7 +127,7 @@ def test_stopping_the_head_stops_it_alone_and_another_ray_on_the_machine_runs_on
         while not beat.exists():
             assert other.poll() is None and time.time() < deadline, "the other Ray never ran a task"
             time.sleep(0.5)
-        env = {**_head_env(str(tmp_path)), "HOME": str(tmp_path / "home")}
+        env = {**_head_env(short), "HOME": str(tmp_path / "home")}
         os.makedirs(env["HOME"])
         _, address = _strata_head(readme_command(".venv/bin/strata head start"), env)
         rec = json.loads((tmp_path / "home" / ".strata" / "head.json").read_text())
@@ -144,6 +145,7 @@ def test_stopping_the_head_stops_it_alone_and_another_ray_on_the_machine_runs_on
     finally:
         other.terminate()
         other.wait(timeout=60)
+        shutil.rmtree(short, ignore_errors=True)
 
 
 def _pgid(pid: int) -> int | None:
