@@ -35,6 +35,7 @@ EXIT_BUG = 70  # EX_SOFTWARE: a bug; the traceback follows
 EXIT_BUSY = 75  # EX_TEMPFAIL: another run holds what this one would write
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 EXIT_TERMINATED = 143  # 128 + SIGTERM
+EXIT_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader went away (`| head`)
 
 
 class Terminated(KeyboardInterrupt):
@@ -173,6 +174,9 @@ class Command:
             if self.whole_process:
                 end_process(0)
             return out
+        except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as a Unix tool does
+            _quiet_stdout()
+            _exit(EXIT_PIPE)
         except KeyboardInterrupt as e:
             self._say(("terminated (SIGTERM), " if isinstance(e, Terminated) else "") + self._interruption())
             _exit(EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED)
@@ -271,6 +275,15 @@ class Job:
         rec = write_record(self.storage, self.info, name=self.name, beside=beside, usage=self.usage,
                            work_nodes=work_nodes, figures=figures, started=command_started())
         return {"cost": rec["cost"], "node_hours": rec["node_hours"], "cpu_busy": rec["utilization"]["cpu_busy"]}
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that nothing written or flushed later fails on the closed pipe."""
+    import os
+
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 def _exit(code: int):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -186,7 +187,6 @@ def test_training_prints_its_progress_and_no_ray_noise_and_ctrl_c_says_how_to_co
 
 @pytest.mark.slow
 def test_ctrl_c_in_preprocessing_keeps_nothing_and_the_printed_command_continues(corpus, tmp_path):
-    import shlex
     import signal
 
     env = {"STRATA_STORAGE": str(tmp_path / "store")}
@@ -257,3 +257,27 @@ def test_a_command_that_is_the_process_ends_it_with_its_exit_handlers_run_and_ou
         assert out.stdout == "last line, unflushed", out.stdout
     if how == "thread":
         assert (tmp_path / "m.thread").read_text() == "done"
+
+
+@pytest.mark.parametrize("command", [["pipelines.datasets", "show", "ds", "--json"], ["pipelines.datasets", "list"],
+                                     ["strata", "runs"]])
+def test_a_reader_that_goes_away_ends_a_command_quietly(tmp_path, command):
+    """`datasets show X --json | head` ended in a BrokenPipeError reported as a bug in strata (exit 70)."""
+    from test_dataset_contract import _stage
+
+    from strata.dataset import commit
+    from strata.storage import Storage, write_json_atomic
+
+    storage = Storage(str(tmp_path))
+    commit(storage, "ds", *_stage(storage, "ds"))
+    from test_trust import _record
+
+    for i in range(50):
+        write_json_atomic(os.path.join(storage.records(), f"r{i}.json"), _record(name=f"r{i}", started_at=float(i)))
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the command writes a line
+    out = subprocess.run([sys.executable, "-m", *command], cwd=REPO, stdout=write, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "STRATA_STORAGE": str(tmp_path)}, timeout=120)
+    os.close(write)
+    assert "Traceback" not in out.stderr and "a bug in strata" not in out.stderr, out.stderr
+    assert out.returncode == 141, out.stderr
