@@ -100,7 +100,10 @@ def on_tier(kind: str, name: str, storage: Storage, out: str, tier: str, config:
         nodes = tiers.nodes_of(tier, ray.nodes())
         if not nodes:
             raise StrataError(f"no alive node serves the {tier} tier (label {tiers.label_key(tier)}=true)")
-        cpus = 1 if gpu else max(1, int(max(n["Resources"].get("CPU", 1) for n in nodes)))
+        # A node's CPUs, less what is taken now (a submitted job's driver holds one): asking for more than is
+        # free would leave the task pending for ever on a one-node cluster.
+        free = ray.available_resources().get("CPU", 1)
+        cpus = 1 if gpu else max(1, int(min(max(n["Resources"].get("CPU", 1) for n in nodes), free)))
         task = ray.remote(fn).options(num_cpus=cpus, num_gpus=1 if gpu else 0, label_selector=tiers.selector(tier),
                                       max_retries=0)
         with job.working():

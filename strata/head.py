@@ -103,6 +103,12 @@ def _answers(url: str) -> bool:
         return False
 
 
+def _started(logfile: str) -> bool:
+    """`ray start` says so once its node is up (the dashboard may answer before the node is registered)."""
+    with open(logfile, errors="replace") as f:
+        return "Ray runtime started" in f.read()
+
+
 def start(*, port: int, dashboard_port: int, agent_port: int | None, num_cpus: int | None) -> dict:
     if (rec := read_record()) and ours(rec):
         raise StrataError(f"a head started by strata is running (pid {rec['pid']}, GCS {rec['gcs']}, dashboard "
@@ -127,7 +133,7 @@ def start(*, port: int, dashboard_port: int, agent_port: int | None, num_cpus: i
     with open(_record_path(), "w") as f:
         json.dump(rec, f)
     deadline = time.time() + START_WAIT_S
-    while not _answers(rec["dashboard"]):
+    while not (_started(logfile) and _answers(rec["dashboard"])):
         if proc.poll() is not None or time.time() > deadline:
             with open(logfile) as f:
                 tail = f.read()[-2000:]

@@ -146,7 +146,25 @@ class Parser(argparse.ArgumentParser):
         return parsed
 
     def error(self, message: str):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}{self._did_you_mean(message)} (see {self.prog} --help)\n")
+
+    def _did_you_mean(self, message: str) -> str:
+        """For an unknown flag, the command's flags closest to it (`--max-step`: did you mean --max-steps?)."""
+        import difflib
+
+        if not message.startswith("unrecognized arguments: "):
+            return ""
+        flags = {o for p in [self, *self._subparsers_in_use()] for o in p._option_string_actions if o.startswith("--")}
+        hints = []
+        for arg in message.removeprefix("unrecognized arguments: ").split():
+            if arg.startswith("--") and (near := difflib.get_close_matches(arg.split("=", 1)[0], sorted(flags), n=2,
+                                                                           cutoff=0.6)):
+                hints.append(f"{arg.split('=', 1)[0]}: did you mean {' or '.join(near)}?")
+        return f"; {'; '.join(hints)}" if hints else ""
+
+    def _subparsers_in_use(self) -> list:
+        return [p for action in self._actions if isinstance(action, argparse._SubParsersAction)
+                for p in action.choices.values()]
 
 
 class Command:

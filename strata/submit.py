@@ -45,7 +45,7 @@ from strata.signing import TOKEN_FILES
 
 _log = log("submit")
 
-MODULES = {"preprocess": "pipelines.preprocess", "train": "train", "tune": "tune"}
+MODULES = {"preprocess": "pipelines.preprocess", "train": "train", "tune": "tune", "infer": "infer"}
 SLOTS = {"hourly": 3600, "daily": 86400}
 RUNTIME_ENV = Path(__file__).resolve().parent.parent / "platform" / "runtime-env.yaml"
 # Never uploaded with a working directory, whatever the runtime env says (after the allow-list of
@@ -169,11 +169,18 @@ def auth_headers(value: str | None) -> dict:
 
 # The tiers a job needs: its driver's (strata submit places it on the cpu tier), then its work's.
 NEEDS = {"preprocess": (tiers.Tier.CPU,), "train": (tiers.Tier.CPU, tiers.Tier.GPU),
-         "tune": (tiers.Tier.CPU, tiers.Tier.SPOT)}
+         "tune": (tiers.Tier.CPU, tiers.Tier.SPOT), "infer": (tiers.Tier.CPU,)}
+
+
+def needs(kind: str, args: list[str]) -> tuple:
+    """The tiers a job needs: infer's work goes to the gpu tier too with `--tier gpu`."""
+    if kind == "infer" and _flag(args, "--tier") == "gpu":
+        return (tiers.Tier.CPU, tiers.Tier.GPU)
+    return NEEDS[kind]
 ROLE = {tiers.Tier.CPU: "its driver", tiers.Tier.GPU: "its workers", tiers.Tier.SPOT: "its trials"}
 
 
-def check_tiers(kind: str, address: str, headers: dict) -> None:
+def check_tiers(kind: str, address: str, headers: dict, args: list[str] = ()) -> None:
     """Refuse a job no node of the cluster could run: every tier it needs is served by an alive node (its
     label) or announced by an alive node (the head of an autoscaling cluster) as one the autoscaler starts
     (`strata.tiers.autoscaled_tiers`). A job refused here would otherwise wait PENDING forever."""
@@ -186,7 +193,7 @@ def check_tiers(kind: str, address: str, headers: dict) -> None:
     for n in nodes:
         if n.state == "ALIVE":
             served |= tiers.tiers_of(n.labels or {}) | tiers.autoscaled_tiers(n.labels or {})
-    missing = [t for t in NEEDS[kind] if t not in served]
+    missing = [t for t in needs(kind, list(args)) if t not in served]
     if missing:
         labels = tiers.format_labels(tiers.node_labels(*missing))
         raise ValueError(
@@ -265,7 +272,7 @@ def submit(kind: str, args: list[str], *, address: str, slot: str | None = None,
         check_token_mode(where, fix=fix_token_mode)
     headers = auth_headers(value)
     if check_labels:
-        check_tiers(kind, address, headers)
+        check_tiers(kind, address, headers, args)
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     # Ray's packaging notes (which files its own defaults leave out) say nothing the allow-list does not.
@@ -297,6 +304,8 @@ def submit(kind: str, args: list[str], *, address: str, slot: str | None = None,
         raise
     _log.info(f"submitted {job}")
     if not wait:
+        _log.info(f"follow it with: ray job logs --follow --address {address} {job}  (status: ray job status "
+                  f"--address {address} {job}; stop: ray job stop --address {address} {job})")
         return {"submission_id": job, "status": str(client.get_job_status(job)), "duplicate": False}
     shown, done = 0, {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
     while True:

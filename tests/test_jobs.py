@@ -344,3 +344,22 @@ def test_a_plain_ray_job_submit_without_a_storage_root_refuses_to_start(head, co
     assert out.returncode != 0
     assert "STRATA_STORAGE is not set for this Ray job" in out.stdout + out.stderr
     assert "Traceback" not in out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_strata_submit_runs_infer_and_no_wait_says_how_to_follow(head, exported_model, storage_root, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def "}\n{"prompt": "import "}\n')
+    env = {**head["env"], "STRATA_STORAGE": storage_root}
+    out = _submit(head, "infer", "--address", head["address"], "--no-wait", "--", "generate", "--model",
+                  exported_model, "--prompts", str(prompts), "--max-tokens", "4", "--name", "submitted-gen",
+                  env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    follow = next(line for line in out.stderr.splitlines() if "follow it with: " in line)
+    command = shlex.split(follow.split("follow it with: ", 1)[1].split("  (", 1)[0])
+    assert command[:4] == ["ray", "job", "logs", "--follow"]
+    logs = subprocess.run([os.path.join(BIN, "ray"), *command[1:]], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert logs.returncode == 0 and "2 prompts" in logs.stdout + logs.stderr, logs.stdout[-2000:] + logs.stderr[-2000:]
+    done = Storage(storage_root).generations("submitted-gen")
+    assert os.path.exists(os.path.join(done, "completions.jsonl"))
