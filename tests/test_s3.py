@@ -111,7 +111,7 @@ def test_the_whole_path_on_s3(s3_root, tmp_path, monkeypatch, capsys):
 
     sw = sweep(SweepConfig(num_samples=2, steps=4, report_every=2, max_rows=64, eval_rows=8, scheduler="fifo"),
                dataset="web", model_preset="debug", sweep_name="s", storage=storage, progress=False)
-    assert sw["completed"] == 2 and sw["dataset"] == "web@v0002"
+    assert sw["ended"] == 2 and sw["dataset"] == "web@v0002"
     _assert_uris(sw, bucket)
     kept = list_files(sw["path"])  # the queue's results, a part; no worker checkpointed a model
     assert [f for f in kept if f.startswith("results/part-")] and not [f for f in kept if f.endswith(("state.pt",

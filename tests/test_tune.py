@@ -41,15 +41,15 @@ def test_a_second_sweep_in_the_same_process_is_refused_while_the_first_runs(loca
         assert not os.path.exists(storage.sweep("second"))  # refused before it leased or wrote anything
     finally:
         first.join(300)
-    assert out["trials"] == 2 and out["completed"] == 2  # the first went on undisturbed
+    assert out["trials"] == 2 and out["ended"] == 2  # the first went on undisturbed
     out = run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name="second", storage=storage)
-    assert out["completed"] == 2  # and one after it runs
+    assert out["ended"] == 2  # and one after it runs
 
 
 def test_sweep_runs_trials_and_writes_the_best_config(local_ray, dataset):
     cfg = SweepConfig(num_samples=3, steps=4, report_every=2, max_rows=64, eval_rows=8, scheduler="fifo")
     out = run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name="sw", storage=Storage.from_env())
-    assert out["trials"] == 3 and out["completed"] == 3 and out["errors"] == 0
+    assert out["trials"] == 3 and out["ended"] == 3 and out["errors"] == 0
     assert out["iterations"] == 3 * 2  # fifo: every trial reports at steps 2 and 4
     with open(os.path.join(out["path"], "best.json")) as f:
         best = json.load(f)
@@ -117,7 +117,7 @@ def test_max_concurrent_caps_the_trials_running_at_once(local_ray, dataset):
                       max_concurrent=1)
     out = run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name="one-at-a-time",
               storage=Storage.from_env())
-    assert out["completed"] == 3
+    assert out["ended"] == 3
     with open(os.path.join(out["path"], "progress.json")) as f:
         assert json.load(f)["peak_running"] == 1
 
@@ -131,11 +131,11 @@ def test_trials_table_ranks_trials_and_counts_statuses():
     lines = trials_table(trials, top=2).splitlines()
     assert "1 completed, 1 stopped early, 1 error" in lines[0]
     assert lines[2].startswith("2.5000") and lines[3].startswith("3.0000") and len(lines) == 4
-    # The closing line counts each trial once: 'completed' in the summary counts every trial that ended
-    # without error, the ones ASHA stopped too.
+    # The closing line and the JSON summary say the same: 'completed' ran to the end, 'ended' adds the ones
+    # ASHA stopped.
     from tune.__main__ import outcome
 
-    assert outcome({"trials": 8, "completed": 8, "stopped_early": 3, "errors": 0}) == \
+    assert outcome({"trials": 8, "completed": 5, "stopped_early": 3, "errors": 0, "ended": 8}) == \
         "8 trials: 5 completed, 3 stopped early, 0 failed"
 
 
@@ -177,7 +177,7 @@ def test_an_optuna_sweep_over_the_model_shape_and_training_from_its_best_config(
     cfg = SweepConfig(num_samples=3, steps=4, report_every=2, max_rows=64, eval_rows=8, space="small",
                       search="optuna", max_concurrent=2)
     out = run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name="tpe", storage=storage)
-    assert out["trials"] == 3 and out["completed"] == 3
+    assert out["trials"] == 3 and out["ended"] == 3
     best = out["best"]["config"]
     assert set(best) == set(SPACES["small"])
     summary = train_main(["--from-sweep", "tpe", "--max-steps", "2", "--run", "from-tpe", "--json"])
@@ -282,7 +282,7 @@ def test_a_sweep_over_mixture_weights_by_bits_per_byte_and_training_on_its_best_
                       scheduler="fifo", metric="val_bpb")
     both = f"{dataset['ref']},{second_dataset['ref']}"
     out = run(cfg, dataset=both, model_preset="debug", sweep_name="mixes", storage=Storage.from_env())
-    assert out["trials"] == 2 and out["completed"] == 2 and out["best"]["metric_name"] == "val_bpb"
+    assert out["trials"] == 2 and out["ended"] == 2 and out["best"]["metric_name"] == "val_bpb"
     with open(os.path.join(out["path"], "trials.json")) as f:
         trials = json.load(f)["trials"]
     assert len({t["config"]["mix.code"] for t in trials}) == 2 and all(0 < t["best"] < 9 for t in trials)
@@ -307,7 +307,7 @@ def test_a_fine_tuning_sweep_starts_every_trial_from_the_same_weights(local_ray,
     cfg = SweepConfig(num_samples=4, pack=2, steps=2, report_every=2, max_rows=64, eval_rows=8, scheduler="fifo",
                       init_from=str(tmp_path / "hf"))
     out = run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name="tuned", storage=Storage.from_env())
-    assert out["trials"] == 4 and out["completed"] == 4 and out["tune_trials"] == 2  # two worker actors
+    assert out["trials"] == 4 and out["ended"] == 4 and out["tune_trials"] == 2  # two worker actors
     with open(os.path.join(out["path"], "best.json")) as f:  # what train --from-sweep starts from
         assert json.load(f)["init_from"] == str(tmp_path / "hf")
     # A trial actor fetches the weights once and every later config reuses its copy.

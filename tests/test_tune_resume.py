@@ -119,7 +119,7 @@ def test_a_lost_spot_node_costs_the_sweep_only_the_configs_it_was_running(spot_c
     spot_cluster["cluster"].remove_node(victim, allow_graceful=False)
     thread.join(timeout=600)
     assert not thread.is_alive() and result, "the sweep did not finish"
-    assert result["trials"] == 8 and result["errors"] == 0 and result["completed"] == 8
+    assert result["trials"] == 8 and result["errors"] == 0 and result["ended"] == 8
     with open(os.path.join(sweep_dir, "trials.json")) as f:
         trials = json.load(f)["trials"]
     assert sorted(int(t["trial"].rsplit(":", 1)[1]) for t in trials) == list(range(8))

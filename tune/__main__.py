@@ -74,10 +74,9 @@ def _main(cmd: Command) -> dict:
 
 
 def outcome(summary: dict) -> str:
-    """`8 trials: 5 completed, 3 stopped early, 0 failed`, each trial counted once (the summary's
-    `completed` counts every trial that ended without error, the stopped ones too)."""
-    ended = summary["completed"] - summary["stopped_early"]
-    return (f"{summary['trials']} trials: {ended} completed, {summary['stopped_early']} stopped early, "
+    """`8 trials: 5 completed, 3 stopped early, 0 failed`: the summary's own counts (`ended` is the first
+    two together: every trial that ended without error)."""
+    return (f"{summary['trials']} trials: {summary['completed']} completed, {summary['stopped_early']} stopped early, "
             f"{summary['errors']} failed")
 
 
