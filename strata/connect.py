@@ -21,6 +21,36 @@ from strata.shell import stop_on_sigterm
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
+RAY_DATA_QUIET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray-data-logging.yaml")
+
+
+class QuietConsole(logging.Filter):
+    """Ray Data's console filter (records marked hidden stay off it), less its notice that progress bars
+    are off: strata turns them off and says what runs itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "hide", False) and "Progress bars disabled" not in record.getMessage()
+
+
+def quiet_ray_libraries() -> None:
+    """Ray's libraries keep their INFO lines to their log files (strata's own lines say what runs):
+    Ray Data's executor lines and progress bars, Ray Tune's experiment box. Ray Data reads its logging
+    config when it is imported, so both the variable it reads then and, if it is already imported, its
+    console handler are set; Tune's new output engine prints its box whatever `verbose` says, so the
+    legacy engine (silent at verbose 0) is chosen."""
+    os.environ.setdefault("RAY_DATA_LOGGING_CONFIG", RAY_DATA_QUIET)
+    os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    if "ray.data" in sys.modules:
+        for h in logging.getLogger("ray.data").handlers:
+            if not isinstance(h, logging.FileHandler) and type(h).__name__ != "SessionFileHandler":
+                h.setLevel(logging.WARNING)
+                h.addFilter(QuietConsole())
+        import ray.data
+
+        ray.data.DataContext.get_current().enable_progress_bars = False
+
+
 def _use_loopback() -> None:
     """Keep the embedded Ray on 127.0.0.1, even if `ray` was imported already.
 
@@ -122,6 +152,8 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
     """
     import ray
 
+    if quiet:
+        quiet_ray_libraries()
     if (early := _join_early()) is not None:
         if "error" in early:
             raise early["error"]

@@ -56,13 +56,15 @@ def _main(cmd: Command) -> dict:
         parser.error(str(e))
     try:
         check_name(name, "sweep name")
-        # Ray's processes start while this one loads the model code (torch) and checks the dataset: the
-        # trials start 1-2 s sooner on 2 cores.
-        connect_early(quiet=True, dashboard=args.dashboard)
+        dataset = mixture.spec(mixture.parse(args.dataset, weighted=False))
+        mixture.resolve_all(storage, dataset, weighted=False)  # a missing dataset is said before Ray starts
+        # Ray's processes start while this one loads the model code (torch): the trials start 1-2 s sooner
+        # on 2 cores.
+        connect_early(quiet=True, dashboard=args.dashboard, log_to_driver=args.verbose)
         from tune.driver import run
 
-        summary = run(cfg, dataset=mixture.spec(mixture.parse(args.dataset, weighted=False)), model_preset=args.preset, sweep_name=name,
-                      storage=storage, dashboard=args.dashboard)
+        summary = run(cfg, dataset=dataset, model_preset=args.preset, sweep_name=name, storage=storage,
+                      dashboard=args.dashboard, verbose=args.verbose)
     except LeaseBusy as e:
         sys.exit(f"error: {e}: its driver is still running; resume it once that one has ended")
     except (DatasetError, ValueError, Untrusted, SweepPartError) as e:

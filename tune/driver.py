@@ -78,10 +78,12 @@ def _alone(run):
 
 @_alone
 def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, storage: Storage,
-        progress: bool = True, dashboard: bool = True) -> dict:
+        progress: bool = True, dashboard: bool = True, verbose: bool = False) -> dict:
     """Run (or, when the sweep directory holds an unfinished one, resume) a sweep; write its results.
 
-    `dashboard=False` starts an embedded Ray without its dashboard (a joined cluster keeps its own). One
+    `dashboard=False` starts an embedded Ray without its dashboard (a joined cluster keeps its own);
+    `verbose` shows the trial workers' own output (a failed config's traceback; its error is recorded
+    either way). One
     sweep at a time per process: a second one started while the first runs (another thread, a notebook's
     background cell) is refused with a StrataError."""
     # Per-trial JSON/TensorBoard loggers cost driver memory and time; keep CSV only.
@@ -102,7 +104,7 @@ def run(cfg: SweepConfig, *, dataset: str, model_preset: str, sweep_name: str, s
     with Job("sweep", sweep_name, storage, holds=sweep_dir, what=f"sweep {sweep_name}", purpose="tune",
              tag="tune") as job:
         # Everything above is read and checked before Ray starts: a mistake costs no start-up.
-        job.connect(quiet=True, dashboard=dashboard)
+        job.connect(quiet=True, dashboard=dashboard, log_to_driver=verbose)  # workers' logs: --verbose
         check_driver_node()
         # The starting weights go to the object store once; each trial process fetches them once.
         base = trial_spec.run

@@ -196,7 +196,7 @@ def run_worker(*, sweep, space: dict, make_fit, queue: str, out: str = "") -> No
 def _error(e: Exception) -> str:
     import traceback
 
-    traceback.print_exc()  # to the worker's log, which the driver shows
+    traceback.print_exc()  # to the worker's log (the driver shows it with --verbose; the record keeps the line)
     return f"{type(e).__name__}: {e}"[:500]
 
 
