@@ -42,6 +42,22 @@ class ByteTokenizer:
     def token_bytes(self) -> np.ndarray:
         return np.array([1] * 256 + [0], dtype=np.int64)
 
+    def hf_definition(self) -> str:
+        """This tokenizer as a Hugging Face tokenizer.json (transformers' AutoTokenizer loads it): each UTF-8
+        byte its own id (GPT-2's byte-to-character map, a BPE with no merges), end-of-text 256."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers.pre_tokenizers import ByteLevel
+
+        alphabet = ByteLevel.alphabet()  # the 256 characters GPT-2's byte-level map gives bytes 0-255
+        by_byte = {b: c for c, b in _byte_decoder().items()}
+        assert set(by_byte.values()) == set(alphabet)
+        tok = Tokenizer(models.BPE(vocab={by_byte[b]: b for b in range(256)}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(["<|endoftext|>"])
+        assert tok.token_to_id("<|endoftext|>") == self.eot_id
+        return tok.to_str()
+
     def info(self) -> TokenizerInfo:
         definition = f"{self.kind}:utf-8:eot={self.eot_id}:vocab={self.vocab_size}"
         return TokenizerInfo(kind=self.kind, vocab_size=self.vocab_size, eot_id=self.eot_id,

@@ -38,7 +38,8 @@ def test_export_writes_safetensors_and_a_gpt2_config(tmp_path, checkpoint):
     ckpt, model = checkpoint
     out = export(ckpt, str(tmp_path / "hf"))
     assert out["step"] == 7
-    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors", "strata.json"]
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "generation_config.json", "model.safetensors",
+                                                   "strata.json", "tokenizer.json", "tokenizer_config.json"]
     with open(tmp_path / "hf" / "config.json") as f:
         cfg = json.load(f)
     assert (cfg["n_layer"], cfg["n_embd"], cfg["n_positions"], cfg["vocab_size"]) == \
@@ -63,6 +64,26 @@ def test_transformers_loads_the_export_as_gpt2_with_the_same_logits(tmp_path, ch
         ours = model.eval()(idx)
         theirs = hf.eval()(idx).logits
     torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
+
+
+def test_transformers_tokenizes_and_generates_from_the_export_as_strata_does(tmp_path, checkpoint):
+    """An export's tokenizer gave transformers a GPT2Tokenizer that encoded "def hello" as []: now its own
+    tokenizer.json gives strata's ids, and `pipeline("text-generation")` greedy text is `infer generate`'s."""
+    transformers = pytest.importorskip("transformers")
+    from infer.generate import run_generate
+    from infer.model import resolve
+
+    ckpt, model = checkpoint
+    export(ckpt, str(tmp_path / "hf"))
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert tok("def hello é")["input_ids"] == list("def hello é".encode())
+    assert tok.decode(list("naïve".encode())) == "naïve" and tok.eos_token_id == 256
+    pipe = transformers.pipeline("text-generation", model=str(tmp_path / "hf"), device="cpu")
+    for prompt in ("def ", "import os\n"):
+        theirs = pipe(prompt, max_new_tokens=12, do_sample=False, return_full_text=False)[0]["generated_text"]
+        ours = run_generate(resolve(str(tmp_path / "hf"), Storage(str(tmp_path))), [prompt], max_tokens=12,
+                            temperature=0.0, top_k=0, seed=0, cpus=1, device="cpu")["completions"][0]
+        assert theirs == ours, (prompt, theirs, ours)
 
 
 def _hf_gpt2(path, vocab=257, n_positions=128):

@@ -7,8 +7,11 @@ The model is GPT-2's architecture (without linear biases unless it was
 imported with them), so it maps onto `GPT2LMHeadModel`, with zero biases
 where it has none (GPT-2's Conv1D keeps weights transposed).
 `python -m train --init-from DIR` reads the export back (train/pretrained.py).
-`transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads the result;
-with a tokenizer.json dataset, `AutoTokenizer.from_pretrained(DIR)` does too.
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads the result, and
+`AutoTokenizer.from_pretrained(DIR)` its tokenizer with strata's ids: a
+tokenizer.json dataset's own, or the byte tokenizer written as one (each UTF-8
+byte its id, end-of-text 256), so `pipeline("text-generation", model=DIR)`
+generates what `infer generate` does.
 The export is written to a temporary folder and renamed into place, so a
 crash leaves no half-written DIR.
 """
@@ -77,15 +80,25 @@ def export(checkpoint: str, out: str) -> dict:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(gpt2_config(model.cfg, tok.eot_id), f, indent=2)
         files = ["model.safetensors", "config.json"]
-        definition = getattr(tok, "definition", None)
-        if definition:  # a Hugging Face tokenizer: ship it so AutoTokenizer loads it too
+        # The tokenizer as transformers loads it (AutoTokenizer), giving strata's ids: a Hugging Face one as
+        # it is, the byte tokenizer as a tokenizer.json of its own (each byte its id, end-of-text 256).
+        definition = getattr(tok, "definition", None) or (tok.hf_definition() if hasattr(tok, "hf_definition")
+                                                           else None)
+        if definition:
             with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
                 f.write(definition)
-            eot = tok.tok.id_to_token(tok.eot_id)
+            from tokenizers import Tokenizer
+
+            eot = Tokenizer.from_str(definition).id_to_token(tok.eot_id)
             with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
                 json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eot, "bos_token": eot,
                            "model_max_length": model.cfg.seq_len}, f, indent=2)
             files += ["tokenizer.json", "tokenizer_config.json"]
+        # Generation as strata's: the rows past the tokenizer's ids (padding of the embedding) are never drawn.
+        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+            json.dump({"bos_token_id": tok.eot_id, "eos_token_id": tok.eot_id, "pad_token_id": tok.eot_id,
+                       "suppress_tokens": list(range(tok.vocab_size, model.cfg.vocab_size))}, f, indent=2)
+        files.append("generation_config.json")
         with open(os.path.join(tmp, "strata.json"), "w") as f:
             json.dump({"checkpoint": checkpoint, "step": step, "tokenizer_vocab_size": tok.vocab_size,
                        "tokenizer": asdict(tok.info()),

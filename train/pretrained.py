@@ -78,9 +78,6 @@ def read_gpt2(directory: str) -> Pretrained:
         raise ValueError(f"{join(directory, 'config.json')} is not JSON") from None
     if not isinstance(config, dict):
         raise ValueError(f"{join(directory, 'config.json')} is not a JSON object")
-    for k in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size"):
-        if isinstance(config.get(k), bool) or not isinstance(config.get(k), int) or config[k] < 1:
-            raise ValueError(f"{join(directory, 'config.json')}: {k} is {config.get(k)!r}, not a positive integer")
     problems = []
     if config.get("model_type") != "gpt2":
         problems.append(f"model_type is {config.get('model_type')!r}, not 'gpt2'")
@@ -94,6 +91,9 @@ def read_gpt2(directory: str) -> Pretrained:
         problems.append("attention scaled by layer index or reordered")
     if problems:
         raise ValueError(f"{directory} is not a GPT-2 this model can load: " + "; ".join(problems))
+    for k in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size"):
+        if isinstance(config.get(k), bool) or not isinstance(config.get(k), int) or config[k] < 1:
+            raise ValueError(f"{join(directory, 'config.json')}: {k} is {config.get(k)!r}, not a positive integer")
     try:
         raw = load_safetensors(read_bytes(join(directory, "model.safetensors")))
     except FileNotFoundError:
