@@ -4,6 +4,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import shutil
 import threading
 
@@ -368,3 +369,42 @@ def test_a_run_that_lost_its_lease_commits_no_more_checkpoints(local_ray, datase
     assert isinstance(outcome.get("error"), LeaseLost), outcome
     committed = [int(os.path.basename(c).split("-")[1]) for c in committed_checkpoints(run_dir)]
     assert max(committed) == taken_at, (committed, taken_at)  # fenced: nothing the old holder handed over later
+
+
+def test_a_long_accumulating_step_says_how_far_it_is(monkeypatch, tmp_path):
+    """`--preset gpt2-124m` on a CPU printed nothing for 9.5 minutes (1,024 micro-batches a step): the first
+    micro-batch's time says what a step will take, and a line follows every 30 s of the step."""
+    import io
+    from types import SimpleNamespace
+
+    from strata.storage import append_jsonl
+    from train import loop
+    from train.progress import Progress
+
+    clock = [100.0]
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: clock[0])
+    events = []
+    slow = loop.MicroProgress(SimpleNamespace(event=events.append))
+    slow.begin(1)
+    for i in range(1, 1025):
+        clock[0] += 0.6
+        slow(i, 1024)
+    assert events[0] == {"event": "slow_step", "step": 1, "first_micro_s": pytest.approx(0.6), "micro_batches": 1024}
+    micro = [e for e in events if e["event"] == "micro"]
+    assert len(micro) == 20 and all(b["seconds"] - a["seconds"] >= 30 for a, b in zip(micro, micro[1:], strict=False))
+    quick, said = loop.MicroProgress(SimpleNamespace(event=events.append)), len(events)
+    quick.begin(1)
+    for i in range(1, 9):
+        clock[0] += 0.01
+        quick(i, 8)
+    assert len(events) == said  # a step of seconds says nothing
+
+    run = tmp_path / "run"
+    for e in events[:2]:
+        append_jsonl(str(run / "metrics.jsonl"), {"time": 2e9, **e})
+    out = io.StringIO()
+    Progress(str(run), 5000, since=0, out=out).poll()
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("[train] one step is 1,024 micro-batches, about 10m") and "--tokens-per-step" in lines[0]
+    assert re.fullmatch(r"\[train\] step 1/5000: micro-batch 5\d/1,024 after 3\ds; this step ends in about 9m\d+s",
+                        lines[1]), lines[1]

@@ -61,9 +61,12 @@ def train_loop_per_worker(config: dict) -> None:
     step_losses: list[torch.Tensor] = []  # since the last log point, on the device: no sync per step
     saved_for_preemption = False
     try:
+        micro = MicroProgress(w.log) if w.rank == 0 and tcfg.grad_accum > 1 else None
         for step in range(w.start_step, tcfg.max_steps):
+            if micro:
+                micro.begin(step + 1)
             step_losses.append(train_step(w.model, w.optimizer, [next(batches) for _ in range(tcfg.grad_accum)],
-                                          lr_at(step, tcfg), tcfg, w.device, w.bf16))
+                                          lr_at(step, tcfg), tcfg, w.device, w.bf16, progress=micro))
             done = step + 1
             if not cadence.log_due(done):
                 continue
@@ -111,6 +114,33 @@ def train_loop_per_worker(config: dict) -> None:
         batches.close()
         checkpointer.discard()
         w.log.close()
+
+
+class MicroProgress:
+    """Says how far a long accumulating step is (rank 0, into the run's log, which the driver shows): the
+    first micro-batch's time and what the whole step will take, once, when that is over a minute; then a
+    line every EVERY_S seconds. A step that takes seconds says nothing."""
+
+    EVERY_S = 30.0
+
+    def __init__(self, log):
+        self.log, self.first, self.step, self.began, self.said = log, True, 0, 0.0, 0.0
+
+    def begin(self, step: int) -> None:
+        self.step, self.began = step, time.perf_counter()
+        self.said = self.began
+
+    def __call__(self, done: int, of: int) -> None:
+        now = time.perf_counter()
+        if self.first:
+            self.first = False
+            if (now - self.began) * of > 60:
+                self.log.event({"event": "slow_step", "step": self.step, "first_micro_s": now - self.began,
+                                "micro_batches": of})
+                self.said = now
+        if done < of and now - self.said >= self.EVERY_S:
+            self.log.event({"event": "micro", "step": self.step, "done": done, "of": of, "seconds": now - self.began})
+            self.said = now
 
 
 @dataclass

@@ -66,6 +66,14 @@ class Progress:
                     self.bar.n = r["start_step"]
             elif r.get("event") == "preempted":
                 self._say(f"a node of this run is being drained: checkpointed at step {r['step']}")
+            elif r.get("event") == "slow_step":
+                n, first = r["micro_batches"], r["first_micro_s"]
+                self._say(f"one step is {n:,} micro-batches, about {duration(first * n)} on this device (the first "
+                          f"took {first:.2f} s); --tokens-per-step (or --grad-accum, --batch-size) makes steps smaller")
+            elif r.get("event") == "micro":
+                left = r["seconds"] / r["done"] * (r["of"] - r["done"])
+                self._say(f"step {r['step']}/{self.max_steps}: micro-batch {r['done']:,}/{r['of']:,} after "
+                          f"{duration(r['seconds'])}; this step ends in about {duration(left)}")
             elif is_step(r):
                 self.last = r
         last = self.last

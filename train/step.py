@@ -101,8 +101,9 @@ def to_xy(batch: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.
 
 
 def train_step(model, optimizer, micro_batches: list[np.ndarray], lr: float, cfg: TrainConfig, device,
-               bf16: bool = False) -> torch.Tensor:
-    """One optimizer step over `micro_batches`; returns their mean loss (a tensor: no device sync here)."""
+               bf16: bool = False, progress=None) -> torch.Tensor:
+    """One optimizer step over `micro_batches`; returns their mean loss (a tensor: no device sync here).
+    `progress(done, of)` is told after each micro-batch (a long accumulating step says how far it is)."""
     unwrap(model).check_tied()  # an identity check: costs nothing
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -113,6 +114,8 @@ def train_step(model, optimizer, micro_batches: list[np.ndarray], lr: float, cfg
             _, loss = model(x, y)
             (loss / len(micro_batches)).backward()
         total += loss.detach().float()
+        if progress is not None:
+            progress(i + 1, len(micro_batches))
     with record_function(OPTIMIZER_RANGE):
         if cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
