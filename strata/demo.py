@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         tier 2  {tr['steps']} steps, loss {tr['first_loss']:.3f} -> {tr['last_loss']:.3f} (validation {tr['val_loss']:.3f}),
                 {tr['params'] / 1e6:.2f}M params, {tr['strategy'].upper()}, {tr['tokens_per_s']:,.0f} tokens/s,
                 data wait {tr['data_wait']:.1%}, checkpoints {tr['checkpoint_blocked']:.1%} of wall time
-        sweep   {sw['trials']} trials: {sw['completed'] - sw['stopped_early']} completed, {sw['stopped_early']} stopped early by ASHA ({sw['iterations']} iterations),
+        sweep   {sw['trials']} trials: {sw['completed']} completed, {sw['stopped_early']} stopped early by ASHA ({sw['iterations']} iterations),
                 best {best['metric_name']} {best['metric']:.3f} with {json.dumps(best['config'])}
         loop    {pre['dataset']}@{loop['version']}: {q['documents']} new documents scored under {q['model']}, the best 80%
                 kept (bits per byte <= {q['threshold']:.3f}): {q['filtered']} filtered:quality ({q['tokens_per_s']:,.0f} tokens/s scored)
