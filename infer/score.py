@@ -100,12 +100,8 @@ class Scorer:
     `tokens`, `loss`, `bpb`, `bytes` and `unscored` (why it was not scored; empty when it was)."""
 
     def __init__(self, model, stride: int, batch_tokens: int, cpus: float, device: str = "cpu"):
-        import ray
-
         from infer.model import threads
 
-        if isinstance(model, dict):  # {"ref": the model in the object store}: see DedupTokenizePack.__init__
-            model = ray.get(model["ref"])
         threads(cpus)
         self.model, self.tok = model.build(device)
         self.stride, self.batch_tokens, self.device = stride, batch_tokens_for(device, batch_tokens), device
@@ -140,7 +136,6 @@ class Scorer:
 
 def scoring(ds, model, *, tier: str, actors: int, stride: int, batch_tokens: int, docs_per_batch: int):
     """`ds` (rows with `text`) scored by `actors` Scorer actors on `tier` (cpu, or gpu: one GPU each)."""
-    import ray
     from ray.data import ActorPoolStrategy
 
     from strata import tiers
@@ -148,8 +143,7 @@ def scoring(ds, model, *, tier: str, actors: int, stride: int, batch_tokens: int
     gpu = tier == tiers.Tier.GPU
     return ds.map_batches(Scorer, batch_size=docs_per_batch, batch_format="numpy", compute=ActorPoolStrategy(size=actors),
                           num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, label_selector=tiers.selector(tier),
-                          fn_constructor_kwargs={"model": {"ref": ray.put(model)}, "stride": stride,
-                                                 "batch_tokens": batch_tokens,
+                          fn_constructor_kwargs={"model": model, "stride": stride, "batch_tokens": batch_tokens,
                                                  "cpus": 1, "device": "cuda" if gpu else "cpu"})
 
 

@@ -431,7 +431,7 @@ class Preprocess:
                                               max_tasks_in_flight_per_actor=2)
             self.p2 = self.map_units(DedupTokenizePack, items, "pass2", lambda i: packed_name(
                 i["docs_file"] if "docs_file" in i else docs_name(json.loads(i["unit"]))),
-                compute=pool, fn_constructor_kwargs={"stored": {"ref": ray.put(self.packer())}})
+                compute=pool, fn_constructor_kwargs=self.packer())
         if self.fused:
             self.p2, self.deferred = without_deferred(self.p2)
         self.tally += Tally.total(o.tally for o in self.p2)

@@ -239,15 +239,7 @@ def doc_path(doc_id: str) -> str:
 class DedupTokenizePack:
     """Pass 2 over one work file of documents (Ray Data `map_batches` actor, batch_size=1)."""
 
-    def __init__(self, stored: dict | None = None, **kwargs):
-        """`stored`: {"ref": the keyword arguments, put in the object store once by the driver}. Ray warns
-        (an E line on the driver's console) about an actor whose constructor arguments are in the object
-        store and may restart; a reference inside a small argument is not such an argument."""
-        import ray
-
-        self._setup(**(ray.get(stored["ref"]) if stored else kwargs))
-
-    def _setup(self, *, tokenizer: str, eot_token: str, definition: str | None, seq_len: int,
+    def __init__(self, *, tokenizer: str, eot_token: str, definition: str | None, seq_len: int,
                  tokenizer_engine: str = "auto",
                  validation_fraction: float, seed: int, split_seed: int, dedup: DedupConfig, work_dir: str,
                  index: list, removed_dir: str = "", read: ReadConfig | None = None, clean: CleanConfig | None = None,

@@ -7,6 +7,7 @@ import atexit
 import contextlib
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -49,6 +50,52 @@ def quiet_ray_libraries() -> None:
         import ray.data
 
         ray.data.DataContext.get_current().enable_progress_bars = False
+
+
+_CORE_LOG = re.compile(rb"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [IWE] \d+ \d+\] ")
+_stderr_filter: list = []  # (thread, saved fd 2) while filter_core_logs is in place
+
+
+def filter_core_logs() -> None:
+    """Keep Ray's C++ log lines (the driver's core worker writes INFO, WARNING and ERROR lines such as
+    `E core_worker.cc:2465 ... max_restarts > 0`, which Ray Data's own actors set off, ray#53727) off the
+    console; they are in the driver's log file too. Fd 2 goes through a pipe that a thread copies to the
+    real stderr, less those lines; every other line passes as it is, and `unfilter` (at exit) drains it.
+    Installed after Ray's processes start, so none of them inherits the pipe."""
+    if _stderr_filter:
+        return
+    read, write = os.pipe()
+    saved = os.dup(2)
+    sys.stderr.flush()
+    os.dup2(write, 2)
+    os.close(write)
+
+    def copy():
+        with os.fdopen(read, "rb", buffering=0) as src:
+            pending = b""
+            while chunk := src.read(65536):
+                *lines, pending = (pending + chunk).split(b"\n")
+                out = b"".join(line + b"\n" for line in lines if not _CORE_LOG.match(line))
+                if out:
+                    os.write(saved, out)
+            if pending and not _CORE_LOG.match(pending):
+                os.write(saved, pending)
+
+    thread = threading.Thread(target=copy, name="strata-stderr", daemon=True)
+    thread.start()
+    _stderr_filter.append((thread, saved))
+    atexit.register(unfilter_core_logs)
+
+
+def unfilter_core_logs() -> None:
+    """Put fd 2 back and wait for the copy of what was written before."""
+    if not _stderr_filter:
+        return
+    thread, saved = _stderr_filter.pop()
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    os.dup2(saved, 2)  # the pipe's last writer goes: the thread reads to its end
+    thread.join(timeout=5)
 
 
 def _use_loopback() -> None:
@@ -164,6 +211,8 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
     if address:
         ray.init(address=address, log_to_driver=log_to_driver, logging_level=logging.WARNING if quiet else logging.INFO)
         stop_on_sigterm()
+        if quiet:
+            filter_core_logs()
         return f"joined Ray cluster at {address}"
     _use_loopback()
     if temp_dir is None:  # its own: private, and removed when this process is done with Ray
@@ -192,6 +241,8 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
                         _system_config={"preload_python_modules": list(preload)} if preload else None,
                     )
                 _STARTED.add(ray.get_runtime_context().gcs_address)
+                if quiet:
+                    filter_core_logs()
                 if temp_dir in _OWN_TEMP:
                     os.chmod(temp_dir, 0o700)  # Ray makes its temp dir 0777: others keep out of its sockets and logs
                 stop_on_sigterm()  # ray.init installed its own SIGTERM handler

@@ -281,3 +281,28 @@ def test_a_reader_that_goes_away_ends_a_command_quietly(tmp_path, command):
     os.close(write)
     assert "Traceback" not in out.stderr and "a bug in strata" not in out.stderr, out.stderr
     assert out.returncode == 141, out.stderr
+
+
+@pytest.mark.slow
+def test_every_console_line_of_tier_1_and_a_sweep_is_strata_s(corpus, tmp_path):
+    """Ray Data's executor lines (about 40 a pass), the driver's `E core_worker.cc` line and Ray Tune's
+    experiment box reached the console: every line a command prints is now its own (tagged, or its summary
+    table), unless --verbose."""
+    import re
+
+    env = {"STRATA_STORAGE": str(tmp_path / "store")}
+    pre = subprocess.run([sys.executable, "-m", "pipelines.preprocess", "--input", corpus["path"], "--dataset", "quiet"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, **env})
+    assert pre.returncode == 0, pre.stderr[-3000:]
+    sweep = subprocess.run([sys.executable, "-m", "tune", "--dataset", "quiet", "--num-samples", "2", "--steps", "2"],
+                           cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, **env})
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    # Ray's own formats: its Python loggers (a timestamp first), its C++ log ([time E pid pid]), a worker's
+    # prefix ((name pid=N)), Tune's boxes, Python warnings and tracebacks.
+    ray = re.compile(r"^(\d{4}-\d\d-\d\d[ T]|\[\d{4}-\d\d-\d\d |\(\w+ pid=\d+|[╭│╰├]|.*Warning: |Traceback)")
+    for out in (pre, sweep):
+        foreign = [line for line in (out.stderr + out.stdout).splitlines() if ray.match(line)]
+        assert not foreign, "\n".join(foreign[:20])
+        assert all(line.startswith(("[preprocess] ", "[tune] ", "[lease] ")) for line in out.stderr.splitlines()
+                   if line.startswith("["))
+    assert "Configuration for experiment" not in sweep.stderr + sweep.stdout
