@@ -93,6 +93,18 @@ def _main(cmd: Command) -> dict:
     _say(f"{summary['documents']:,} documents scored ({summary['unscored']:,} not), {summary['tokens']:,} tokens: "
          f"loss {summary['loss']:.4f}, {summary['bpb']:.4f} bits per byte, {summary['tokens_per_s']:,.0f} tokens/s; "
          f"table {summary['output']}")
+    if shown := summary.get("by_bpb"):  # best scored first: `bpb 3.032 headers.py, 3.310 handlers.py, ...`
+        more = summary["documents"] - len(shown)
+        items = [f"{bpb:.3f} {os.path.basename(str(doc)).removesuffix(':0')}" for bpb, doc in shown]
+        items += [f"... and {more:,} more in the table"] if more > 0 else []
+        lines, line = [], "    bpb"
+        for i, item in enumerate(items):
+            piece = f" {item}{',' if i < len(items) - 1 else ''}"
+            if len(line) + len(piece) > 110:
+                lines.append(line)
+                line = "       "
+            line += piece
+        print("\n".join([*lines, line]), file=sys.stderr)
     return finish(summary, args.json)
 
 

@@ -59,9 +59,10 @@ def score(spec: str, inputs: list[str], cfg: ScoreConfig, storage: Storage, name
         actors = cfg.actors or default_actors(cfg.tier)
         read = ReadConfig()
 
-        def documents(f: dict) -> list[dict]:  # a row is an input file: path, size, mtime, source
-            return [{"doc_id": d["doc_id"], "source": f["source"], "text": d["text"], "status": d["status"],
-                     "reason": d["reason"]} for d in read_file({**f, "start": 0, "end": f["size"]}, read)]
+        def documents(f: dict) -> list[dict]:  # a row is an input file: path, size, mtime, and the --input
+            return [{"doc_id": d["doc_id"], "source": f["path"], "input": f["source"], "text": d["text"],
+                     "status": d["status"], "reason": d["reason"]}
+                    for d in read_file({**f, "start": 0, "end": f["size"]}, read)]
 
         delete_dir(out)  # a rerun of the same name replaces it
         started = time.time()
@@ -78,12 +79,16 @@ def score(spec: str, inputs: list[str], cfg: ScoreConfig, storage: Storage, name
         figures = {"documents": len(ok), "unscored": len(table) - len(ok), "tokens": tokens,
                    "loss": nll / tokens if tokens else math.nan,
                    "bpb": nll / math.log(2) / max(1, sum(r["bytes"] for r in ok)),
-                   "tokens_per_s": tokens / max(wall, 1e-9)}
+                   "tokens_per_s": tokens / max(wall, 1e-9),
+                   "by_bpb": [[round(r["bpb"], 4), r["doc_id"]] for r in sorted(ok, key=lambda r: r["bpb"])[:SHOWN]]}
         nodes = [n["NodeID"] for n in tiers.nodes_of(cfg.tier, ray.nodes())]
         cost = job.finish(beside=join(out, "record.json"), work_nodes=nodes, figures=figures)
     per_million = cost["cost"] / tokens * 1e6 if tokens and cost["cost"] is not None else None
     return {"name": name, "model": model.source, "output": join(out, "table"), **figures, **cost,
             "dollars_per_million_tokens": per_million, "actors": actors, "stride": stride}
+
+
+SHOWN = 12  # documents a score's summary names, best scored first (the table has them all)
 
 
 def on_tier(kind: str, name: str, storage: Storage, out: str, tier: str, config: dict, fn, *args,
@@ -145,4 +150,4 @@ def _read(path: str) -> list[dict]:
 
     fs, p = filesystem(path)
     return pads.dataset(p, filesystem=fs, format="parquet").to_table(
-        columns=["unscored", "tokens", "loss", "bytes"]).to_pylist()
+        columns=["doc_id", "unscored", "tokens", "loss", "bpb", "bytes"]).to_pylist()

@@ -97,6 +97,12 @@ def test_score_command_writes_a_table_keyed_by_document(tmp_path, exported):
     assert {"doc_id", "source", "tokens", "loss", "bpb", "bytes", "unscored"} <= set(table[0])
     assert len(table) == out["documents"] + out["unscored"] and out["documents"] > 0
     assert len({r["doc_id"] for r in table}) == len(table)  # keyed by document: each once
+    # Each row names its file (`source`) and the --input that found it; the summary names the best scored.
+    assert all(os.path.isfile(r["source"]) and r["doc_id"].startswith(r["source"]) and r["input"] == corpus["path"]
+               for r in table)
+    best = sorted((r for r in table if not r["unscored"]), key=lambda r: r["bpb"])[0]
+    shown = next(line for line in proc.stderr.splitlines() if line.startswith("    bpb "))
+    assert shown.startswith(f"    bpb {best['bpb']:.3f} {os.path.basename(best['doc_id']).removesuffix(':0')}")
     scored = [r for r in table if not r["unscored"]]
     assert all(r["tokens"] > 0 and math.isfinite(r["loss"]) and r["bpb"] > 0 for r in scored)
     assert all(r["loss"] is None or math.isnan(r["loss"]) for r in table if r["unscored"])

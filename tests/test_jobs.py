@@ -361,5 +361,6 @@ def test_strata_submit_runs_infer_and_no_wait_says_how_to_follow(head, exported_
     logs = subprocess.run([os.path.join(BIN, "ray"), *command[1:]], env=env, capture_output=True, text=True,
                           timeout=600)
     assert logs.returncode == 0 and "2 prompts" in logs.stdout + logs.stderr, logs.stdout[-2000:] + logs.stderr[-2000:]
+    assert "joined Ray cluster at 127.0.0.1:" in logs.stdout + logs.stderr  # the head's loopback, nothing else
     done = Storage(storage_root).generations("submitted-gen")
     assert os.path.exists(os.path.join(done, "completions.jsonl"))
