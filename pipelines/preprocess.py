@@ -67,6 +67,13 @@ def _main(cmd: Command) -> dict:
         _say(f"no version created ({summary['note']}): {summary['documents']['kept']} documents kept")
     else:
         _say(f"committed {summary['dataset']}@{summary['version']} at {summary['path']}")
+        rows = (summary.get("snapshot") or {}).get("rows", {})
+        if cfg.pack.validation_fraction > 0 and rows.get("train") and not rows.get("validation"):
+            _logger("preprocess").warning(
+                f"warning: {summary['dataset']}@{summary['version']} has no validation rows: "
+                f"--validation-fraction {cfg.pack.validation_fraction:g} of its documents (chosen per document by a "
+                "hash) held none out, so training reports no validation loss on it; add documents or raise "
+                "--validation-fraction")
     _say("\n" + format_table(summary["stats"]))
     return finish(summary, args.json)
 

@@ -37,7 +37,17 @@ class RunLog:
 
     @property
     def steps(self) -> list[dict]:
-        return [r for r in self.rows if is_step(r)]
+        """The run's curve, each step once: metrics.jsonl is append-only, so a launch that resumed from a
+        checkpoint before steps an earlier launch had logged (it was stopped after them) logs them again;
+        the rows kept are those of the launch that went on."""
+        out: list[dict] = []
+        for r in self.rows:
+            if r.get("event") == "start":
+                while out and out[-1]["step"] > r.get("start_step", 0):
+                    out.pop()
+            elif is_step(r):
+                out.append(r)
+        return out
 
     def events(self, kind: str) -> list[dict]:
         return [r for r in self.rows if r.get("event") == kind]

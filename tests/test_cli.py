@@ -306,3 +306,15 @@ def test_every_console_line_of_tier_1_and_a_sweep_is_strata_s(corpus, tmp_path):
         assert all(line.startswith(("[preprocess] ", "[tune] ", "[lease] ")) for line in out.stderr.splitlines()
                    if line.startswith("["))
     assert "Configuration for experiment" not in sweep.stderr + sweep.stdout
+
+
+def test_a_dataset_without_validation_rows_says_so(tmp_path):
+    """A 7-document dataset got 0 validation rows with no warning."""
+    src = tmp_path / "seven"
+    src.mkdir()
+    for i in range(7):
+        (src / f"f{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + 1  # a small function with words\n" * 3)
+    out = cli("pipelines.preprocess", "--input", str(src), "--dataset", "seven", "--validation-fraction", "0.01",
+              env={"STRATA_STORAGE": str(tmp_path / "store")})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "[preprocess] warning: seven@v0001 has no validation rows" in out.stderr

@@ -408,3 +408,21 @@ def test_a_long_accumulating_step_says_how_far_it_is(monkeypatch, tmp_path):
     assert lines[0].startswith("[train] one step is 1,024 micro-batches, about 10m") and "--tokens-per-step" in lines[0]
     assert re.fullmatch(r"\[train\] step 1/5000: micro-batch 5\d/1,024 after 3\ds; this step ends in about 9m\d+s",
                         lines[1]), lines[1]
+
+
+def test_a_resumed_run_s_curve_holds_each_step_once(tmp_path):
+    """metrics.jsonl held steps 61-80 twice after a resume from step 60 (append-only: the first launch logged
+    them before it stopped): every reader takes the launch that went on."""
+    from strata.runlog import read_log, read_metrics
+    from strata.storage import append_jsonl
+
+    log = str(tmp_path / "metrics.jsonl")
+    append_jsonl(log, {"event": "start", "start_step": 0, "time": 1})
+    for step in (20, 40, 60, 80):
+        append_jsonl(log, {"step": step, "loss": 5 - step / 100, "time": 2})
+    append_jsonl(log, {"event": "start", "start_step": 60, "time": 3})  # killed after 80; resumed from 60
+    for step in (80, 100):
+        append_jsonl(log, {"step": step, "loss": 1.0, "time": 4})
+    rows = read_metrics(str(tmp_path))
+    assert [r["step"] for r in rows] == [20, 40, 60, 80, 100] and rows[3]["time"] == 4
+    assert read_log(str(tmp_path)).launch_steps() == [0, 60]
