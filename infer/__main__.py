@@ -31,6 +31,7 @@ completions.jsonl, its record beside); the summary has throughput and dollars pe
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -113,7 +114,7 @@ def _eval(args, parser, name: str) -> dict:
     from infer.evaluate import TaskError, load_task, run_eval
     from infer.model import resolve
     from strata.sources import documents
-    from strata.storage import join, write_json_atomic
+    from strata.storage import join, write_bytes_atomic, write_json_atomic
 
     if not args.task:
         parser.error("eval needs --task FILE.jsonl")
@@ -129,9 +130,11 @@ def _eval(args, parser, name: str) -> dict:
     result, cost = on_tier("eval", name, storage, out, cfg.tier, {"model": model.source, "task": args.task,
                                                                   "inputs": args.input, **asdict(cfg)},
                            run_eval, model, items, texts, stride=cfg.stride, batch_tokens=cfg.batch_tokens,
-                           figures=lambda r: r)
+                           figures=lambda r: {k: v for k, v in r.items() if k != "samples"})
+    per_item = result.pop("samples")
     summary = {"name": name, "model": model.source, "task": args.task, **result, **cost,
-               "output": join(out, "summary.json")}
+               "output": join(out, "summary.json"), "samples": join(out, "samples.jsonl")}
+    write_bytes_atomic(summary["samples"], "".join(json.dumps(r) + "\n" for r in per_item).encode())
     write_json_atomic(summary["output"], summary)
     _say(f"{summary['items']} items: acc {summary['acc']:.4f} ± {summary['acc_stderr']:.4f}, acc_norm "
          f"{summary['acc_norm']:.4f} ± {summary['acc_norm_stderr']:.4f}"

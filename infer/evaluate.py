@@ -22,6 +22,21 @@ def heldout(model, tok, texts: list[str], *, stride: int, batch_tokens: int = 0,
             "bpb": nll / math.log(2) / max(1, sum(len(t.encode()) for t in texts if t))}
 
 
+def samples(items: list[dict], logliks: list[list[float]]) -> list[dict]:
+    """Each item as it was judged (lm-evaluation-harness's --log_samples): its choices' log-likelihoods, the
+    choice picked by each (acc: the highest; acc_norm: the highest per byte) and whether it was the gold."""
+    import numpy as np
+
+    out = []
+    for k, (item, ll) in enumerate(zip(items, logliks, strict=True)):
+        per_byte = np.array(ll) / np.array([max(1, len(c.encode())) for c in item["choices"]], dtype=float)
+        pick, pick_norm = int(np.argmax(ll)), int(np.argmax(per_byte))
+        out.append({"doc_id": k, "context": item["context"], "choices": item["choices"], "gold": item["gold"],
+                    "logliks": [round(x, 6) for x in ll], "pred": pick, "pred_norm": pick_norm,
+                    "acc": float(pick == item["gold"]), "acc_norm": float(pick_norm == item["gold"])})
+    return out
+
+
 def run_eval(model, items: list[dict], texts: list[str], *, stride: int, batch_tokens: int, cpus: float,
              device: str) -> dict:
     """`python -m infer eval`'s work, in a task on the tier it names: the task's figures, and the held-out
@@ -33,9 +48,8 @@ def run_eval(model, items: list[dict], texts: list[str], *, stride: int, batch_t
     threads(cpus)
     started = time.time()
     net, tok = model.build(device)
-    out = {k: v for k, v in evaluate(net, tok, items, device=device,
-                                     batch_tokens=batch_tokens_for(device, batch_tokens)).items()
-           if k != "logliks"}
+    out = evaluate(net, tok, items, device=device, batch_tokens=batch_tokens_for(device, batch_tokens))
+    out["samples"] = samples(items, out.pop("logliks"))
     if texts:
         out.update(heldout(net, tok, texts, stride=stride or max(1, net.cfg.seq_len // 2), batch_tokens=batch_tokens,
                            device=device))

@@ -166,6 +166,11 @@ def test_eval_command_reports_accuracy_and_heldout_bits_per_byte_and_refuses_a_b
     with open(out["output"]) as f:
         assert json.load(f)["acc"] == out["acc"]
     assert os.path.exists(os.path.join(os.path.dirname(out["output"]), "record.json"))
+    # Every item as it was judged (lm-evaluation-harness's --log_samples): the mean of its acc is the summary's.
+    with open(out["samples"]) as f:
+        judged = [json.loads(line) for line in f]
+    assert len(judged) == 40 and sum(r["acc"] for r in judged) / 40 == pytest.approx(out["acc"])
+    assert all(r["acc"] == float(r["pred"] == r["gold"]) and len(r["logliks"]) == len(r["choices"]) for r in judged)
     (tmp_path / "bad.jsonl").write_text('{"context": "x", "choices": [" a", " b"], "gold": 0}\n{"context": "y", "choices": [" a"], "gold": 0}\n')
     bad = subprocess.run(cmd + ["--task", str(tmp_path / "bad.jsonl")], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=300)
