@@ -7,8 +7,10 @@
     lm_eval.simple_evaluate(model=StrataLM("RUN[@STEP]" or "EXPORT_DIR"), tasks=["my_task"],
                             task_manager=lm_eval.tasks.TaskManager(include_path="my_tasks/"))
 
-or from the harness's command line, once this module is imported (it registers the model `strata`):
-`--model strata --model_args model=RUN@STEP`. Tasks whose data is on local disk need no download.
+or from the harness's command line with the model registered: `strata-lm-eval run --model strata
+--model_args model=RUN@STEP --tasks TASK --include_path DIR` (or `python -m infer.harness ...`: the
+harness's own `lm_eval` finds no models from other packages). Tasks whose data is on local disk need no
+download.
 
 - `loglikelihood`: each (context, continuation)'s summed log-likelihood and whether greedy decoding would
   give the continuation, the pair cut on the left to the model's context (as `infer eval` scores it).
@@ -99,3 +101,21 @@ class StrataLM(LM):
                 text = text.split(stop)[0] if stop else text
             out.append(text)
         return out
+
+
+def main() -> None:
+    """lm-evaluation-harness's own command line with the model `strata` registered: the harness (0.4) finds
+    no models from other packages, so `lm_eval --model strata` cannot; `strata-lm-eval` (or
+    `python -m infer.harness`) takes every `lm_eval` argument, e.g.
+    `strata-lm-eval run --model strata --model_args model=RUN@STEP --tasks TASK --include_path DIR`."""
+    import sys
+
+    from lm_eval.__main__ import cli_evaluate
+
+    if sys.argv[1:2] == ["run"] and "--device" not in sys.argv and not torch.cuda.is_available():
+        sys.argv.append("--device=cpu")  # the harness's default is cuda, which a CPU machine does not have
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

@@ -66,3 +66,26 @@ def test_the_harness_interface_agrees_with_the_model_itself(exported_model):
     assert rolling < 0 and math.isfinite(rolling)
     text = lm.generate_until([Req("x = ", {"until": ["\n"], "max_gen_toks": 8})])[0]
     assert isinstance(text, str) and "\n" not in text and len(json.dumps(text)) > 0
+
+
+def test_the_harness_command_line_runs_the_strata_model(tmp_path, exported_model):
+    """`lm_eval --model strata` was not registered: the harness's own CLI finds no outside models, so
+    `python -m infer.harness` (the `strata-lm-eval` script) is that CLI with the model registered."""
+    import subprocess
+    import sys
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "strata_arith.yaml").write_text("\n".join([
+        "task: strata_arith", "dataset_path: json", "dataset_kwargs:", "  data_files:", f"    test: {TASK}",
+        "test_split: test", "output_type: multiple_choice", 'doc_to_text: "{{context}}"',
+        'doc_to_choice: "{{choices}}"', 'doc_to_target: "{{gold}}"', 'target_delimiter: ""', "metric_list:",
+        "  - metric: acc", ""]))
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(tmp_path / "hf-cache"), "STRATA_STORAGE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "infer.harness", "run", "--model", "strata", "--model_args",
+                          f"model={exported_model}", "--tasks", "strata_arith", "--include_path", str(tasks),
+                          "--output_path", str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "strata_arith" in out.stdout and "acc" in out.stdout
