@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -47,6 +48,13 @@ def test_sweep_notebook_runs_top_to_bottom_and_shows_an_ended_sweep_without_runn
            "STRATA_SWEEP_STEPS": "8", "STRATA_TRAIN_STEPS": "4", "STRATA_SPACE": "lr-batch"}
     text = _execute(nb, env)
     assert "finished:" in text and "best config:" in text and "has ended" not in text
+    # Ray's own lines stay in its files: its loggers (a timestamp first), its C++ log, its workers' output, and
+    # the notices of missing widgets (tqdm, Ray) and of asyncio tasks left pending.
+    said = [line for c in nb.cells for o in c.get("outputs", []) if o.get("name") == "stderr"
+            for line in o.get("text", "").splitlines()]
+    noise = re.compile(r"^(\d{4}-\d\d-\d\d[ T]|\[\d{4}-\d\d-\d\d |\(\w.* pid=\d+|.*Warning: |.*IProgress|"
+                       r".*Missing packages|.*Task was destroyed|Traceback)")
+    assert said and not [line for line in said if noise.match(line)], "\n".join(x for x in said if noise.match(x))
     assert len(_images(nb)) == 3  # the histogram of every config's best metric, params.png and curves.png
     sweep = tmp_path / "storage" / "sweeps" / "nb"
     best = json.loads((sweep / "best.json").read_text())
