@@ -77,8 +77,16 @@ def resolve(storage: Storage, dataset: str, model: GPTConfig, train: TrainConfig
         model = replace(shaped_cfg, dropout=model.dropout, **flags)  # a swept dropout stays
         init_from = source.source
     else:
-        model = replace(fit_to_dataset(model, vocab=m.tokenizer.vocab_size, seq_len=m.seq_len,
-                                       keep=frozenset(flags)), **flags)
+        fitted = replace(fit_to_dataset(model, vocab=m.tokenizer.vocab_size, seq_len=m.seq_len,
+                                        keep=frozenset(flags)), **flags)
+        if changed := [f"{k} {getattr(model, k):,} -> {getattr(fitted, k):,}" for k in ("seq_len", "vocab_size")
+                       if getattr(model, k) != getattr(fitted, k) and k not in flags]:
+            from train.model import describe
+
+            log("train").info(f"the model is shaped for dataset {versions[0][0].ref}: {', '.join(changed)} "
+                              f"({describe(fitted)['params'] / 1e6:.2f}M parameters, the preset's "
+                              f"{describe(model)['params'] / 1e6:.2f}M); --seq-len and --vocab-size set them")
+        model = fitted
     for v, _ in versions:
         check_compatible(v, vocab_size=model.vocab_size, seq_len=model.seq_len)
         if not v.rows("train"):
