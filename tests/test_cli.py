@@ -318,3 +318,17 @@ def test_a_dataset_without_validation_rows_says_so(tmp_path):
               env={"STRATA_STORAGE": str(tmp_path / "store")})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "[preprocess] warning: seven@v0001 has no validation rows" in out.stderr
+
+
+def test_a_sweep_of_a_missing_dataset_says_so_before_ray_starts(tmp_path):
+    """`tune` took 21.7 s to say a dataset does not exist: it started Ray first."""
+    out = cli("tune", "--dataset", "nope", "--num-samples", "2", env={"STRATA_STORAGE": str(tmp_path)})
+    assert out.returncode == 1 and "dataset 'nope' has no committed version" in out.stderr, out.stderr
+    assert "started embedded local Ray" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_mistyped_flag_gets_a_did_you_mean():
+    out = cli("train", "--dataset", "x", "--max-step", "5")
+    assert out.returncode == 2 and "--max-step: did you mean --max-steps" in out.stderr, out.stderr
+    out = cli("pipelines.datasets", "show", "x", "--jsn")
+    assert out.returncode == 2 and "--jsn: did you mean --json?" in out.stderr, out.stderr

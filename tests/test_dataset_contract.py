@@ -353,3 +353,35 @@ def test_a_lease_survives_storage_errors_and_its_holder_stops_when_it_cannot_ren
     with pytest.raises(LeaseLost, match="renewal kept failing: OSError: service unavailable"):
         held.check()
     held.release()
+
+
+def test_lease_generations_have_no_width_limit_and_a_lost_race_backs_off(tmp_path, monkeypatch):
+    """m7: a lease file g99999999.json overflowed the 8-digit generation, and waiting writers spun without
+    sleeping (a LIST storm on S3)."""
+    import json as _json
+
+    import strata.lease as lease_mod
+    from strata.lease import Lease, _generations, _path
+
+    d = str(tmp_path / "ds")
+    create_exclusive(_path(d, 99_999_999), _json.dumps({"released": True}).encode())
+    first = Lease(d, "dataset ds").acquire(wait=False)
+    assert first.gen == 100_000_000 and _generations(d)[-1] == 100_000_000
+    with pytest.raises(LeaseBusy):
+        Lease(d, "dataset ds").acquire(wait=False)
+    first.release()
+    lost, pauses = [0], []
+    real = lease_mod.create_exclusive
+
+    def racing(path, data):  # another writer takes each generation first, five times
+        if lost[0] < 5:
+            lost[0] += 1
+            return False
+        return real(path, data)
+
+    monkeypatch.setattr(lease_mod, "create_exclusive", racing)
+    monkeypatch.setattr(lease_mod.time, "sleep", pauses.append)
+    second = Lease(d, "dataset ds").acquire(wait=False)
+    assert second.gen == 100_000_001 and len(pauses) == 5 and all(p > 0 for p in pauses)
+    assert pauses == sorted(pauses) or max(pauses) <= 2.0
+    second.release()

@@ -431,3 +431,18 @@ def test_a_fenced_off_generation_publishes_nothing_whatever_the_timing(checkpoin
     assert names() == ["checkpoint-00000002", "checkpoint-00000008"]
     assert sorted(forget_missing(str(run))) == ["checkpoint-00000004", "checkpoint-00000006", "checkpoint-00000010"]
     assert names() == ["checkpoint-00000002", "checkpoint-00000008"]
+
+
+def test_sampling_a_refused_checkpoint_is_one_line(checkpoint, tmp_path):
+    """train.sample printed a 25-line traceback where infer printed one line."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    d, *_ = checkpoint
+    out = subprocess.run([sys.executable, "-m", "train.sample", "--checkpoint", str(d), "--tokens", "2"], cwd=REPO,
+                         env={**os.environ, "STRATA_SIGNING_KEY": "another machine's key"}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines() == [x for x in out.stderr.strip().splitlines() if "signed with key" in x]
