@@ -13,7 +13,7 @@ import sys
 from conftest import REPO, readme_blocks
 
 # How a command line names a strata command, and the `--help` that lists its flags.
-STRATA_COMMANDS = {"demo", "submit", "runs", "report", "plan", "migrate"}
+STRATA_COMMANDS = {"demo", "submit", "head", "runs", "report", "plan", "migrate"}
 SUBCOMMANDS = {"pipelines.datasets": {"list", "show", "delete"}}
 
 
@@ -120,6 +120,6 @@ def test_every_flag_the_readme_names_is_a_flag_of_a_command():
               "--dashboard-port", "--dashboard-agent-listen-port", "--num-cpus", "--num-gpus", "--disable-usage-stats",
               "--working-dir", "--runtime-env", "--runtime-env-json", "--logdir", "--nodes", "--gpus-per-node",
               "--export", "--from-literal", "--reason", "--deadline-remaining-seconds", "--shm-size", "--port",
-              "--autoscaling-config"}
+              "--autoscaling-config", "--follow", "--log"}
     unknown = sorted(f for f in named if f not in others and not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", known))
     assert not unknown, f"the README names flags no command has: {unknown}"
