@@ -12,6 +12,19 @@ pytest.importorskip("lm_eval")
 TASK = os.path.join(REPO, "infer", "tasks", "arithmetic.jsonl")
 
 
+def _local_task(tmp_path):
+    """The harness's own task format over the task file infer eval reads (the choice follows the context
+    directly, no delimiter, as infer eval scores it): its folder."""
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "strata_arith.yaml").write_text("\n".join([
+        "task: strata_arith", "dataset_path: json", "dataset_kwargs:", "  data_files:", f"    test: {TASK}",
+        "test_split: test", "output_type: multiple_choice", 'doc_to_text: "{{context}}"',
+        'doc_to_choice: "{{choices}}"', 'doc_to_target: "{{gold}}"', 'target_delimiter: ""', "metric_list:",
+        "  - metric: acc", "  - metric: acc_norm", ""]))
+    return tasks
+
+
 def test_the_harness_scores_a_local_task_as_infer_eval_does(tmp_path, exported_model, monkeypatch):
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -24,15 +37,7 @@ def test_the_harness_scores_a_local_task_as_infer_eval_does(tmp_path, exported_m
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    # The harness's own task format over the task file infer eval reads: the choice follows the context
-    # directly (no delimiter), as infer eval scores it.
-    (tasks / "strata_arith.yaml").write_text("\n".join([
-        "task: strata_arith", "dataset_path: json", "dataset_kwargs:", "  data_files:", f"    test: {TASK}",
-        "test_split: test", "output_type: multiple_choice", 'doc_to_text: "{{context}}"',
-        'doc_to_choice: "{{choices}}"', 'doc_to_target: "{{gold}}"', 'target_delimiter: ""', "metric_list:",
-        "  - metric: acc", "  - metric: acc_norm", ""]))
+    tasks = _local_task(tmp_path)
     lm = StrataLM(exported_model)
     out = lm_eval.simple_evaluate(model=lm, tasks=["strata_arith"], task_manager=TaskManager(include_path=str(tasks)))
     got = out["results"]["strata_arith"]
@@ -74,13 +79,7 @@ def test_the_harness_command_line_runs_the_strata_model(tmp_path, exported_model
     import subprocess
     import sys
 
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    (tasks / "strata_arith.yaml").write_text("\n".join([
-        "task: strata_arith", "dataset_path: json", "dataset_kwargs:", "  data_files:", f"    test: {TASK}",
-        "test_split: test", "output_type: multiple_choice", 'doc_to_text: "{{context}}"',
-        'doc_to_choice: "{{choices}}"', 'doc_to_target: "{{gold}}"', 'target_delimiter: ""', "metric_list:",
-        "  - metric: acc", ""]))
+    tasks = _local_task(tmp_path)
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_CACHE": str(tmp_path / "hf-cache"), "STRATA_STORAGE": str(tmp_path)}
     out = subprocess.run([sys.executable, "-m", "infer.harness", "run", "--model", "strata", "--model_args",
