@@ -75,16 +75,19 @@ def filter_core_logs() -> None:
             pending = b""
             while chunk := src.read(65536):
                 *lines, pending = (pending + chunk).split(b"\n")
-                out = b"".join(line + b"\n" for line in lines if not _CORE_LOG.match(line))
-                if out:
-                    os.write(saved, out)
-            if pending and not _CORE_LOG.match(pending):
-                os.write(saved, pending)
+                _write_all(saved, b"".join(line + b"\n" for line in lines if not _CORE_LOG.match(line)))
+            if not _CORE_LOG.match(pending):
+                _write_all(saved, pending)
 
     thread = threading.Thread(target=copy, name="strata-stderr", daemon=True)
     thread.start()
     _stderr_filter.append((thread, saved))
     atexit.register(unfilter_core_logs)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def unfilter_core_logs() -> None:
