@@ -482,11 +482,20 @@ def local_copy(directory: str):
 
 
 def read_meta(directory: str) -> dict:
+    """meta.json as it is (not checked against its signature: for listing and picking a checkpoint, never
+    for building a model); one line naming the file if it is not a checkpoint's meta."""
     from strata.storage import filesystem, join
 
     fs, path = filesystem(join(directory, META))
     with fs.open_input_stream(path) as f:
-        return json.loads(f.read())
+        raw = f.read()
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict) or isinstance(meta.get("step"), bool) or not isinstance(meta.get("step"), int):
+        raise Untrusted(f"checkpoint {directory}: {META} is not a checkpoint's meta (no integer step); refused")
+    return meta
 
 
 def registered_checkpoints(run_dir: str) -> list[str]:
@@ -553,7 +562,7 @@ def _stale(run_dir: str, checkpoints: list[str]) -> set[str]:
     for c in checkpoints:
         try:
             gen = read_meta(c).get("lease_gen")
-        except (OSError, ValueError):
+        except (OSError, ValueError, Untrusted):
             continue  # unreadable: loading it will say why
         after = next((names for g, names in fences if isinstance(gen, int) and g > gen), None)
         if after is not None and basename(c) not in after:
