@@ -11,8 +11,8 @@ the process (`~/.strata/head.json`) and waits until the dashboard answers.
 
 `stop` stops that process, and only it: SIGTERM to the recorded `ray start --block` (which stops every
 process it started), then, after a grace period, SIGKILL to what is left of its own process group. It
-never stops another Ray on the machine, as `ray stop` does (it stops every Ray process of the machine,
-other users' embedded ones included).
+never stops another Ray on the machine, as Ray's own stop command does (it stops every Ray process of the
+machine, other users' embedded ones included).
 """
 
 from __future__ import annotations

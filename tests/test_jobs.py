@@ -108,7 +108,7 @@ def _strata_head(line: str, env: dict) -> tuple[subprocess.CompletedProcess, str
 
 @pytest.mark.slow
 def test_stopping_the_head_stops_it_alone_and_another_ray_on_the_machine_runs_on(tmp_path):
-    """The README's recipe once ended in `ray stop`, which stopped every Ray on the machine (another user's
+    """The README's recipe once ended in Ray's own stop command, which stopped every Ray on the machine (another user's
     embedded Ray among them). `strata head stop` stops the head `strata head start` recorded, and nothing else;
     and every socket the head listens on is on 127.0.0.1."""
     import psutil
