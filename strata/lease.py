@@ -54,6 +54,11 @@ def describe(holder: dict) -> str:
             f"lease {f'expires in {left:.0f} s' if left > 0 else 'expired'})")
 
 
+def _pause(seconds: float) -> None:
+    """A writer's back-off after a lost race (one place, so a test can count them)."""
+    time.sleep(seconds)
+
+
 def _generations(directory: str) -> list[int]:
     return sorted(int(m.group(1)) for name, d in list_dir(join(directory, "_lease"))
                   if not d and (m := _GEN_RE.match(name)))
@@ -145,7 +150,7 @@ class Lease:
                 return None
             # another writer took top + 1 first: look again, after a pause
             races += 1
-            time.sleep(min(2.0, 0.02 * 2 ** min(races, 7)) * random.uniform(0.5, 1.0))
+            _pause(min(2.0, 0.02 * 2 ** min(races, 7)) * random.uniform(0.5, 1.0))
 
     def acquire(self, *, wait: bool = True, timeout_s: float | None = None, poll_s: float = 2.0,
                 log=None) -> Lease:

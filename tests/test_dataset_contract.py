@@ -380,7 +380,7 @@ def test_lease_generations_have_no_width_limit_and_a_lost_race_backs_off(tmp_pat
         return real(path, data)
 
     monkeypatch.setattr(lease_mod, "create_exclusive", racing)
-    monkeypatch.setattr(lease_mod.time, "sleep", pauses.append)
+    monkeypatch.setattr(lease_mod, "_pause", pauses.append)
     second = Lease(d, "dataset ds").acquire(wait=False)
     assert second.gen == 100_000_001 and len(pauses) == 5 and all(p > 0 for p in pauses)
     assert pauses == sorted(pauses) or max(pauses) <= 2.0
