@@ -371,7 +371,7 @@ def test_a_run_that_lost_its_lease_commits_no_more_checkpoints(local_ray, datase
     assert max(committed) == taken_at, (committed, taken_at)  # fenced: nothing the old holder handed over later
 
 
-def test_a_long_accumulating_step_says_how_far_it_is(monkeypatch, tmp_path):
+def test_a_long_accumulating_step_says_how_far_it_is(tmp_path):
     """`--preset gpt2-124m` on a CPU printed nothing for 9.5 minutes (1,024 micro-batches a step): the first
     micro-batch's time says what a step will take, and a line follows every 30 s of the step."""
     import io
@@ -382,9 +382,8 @@ def test_a_long_accumulating_step_says_how_far_it_is(monkeypatch, tmp_path):
     from train.progress import Progress
 
     clock = [100.0]
-    monkeypatch.setattr(loop.time, "perf_counter", lambda: clock[0])
     events = []
-    slow = loop.MicroProgress(SimpleNamespace(event=events.append))
+    slow = loop.MicroProgress(SimpleNamespace(event=events.append), clock=lambda: clock[0])
     slow.begin(1)
     for i in range(1, 1025):
         clock[0] += 0.6
@@ -392,7 +391,7 @@ def test_a_long_accumulating_step_says_how_far_it_is(monkeypatch, tmp_path):
     assert events[0] == {"event": "slow_step", "step": 1, "first_micro_s": pytest.approx(0.6), "micro_batches": 1024}
     micro = [e for e in events if e["event"] == "micro"]
     assert len(micro) == 20 and all(b["seconds"] - a["seconds"] >= 30 for a, b in zip(micro, micro[1:], strict=False))
-    quick, said = loop.MicroProgress(SimpleNamespace(event=events.append)), len(events)
+    quick, said = loop.MicroProgress(SimpleNamespace(event=events.append), clock=lambda: clock[0]), len(events)
     quick.begin(1)
     for i in range(1, 9):
         clock[0] += 0.01

@@ -123,15 +123,15 @@ class MicroProgress:
 
     EVERY_S = 30.0
 
-    def __init__(self, log):
-        self.log, self.first, self.step, self.began, self.said = log, True, 0, 0.0, 0.0
+    def __init__(self, log, clock=time.perf_counter):
+        self.log, self.clock, self.first, self.step, self.began, self.said = log, clock, True, 0, 0.0, 0.0
 
     def begin(self, step: int) -> None:
-        self.step, self.began = step, time.perf_counter()
+        self.step, self.began = step, self.clock()
         self.said = self.began
 
     def __call__(self, done: int, of: int) -> None:
-        now = time.perf_counter()
+        now = self.clock()
         if self.first:
             self.first = False
             if (now - self.began) * of > 60:
