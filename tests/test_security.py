@@ -154,13 +154,25 @@ def test_a_checkpoint_signed_with_another_key_names_both_keys_and_the_keyring_ve
 def test_token_files_that_appear_after_training_change_nothing(checkpoint, monkeypatch, tmp_path):
     """M6: the key was the first token file that existed; Ray and the README's own step create them."""
     d, cfg, *_ = checkpoint
-    home = pathlib.Path(os.environ["HOME"])
+    home = _own_home(tmp_path, monkeypatch)
     for path in (home / ".ray" / "auth_token", home / ".strata" / "ray-token"):
         path.parent.mkdir(exist_ok=True)
         path.write_text("a fresh ray token")
     monkeypatch.setenv("RAY_AUTH_TOKEN", "a rotated token")
     for load_it in _loaders(d, cfg):
         load_it()
+
+
+def _own_home(tmp_path, monkeypatch) -> pathlib.Path:
+    """A home of the test's own holding this machine's signing key (as it was when the fixture signed): its
+    token files must not be the session's, which the session's Ray reads when it starts a worker."""
+    import shutil
+
+    home = tmp_path / "home"
+    (home / ".strata").mkdir(parents=True)
+    shutil.copy(pathlib.Path(os.environ["HOME"]) / ".strata" / "signing-key", home / ".strata" / "signing-key")
+    monkeypatch.setenv("HOME", str(home))
+    return home
 
 
 def _format_1(dest, model, opt, meta, secret: bytes):
@@ -190,7 +202,7 @@ def test_a_checkpoint_of_format_1_loads_when_its_signature_holds(checkpoint, tmp
     meta = json.loads((d / "meta.json").read_text())
     old = tmp_path / "checkpoint-old"
     old.mkdir()
-    home = pathlib.Path(os.environ["HOME"])
+    home = _own_home(tmp_path, monkeypatch)
     (home / ".ray").mkdir(exist_ok=True)
     (home / ".ray" / "auth_token").write_text("the token its key came from\n")
     _format_1(old, model, opt, meta, b"the token its key came from")
