@@ -20,7 +20,7 @@ import pytest
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 # Tests never write to the real home (~/.ray, ~/.strata): every process they start gets a temporary one.
-os.environ["HOME"] = tempfile.mkdtemp(prefix="strata-test-home-")
+TEST_HOME = os.environ["HOME"] = tempfile.mkdtemp(prefix="strata-test-home-")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
     os.environ.pop(var, None)
@@ -260,6 +260,7 @@ def _stop_ray_at_end():
     shutdown()
     for d in _ray_dirs:
         shutil.rmtree(d, ignore_errors=True)
+    shutil.rmtree(TEST_HOME, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
