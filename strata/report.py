@@ -13,7 +13,7 @@ import time
 from strata.records import find_record, list_records
 from strata.runlog import TASK_EVAL, read_log
 from strata.shell import Command, Parser
-from strata.storage import Storage, join, write_bytes_atomic
+from strata.storage import Storage, join, under, write_bytes_atomic
 
 
 def describe_age(t: float) -> str:
@@ -84,18 +84,6 @@ def _png(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def under(path: str, root: str) -> bool:
-    """Whether `path` is inside `root`, however it is spelled (`..`, links)."""
-    import os
-    import posixpath
-
-    if "://" in root or "://" in path:
-        p, r = posixpath.normpath(path), posixpath.normpath(root)
-        return "://" in path and p.startswith(r + "/")
-    p, r = os.path.realpath(path), os.path.realpath(root)
-    return p.startswith(r + os.sep)
-
-
 def plots(r: dict, storage: Storage) -> dict[str, str]:
     """{title: base64 PNG}: loss, throughput over time, utilization over time, cost by node type."""
     import matplotlib
@@ -163,7 +151,7 @@ def plots(r: dict, storage: Storage) -> dict[str, str]:
 def _train_metrics(r: dict, root: str) -> tuple[list[dict], list[int]]:
     """Every log point of the run up to this record's end, every launch's (a continued run plots its
     whole history), and the step each launch started at."""
-    if r["kind"] != "train" or not under(r["outputs"], root):
+    if r["kind"] != "train" or not under(r["outputs"], root, strict=True):
         return [], []
     log = read_log(r["outputs"], until=r["ended_at"] + 5)
     return log.steps, log.launch_steps()
@@ -198,7 +186,7 @@ def report(ref: str, storage: Storage, out: str | None = None) -> tuple[str, str
     is not trusted), else in the root's reports/."""
     r = find_record(storage, ref)
     name = f"report-{r['kind']}-{r['name']}.html"
-    path = out or (join(r["outputs"], name) if under(r["outputs"], storage.root) else join(storage.root, "reports", name))
+    path = out or (join(r["outputs"], name) if under(r["outputs"], storage.root, strict=True) else join(storage.root, "reports", name))
     write_bytes_atomic(path, html_page(r, plots(r, storage)).encode())
     return summary(r), path
 

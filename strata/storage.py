@@ -159,12 +159,16 @@ def inside(base: str, rel, what: str) -> str:
     return path
 
 
-def under(path: str, base: str) -> bool:
-    """Whether `path` is `base` or below it (local paths by their real path, URIs by prefix)."""
+def under(path: str, base: str, strict: bool = False) -> bool:
+    """Whether `path` is `base` (unless `strict`) or below it, however it is spelled (`..`, and links on
+    local disk)."""
+    import posixpath
+
     if is_uri(path) or is_uri(base):
-        return path.rstrip("/") == base.rstrip("/") or path.startswith(base.rstrip("/") + "/")
+        p, b = posixpath.normpath(path), posixpath.normpath(base)
+        return is_uri(path) and ((p == b and not strict) or p.startswith(b.rstrip("/") + "/"))
     p, b = os.path.realpath(path), os.path.realpath(base)
-    return p == b or p.startswith(b.rstrip(os.sep) + os.sep)
+    return (p == b and not strict) or p.startswith(b.rstrip(os.sep) + os.sep)
 
 
 @dataclass(frozen=True)
