@@ -79,10 +79,13 @@ def _group(pgid: int) -> list[int]:
 
 
 def _token_env() -> dict:
-    """The head's token: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, else ~/.strata/ray-token (made 0600)."""
-    if os.environ.get("RAY_AUTH_TOKEN") or (os.environ.get("RAY_AUTH_TOKEN_PATH")
-                                            and os.path.isfile(os.environ["RAY_AUTH_TOKEN_PATH"])):
-        return {}
+    """The head's token: the one `strata submit` would send (strata.submit.token), else ~/.strata/ray-token,
+    made 0600."""
+    from strata.submit import token
+
+    value, where = token()
+    if value:  # from the environment, or a file the head must read too
+        return {"RAY_AUTH_TOKEN_PATH": where} if os.path.isfile(where) else {}
     path = os.path.expanduser("~/.strata/ray-token")
     if not os.path.isfile(path):
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
