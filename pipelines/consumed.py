@@ -4,9 +4,11 @@
 Each version adds a segment: its inputs' identities (path, size, mtime_ns) in one parquet file sorted by
 path, in row groups of ROW_GROUP rows. The manifest lists the dataset's segments (`consumed`,
 cumulative, as the dedup index is), and the newest INDEX_FAN_IN segments that cover as many versions
-each merge into one, so N versions have O(log N) segments. A lookup reads nothing of a segment whose
-path range holds no candidate, and of the others only the row groups whose range does: a scheduled
-run over a new prefix reads no segment at all.
+each merge into one, up to MOST_VERSIONS versions a segment: a merge reads at most INDEX_FAN_IN small
+files (one request each), so no version pays for a long history's rewrite, and N versions have about
+N / MOST_VERSIONS segments. A lookup reads nothing of a segment whose path range holds no candidate,
+and of the others only the row groups whose range does: a scheduled run over a new prefix reads no
+segment at all.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import bisect
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from strata.storage import filesystem
+from strata.storage import filesystem, read_bytes
 
 ROW_GROUP = 4096
+MOST_VERSIONS = 64  # versions one segment covers at most (pipelines.dedup.compaction's `most`)
 SCHEMA = pa.schema([("path", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64())])
 
 Identity = tuple[str, int, int]  # path, size, mtime_ns
@@ -64,7 +67,6 @@ def merge(files: list[dict], path: str) -> dict:
     rows = []
     for f in files:
         if f["rows"]:
-            fs, p = filesystem(f["path"])
-            t = pq.read_table(p, filesystem=fs)
+            t = pq.read_table(pa.BufferReader(read_bytes(f["path"])))  # small: one request
             rows.extend(zip(*(t.column(i).to_pylist() for i in range(3)), strict=True))
     return write(path, rows)

@@ -43,6 +43,22 @@ def datasets(storage: Storage) -> list[tuple[str, str]]:
     return out
 
 
+def dedup_scope(dedup: dict) -> str:
+    """What a version's run deduplicated against, in a line: its window and the versions in it, and the
+    --dedup-against dataset ("" for a version made before windows)."""
+    w, a = dedup.get("window"), dedup.get("against")
+    parts = []
+    if isinstance(w, dict) and w.get("size") == "all":
+        parts.append(f"every earlier version ({w.get('earlier_versions', 0)}; --dedup-window all)")
+    elif isinstance(w, dict):
+        vs = [v for v in w.get("versions") or [] if isinstance(v, str)]
+        span = f": {vs[0]}" + (f" to {vs[-1]}" if len(vs) > 1 else "") if vs else ""
+        parts.append(f"the last {w.get('size')} versions (--dedup-window), {len(vs)} so far{span}")
+    if isinstance(a, dict):
+        parts.append(f"dataset {a.get('dataset')} (--dedup-against; {a.get('removed', 0):,} documents removed as in it)")
+    return "deduplicated against " + " and ".join(parts) if parts else ""
+
+
 def main(argv: list[str] | None = None) -> None:
     Command("python -m pipelines.datasets", argv).run(_main)
 
@@ -100,6 +116,8 @@ def _main(cmd: Command) -> None:
                       f"{sum(s.tokens for s in mine):>14,}  {', '.join(where)}")
             print(f"this version's run: {m.documents.kept:,} documents kept of {m.documents.read:,} read, "
                   f"{len(m.inputs)} input files")
+            if line := dedup_scope(m.dedup):
+                print(line)
             if m.stats:
                 from pipelines.stats import format_table
 

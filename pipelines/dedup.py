@@ -20,7 +20,7 @@ import hashlib
 import math
 import re
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -54,7 +54,14 @@ class DedupConfig:
     index_shards: int = 0
     """Dedup index actors (0: one per two cpu-tier CPUs)."""
     against_previous: bool = True
-    """Also drop documents that duplicate anything in earlier versions of the dataset."""
+    """Also drop documents that duplicate anything in earlier versions of the dataset (within the window)."""
+    window: str = field(default="24", metadata={"flag": "--dedup-window"})
+    """Earlier versions to deduplicate against: the documents kept by the last N of them, or `all` (every
+    earlier version, at a cost that grows with history). 24, as an hour a version is a day: FineWeb found
+    dedup across crawls no better than none."""
+    against: str = field(default="", metadata={"flag": "--dedup-against"})
+    """Also drop documents another strata dataset holds, NAME[@VERSION], read through its own dedup index
+    (e.g. keep a fine-tuning set free of the pretraining corpus)."""
     max_duplicate_fraction: float = 0.9
     """Refuse to commit when dedup removes more than this share of one input source's documents (a
     source is an input as given: a directory, glob, file or URI; sources of under 20 documents are not
@@ -70,9 +77,17 @@ class DedupConfig:
         check_fields(self, dict.fromkeys(("bands", "rows", "index_shards"), NON_NEGATIVE))
         if self.rows and not self.bands:
             raise ValueError("rows needs bands")
+        if isinstance(self.window, int) and not isinstance(self.window, bool):
+            object.__setattr__(self, "window", str(self.window))
+        if not isinstance(self.window, str) or self.window != "all" and not (self.window.isdigit() and int(self.window) >= 1):
+            raise ValueError(f"--dedup-window {self.window!r}: must be a number of versions >= 1, or all")
         if self.bands and self.bands * (self.rows or self.num_perm // self.bands) > self.num_perm or (
                 self.bands and self.bands > self.num_perm):
             raise ValueError(f"bands x rows must be at most num_perm {self.num_perm}")
+
+    def window_size(self) -> int | None:
+        """The window in versions (None: every earlier version)."""
+        return None if self.window == "all" else int(self.window)
 
     def lsh(self) -> tuple[int, int]:
         """(bands, rows): given, or `optimal_lsh` for the threshold."""
@@ -171,7 +186,8 @@ class DedupIndex:
     the segments), so a restarted actor (its node died) rebuilds the same index, and pass 2 goes on. The
     winner of a key is the earlier versions' entry with the smallest doc key if there is one (anything
     already in the dataset wins), else this run's with the smallest doc key: the same input keeps the same
-    documents, whatever the number of actors.
+    documents, whatever the number of actors. Segments marked `against` are another dataset's
+    (--dedup-against): they count as earlier, and `winners` says which keys they hold.
     """
 
     def __init__(self, shard: int, shards: int, work_files: list[str], prior: dict[str, list[dict]],
@@ -196,22 +212,26 @@ class DedupIndex:
             keys, docs = keys[order], docs[order]
             first = np.ones(len(keys), dtype=bool)
             first[1:] = keys[1:] != keys[:-1]
-            self.tables[table] = {"keys": keys[first], "docs": docs[first], "earlier": np.zeros(int(first.sum()), bool),
-                                  "earlier_docs": np.full(int(first.sum()), np.iinfo(np.uint64).max, np.uint64)}
+            n = int(first.sum())
+            self.tables[table] = {"keys": keys[first], "docs": docs[first], "earlier": np.zeros(n, bool),
+                                  "against": np.zeros(n, bool),
+                                  "earlier_docs": np.full(n, np.iinfo(np.uint64).max, np.uint64)}
             for segment in prior.get(table, []):
                 for keys, docs in segment_rows(segment, self.lo, self.hi):
-                    self._mark_earlier(table, keys, docs)
+                    self._mark_earlier(table, keys, docs, bool(segment.get("against")))
 
     def owns(self, keys: np.ndarray) -> np.ndarray:
         return (keys >= np.uint64(self.lo)) & (keys <= np.uint64(self.hi - 1))
 
-    def _mark_earlier(self, table: str, keys: np.ndarray, docs: np.ndarray) -> None:
+    def _mark_earlier(self, table: str, keys: np.ndarray, docs: np.ndarray, against: bool = False) -> None:
         t = self.tables[table]
         if not len(t["keys"]) or not len(keys):
             return
         i = np.minimum(np.searchsorted(t["keys"], keys), len(t["keys"]) - 1)
         hit = t["keys"][i] == keys
         t["earlier"][i[hit]] = True
+        if against:
+            t["against"][i[hit]] = True
         np.minimum.at(t["earlier_docs"], i[hit], docs[hit])
 
     def sizes(self) -> dict[str, int]:
@@ -230,12 +250,14 @@ class DedupIndex:
         return peak_rss_mb()
 
     def winners(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(doc key, from an earlier version) of the winner of each key; a (key, doc) of this run lost
-        its key when the winner is another document or an earlier version's."""
+        """(doc key, where it is) of the winner of each key, where: 0 this run, 1 an earlier version, 2 the
+        --dedup-against dataset (it holds the key); a (key, doc) of this run lost its key when the winner
+        is another document or is not this run's."""
         t = self.tables[table]
         i = np.searchsorted(t["keys"], keys.astype(np.uint64))  # every key asked for was registered
         earlier = t["earlier"][i]
-        return np.where(earlier, t["earlier_docs"][i], t["docs"][i]), earlier
+        where = earlier.astype(np.uint8) + t["against"][i].astype(np.uint8)
+        return np.where(earlier, t["earlier_docs"][i], t["docs"][i]), where
 
     def save(self, table: str, path: str) -> dict:
         """Write the keys this run adds to the index (those no earlier version holds), sorted, for later runs;
@@ -335,6 +357,31 @@ def _sub_ranges(segments: list[dict], lo: int, hi: int) -> list[tuple[int, int]]
 INDEX_FAN_IN = 4  # segments of a size merged into one (see `compaction`)
 
 
+def in_window(segments: list[dict], versions: list[str]) -> list[dict]:
+    """The segments that hold the keys of the window `versions` (oldest first), in their order: each
+    segment names the newest version whose keys it holds (`last`), and goes once that version leaves.
+    Segments made before windows name none: they fill the versions the named ones leave, newest first."""
+    keep = set(versions)
+    named = [s for s in segments if s.get("last") in keep]
+    room = len(versions) - sum(s["versions"] for s in named)
+    unnamed = set()
+    for i in range(len(segments) - 1, -1, -1):
+        if room <= 0:
+            break
+        if segments[i].get("last") is None:
+            unnamed.add(i)
+            room -= segments[i]["versions"]
+    return [s for i, s in enumerate(segments) if s.get("last") in keep or i in unnamed]
+
+
+def window_versions(listed: list[str] | None, parent: str | None, size: int | None) -> list[str] | None:
+    """The versions a new version deduplicates against: the newest `size` of its parent's window and the
+    parent itself (`listed`: the parent's window; None with `size` None: every earlier version)."""
+    if size is None:
+        return None
+    return ([*(listed or []), parent] if parent else [])[-size:]
+
+
 def legacy_segment(paths: list[str], params) -> dict:
     """A version's dedup files from before the index (keys of every slice in each) as one segment."""
     import pyarrow.parquet as pq
@@ -348,13 +395,17 @@ def legacy_segment(paths: list[str], params) -> dict:
     return {"versions": 1, "params": params, "files": files}
 
 
-def compaction(segments: list[dict], fan_in: int) -> int:
+def compaction(segments: list[dict], fan_in: int, most: int | None = None) -> int:
     """How many of the newest segments to merge into one: `fan_in` of them when they cover the same number
     of versions (a counter in base `fan_in`), else none. So a dataset of N versions has at most
-    (fan_in - 1) x log_fan_in(N) + 1 segments per table, and each key is rewritten log_fan_in(N) times."""
+    (fan_in - 1) x log_fan_in(N) + 1 segments per table, and each key is rewritten log_fan_in(N) times.
+    With `most`, no merge makes a segment of more versions than that: merges stay small (a flat cost per
+    version), and N versions have about N / most segments."""
     if len(segments) < fan_in:
         return 0
     last = segments[-fan_in:]
+    if most is not None and sum(s["versions"] for s in last) > most:
+        return 0
     return fan_in if len({s["versions"] for s in last}) == 1 else 0
 
 

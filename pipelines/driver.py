@@ -84,10 +84,11 @@ def run(cfg: PreprocessConfig, storage: Storage, run_id: str = "", *, wait: bool
     started = time.time()
     files = _inputs(cfg, storage)  # a missing or empty input fails here, before anything is written
     model = _quality_model(cfg, storage)  # and a bad --quality-model
+    against = _against(storage, cfg) if cfg.dedup.against else None  # and a bad --dedup-against
     with Job("preprocess", cfg.dataset, storage, holds=storage.dataset(cfg.dataset), what=f"dataset {cfg.dataset}",
              purpose=f"preprocess{f' run {run_id}' if run_id else ''}", wait=wait) as job:
         try:
-            return Preprocess(cfg, storage, job, run_id, started, dashboard, model).run(files)
+            return Preprocess(cfg, storage, job, run_id, started, dashboard, model, against).run(files)
         except Exception as e:
             if (mapped := _as_user_error(e)) is None:
                 raise
@@ -145,7 +146,7 @@ class Preprocess:
     leave what they made on the object (outputs, tokenizer, shards) and their figures in `tally`."""
 
     def __init__(self, cfg: PreprocessConfig, storage: Storage, job: Job, run_id: str, started: float,
-                 dashboard: bool = True, model=None):
+                 dashboard: bool = True, model=None, against: tuple[dict, dict] | None = None):
         self.cfg, self.storage, self.job, self.run_id, self.started = cfg, storage, job, run_id, started
         self.dashboard, self.model, self.quality = dashboard, model, None
         self.head = head(storage, cfg.dataset)  # read once: no other writer commits while this run holds the lease
@@ -159,6 +160,9 @@ class Preprocess:
         self.p2: list[Output] = []
         self.shards: list[Output] = []
         self.index, self.sizes, self.segments, self.index_rss = [], [], {}, 0.0
+        self.window: list[str] | None = []  # the versions dedup compares with (None: every earlier one)
+        # With --dedup-against: the other dataset's version (what the manifest records) and its index.
+        self.against, self.against_index = against or ({}, {})
         self.definition, self.tok, self.audit = None, None, {}
         self.evaluation, self.tag, self.staging, self.shard_dir, self.units = None, None, None, None, []
         self.cpus, self.total_bytes, self.pass2_utilization = 0.0, 0, 0.0
@@ -355,7 +359,7 @@ class Preprocess:
             if p and p.manifest.quality else None
         self.quality = score(self.cfg.quality, self.model, [join(self.work, "docs", f) for f in self.docs_files()],
                              exact=self.cfg.dedup.exact_dedup, parent=parent, out_dir=join(self.staging, "quality"),
-                             cpus=self.cpus)
+                             cpus=self.cpus, window=self.cfg.dedup.window_size())
         self.step("quality scores")
 
     def docs_files(self) -> list[str]:
@@ -365,14 +369,20 @@ class Preprocess:
         """The dedup index: actors that rebuild themselves from the work files if their node dies."""
         import ray
 
-        from pipelines.dedup import DedupIndex
+        from pipelines.dedup import DedupIndex, in_window
 
         docs = self.docs_files()
         n = (self.cfg.dedup.index_shards or suggested_shards(self.cpus, self.total_bytes)) if self.tables and docs else 0
         actor = ray.remote(DedupIndex).options(num_cpus=0, label_selector=tiers.selector(tiers.Tier.CPU),
                                                max_restarts=-1, max_task_retries=-1)
-        self.segments = _index_segments(self.parent, lambda: history(self.storage, self.cfg.dataset), self.cfg)
+        earlier = functools.partial(history, self.storage, self.cfg.dataset)
+        self.segments = _index_segments(self.parent, earlier, self.cfg)
+        self.window = _window(self.parent, self.cfg.dedup.window_size(), earlier)
+        if self.window is not None:
+            self.segments = {t: in_window(segs, self.window) for t, segs in self.segments.items()}
         prior = self.segments if self.cfg.dedup.against_previous else {}
+        if self.against_index:
+            prior = {t: [*prior.get(t, []), *self.against_index.get(t, [])] for t in self.tables}
         self.index = [actor.remote(s, n, [join(self.work, "docs", f) for f in docs], prior, self.tables)
                       for s in range(n)]
         self.sizes = ray.get([i.sizes.remote() for i in self.index])
@@ -479,17 +489,24 @@ class Preprocess:
         are merged into one, so the segments a run reads stay few however long the history."""
         import ray
 
-        from pipelines.dedup import compaction
+        from pipelines.dedup import compaction, in_window
+        from strata.dataset import THIS_VERSION as THIS
 
+        size = self.cfg.dedup.window_size()
         for t in self.tables if self.index else ():
             files = ray.get([i.save.remote(t, join(self.staging, f"dedup/{t}-{s:04d}.parquet"))
                              for s, i in enumerate(self.index)])
-            segments = [*self.segments.get(t, []), {"versions": 1, "params": self.cfg.dedup.params(), "files": files}]
+            segments = [*self.segments.get(t, []), {"versions": 1, "params": self.cfg.dedup.params(), "files": files,
+                                                    "first": THIS, "last": THIS}]
+            if size is not None:  # the next version's window: the oldest version leaves, its keys unread
+                self.segments[t] = in_window(segments, [*self.window, THIS][-size:])
+                continue
             while k := compaction(segments, INDEX_FAN_IN):
                 merged = ray.get([i.merge.remote(t, segments[-k:], join(self.staging, f"dedup/{t}-m{len(segments)}-{s:04d}.parquet"))
                                   for s, i in enumerate(self.index)])
                 segments = [*segments[:-k], {"versions": sum(x["versions"] for x in segments[-k:]),
-                                             "params": self.cfg.dedup.params(), "files": merged}]
+                                             "params": self.cfg.dedup.params(), "files": merged,
+                                             "first": segments[-k].get("first"), "last": segments[-1].get("last")}]
             self.segments[t] = segments
         self.tally += Tally(cpu_s={"dedup-index": sum(ray.get([i.cpu_s.remote() for i in self.index]))})
         self.index_rss = max(ray.get([i.peak_rss_mb.remote() for i in self.index]), default=0.0)
@@ -589,7 +606,8 @@ class Preprocess:
         root = self.storage.dataset(self.cfg.dataset)
         index = {t: [{**seg, "files": [{**f, "path": f["path"][len(root):].strip("/").replace(os.sep, "/")}
                                        for f in seg["files"]]} for seg in segs] for t, segs in self.segments.items()}
-        dedup = {"params": self.cfg.dedup.params(), "index": index, "index_entries": self.sizes, **audit}
+        dedup = {"params": self.cfg.dedup.params(), "index": index, "index_entries": self.sizes,
+                 "window": self.window_record(), **({"against": self.against_record()} if self.against else {}), **audit}
         consumed = [{**seg, "files": [{**f, "path": f["path"][len(root):].strip("/").replace(os.sep, "/")}
                                       for f in seg["files"]]} for seg in self.save_consumed(files)]
         # A version made without --quality-model carries its parent's score cache on, for a later one with it.
@@ -603,10 +621,20 @@ class Preprocess:
             quality=quality),
             lease=self.job.lease, built_on=self.parent.manifest.version if self.parent else None, head=self.head)
 
+    def window_record(self) -> dict:
+        """What the manifest says of the window: its size and the versions this run compared with."""
+        if self.window is None:
+            return {"size": "all", "earlier_versions": self.parent.manifest.totals.get("versions", 1) if self.parent else 0}
+        return {"size": self.cfg.dedup.window_size(), "versions": list(self.window)}
+
+    def against_record(self) -> dict:
+        return {"dataset": self.against["ref"], "segments": self.against["segments"],
+                "removed": self.tally.removed_by_other_dataset}
+
     def save_consumed(self, files: list[dict]) -> list[dict]:
         """The index of consumed inputs with this version's as a new segment (and, after a parent made before
         the index, every earlier version's), then compaction, as the dedup index does."""
-        from pipelines.consumed import merge, write
+        from pipelines.consumed import MOST_VERSIONS, merge, write
         from pipelines.dedup import compaction
 
         p = self.parent
@@ -615,7 +643,7 @@ class Preprocess:
         make_dirs(directory)
         segments = [*self.consumed_segments(), {"versions": 1, "files": [
             write(join(directory, "c.parquet"), earlier | {_identity(f) for f in files})]}]
-        while k := compaction(segments, INDEX_FAN_IN):
+        while k := compaction(segments, INDEX_FAN_IN, MOST_VERSIONS):
             merged = merge([f for seg in segments[-k:] for f in seg["files"]], join(directory, f"m{len(segments)}.parquet"))
             segments = [*segments[:-k], {"versions": sum(seg["versions"] for seg in segments[-k:]), "files": [merged]}]
         return segments
@@ -686,6 +714,51 @@ def _index_segments(parent, earlier, cfg: PreprocessConfig) -> dict[str, list[di
              "(pass --bands/--rows/--num-perm to match)")
         segments["band"] = [seg for seg in band if seg["params"] == cfg.dedup.params()]
     return segments
+
+
+def _window(parent, size: int | None, earlier) -> list[str] | None:
+    """The versions a run deduplicates against, oldest first (None: every earlier one): from the parent's
+    window, or, once, from the history (`earlier()`) when the parent's does not say (made before windows,
+    under `all`, or under a smaller window)."""
+    from pipelines.dedup import window_versions
+
+    if size is None or parent is None:
+        return window_versions(None, None, size)
+    w = parent.manifest.dedup.get("window")
+    listed = w.get("versions") if isinstance(w, dict) and w.get("size") != "all" else None
+    if not (isinstance(listed, list) and all(isinstance(x, str) for x in listed)) or (
+            len(listed) < size - 1 and parent.manifest.totals.get("versions", 1) > len(listed) + 1):
+        listed = [v.manifest.version for v in earlier()][:-1]  # the parent's ancestors (earlier() ends with it)
+    return window_versions(listed, parent.manifest.version, size)
+
+
+def _against(storage: Storage, cfg: PreprocessConfig) -> tuple[dict, dict[str, list[dict]]]:
+    """--dedup-against NAME[@VERSION]: that version's dedup index (its segments marked `against`, paths made
+    whole), and what the manifest records of it. Band segments of other MinHash/LSH parameters are left out
+    (their keys are not comparable), with a line saying so."""
+    from strata.dataset import resolve
+
+    ref = cfg.dedup.against
+    name = ref.partition("@")[0]
+    if not (cfg.dedup.exact_dedup or cfg.dedup.near_dedup):
+        raise DatasetError(f"--dedup-against {ref} needs dedup on (--exact-dedup or --near-dedup)")
+    if name == cfg.dataset:
+        raise DatasetError(f"--dedup-against {ref}: that is the dataset being written; its own earlier versions are "
+                           "what --dedup-window covers")
+    other = resolve(storage, ref)
+    state = other.manifest.dedup
+    if not isinstance(state.get("index"), dict) or not any(state["index"].get(t) for t in ("exact", "band")):
+        raise DatasetError(f"--dedup-against {other.ref}: it has no dedup index (it was made with dedup off, or "
+                           "before the index): there is nothing to deduplicate against")
+    segments = {t: [{**seg, "against": True, "files": [{**f, "path": other.file(f["path"])} for f in seg["files"]]}
+                    for seg in state["index"].get(t, [])] for t in ("exact", "band")}
+    if (band := segments["band"]) and (mismatch := [s for s in band if s.get("params") != cfg.dedup.params()]):
+        _say(f"--dedup-against {other.ref}: its near-dedup keys were made with MinHash/LSH parameters "
+             f"{mismatch[0].get('params')}, not this run's {cfg.dedup.params()}: only exact duplicates are dropped")
+        segments["band"] = [s for s in band if s.get("params") == cfg.dedup.params()]
+    keys = sum(f["rows"] for segs in segments.values() for seg in segs for f in seg["files"])
+    _say(f"deduplicating against {other.ref} too: {keys:,} keys in {sum(map(len, segments.values()))} segment(s)")
+    return {"ref": other.ref, "segments": sum(map(len, segments.values()))}, segments
 
 
 def _train_tokenizer(paths: list[str], vocab: int, sample_bytes: int) -> str:

@@ -262,31 +262,34 @@ class DedupTokenizePack:
 
     def _duplicates(self, docs: np.ndarray, exact_keys: np.ndarray, bands: np.ndarray) -> dict[str, np.ndarray]:
         """Per document: `exact` and `near` (it lost a key: a duplicate), the doc key of the `winner` it
-        lost to (its exact key's, else its first lost band's) and whether that is in an `earlier` version."""
+        lost to (its exact key's, else its first lost band's), whether that is in an `earlier` version, and
+        whether the --dedup-against dataset holds it (`against`, which counts as earlier)."""
         n = len(docs)
         out = {"exact": np.zeros(n, bool), "near": np.zeros(n, bool), "winner": np.zeros(n, np.uint64),
-               "earlier": np.zeros(n, bool)}
+               "earlier": np.zeros(n, bool), "against": np.zeros(n, bool)}
         if self.dedup.near_dedup:
             width = bands.shape[1]
-            winner, earlier = self._winners("band", bands.ravel())
-            lost = (earlier | (winner != np.repeat(docs, width))).reshape(n, width)
+            winner, where = self._winners("band", bands.ravel())
+            lost = ((where > 0) | (winner != np.repeat(docs, width))).reshape(n, width)
             first = lost.argmax(axis=1)
             out["near"] = lost.any(axis=1)
             out["winner"] = winner.reshape(n, width)[np.arange(n), first]
-            out["earlier"] = earlier.reshape(n, width)[np.arange(n), first]
+            where = where.reshape(n, width)[np.arange(n), first]
+            out["earlier"], out["against"] = where > 0, where == 2
         if self.dedup.exact_dedup:
-            winner, earlier = self._winners("exact", exact_keys)
-            exact = earlier | (winner != docs)
+            winner, where = self._winners("exact", exact_keys)
+            exact = (where > 0) | (winner != docs)
             out["exact"], out["near"] = exact, out["near"] & ~exact
             out["winner"] = np.where(exact, winner, out["winner"])
-            out["earlier"] = np.where(exact, earlier, out["earlier"])
+            out["earlier"] = np.where(exact, where > 0, out["earlier"])
+            out["against"] = np.where(exact, where == 2, out["against"])
         return out
 
     def _winners(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         import ray
 
         owner = shard_of(keys, len(self.index))
-        winner, earlier = np.zeros(len(keys), np.uint64), np.zeros(len(keys), bool)
+        winner, earlier = np.zeros(len(keys), np.uint64), np.zeros(len(keys), np.uint8)
         refs = {s: self.index[s].winners.remote(table, keys[owner == s])
                 for s in range(len(self.index)) if (owner == s).any()}
         for s, ref in refs.items():
@@ -358,7 +361,8 @@ class DedupTokenizePack:
                 removed_rows["kept"] += dup["winner"][removed].tolist()
                 removed_rows["earlier"] += dup["earlier"][removed].tolist()
                 clusters.update(dup["winner"][removed].tolist())
-                stats["removed_by_earlier_version"] += int(dup["earlier"][removed].sum())
+                stats["removed_by_earlier_version"] += int((dup["earlier"] & ~dup["against"])[removed].sum())
+                stats["removed_by_other_dataset"] += int(dup["against"][removed].sum())
                 pairs = audit_sample(pairs + tuple(
                     {"removed": int(dup["doc"][i]), "kept": int(dup["winner"][i]),
                      "kind": "exact" if exact[i] else "near"} for i in removed if not dup["earlier"][i]))

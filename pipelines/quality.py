@@ -10,8 +10,9 @@ it kept, go in the version's summary (`quality`).
 Scores are cached with the dataset, keyed by the document's exact key (its text up to case and
 whitespace, pipelines/dedup.py) under the model's weights (a digest of them): the next version scored
 with the same model reuses the score of every document it meets again, and a killed run's rerun reuses
-what it scored. The cache is a few sorted parquet files (`_strata/<tag>/quality/`), merged into one
-when they pass QUALITY_SEGMENTS.
+what it scored. The cache is a sorted parquet file per version (`_strata/<tag>/quality/`): the newest
+`--dedup-window` of them, so what a run reads stays flat as history grows (with `--dedup-window all`,
+merged into one when they pass QUALITY_SEGMENTS).
 """
 
 from __future__ import annotations
@@ -179,10 +180,14 @@ def _documents(batch: dict, *, cached: dict, exact: bool) -> pa.Table:
 
 
 def score(cfg: QualityConfig, model, docs_files: list[str], *, exact: bool, parent: dict | None,
-          out_dir: str, cpus: float) -> Decision:
+          out_dir: str, cpus: float, window: int | None = None) -> Decision:
     """Score the documents of `docs_files` (pass 1's work files) under `model` (infer.model.Model), reusing
     the cache that `parent` (the parent version's `quality`, paths whole) holds for the same model and
-    what a killed run of the same work scored (`out_dir`), and decide which to drop."""
+    what a killed run of the same work scored (`out_dir`), and decide which to drop.
+
+    The cache is a file per version that scored something: the scores it added. With a `window` (the
+    dedup window, in versions) it keeps the newest `window` files, so what a run reads of it is bounded;
+    without one, files are merged once there are more than QUALITY_SEGMENTS."""
     import ray
 
     from infer.score import scoring
@@ -191,6 +196,7 @@ def score(cfg: QualityConfig, model, docs_files: list[str], *, exact: bool, pare
     started = time.time()
     mid = model_id(model.weights)
     carried = _checked_cache(parent) if parent and parent.get("model_id") == mid else []
+    known = dict(zip(parent.get("scores") or [], parent.get("digests") or [], strict=False)) if parent else {}
     mine = join(out_dir, "scores.parquet")
     had = exists(mine)
     before = _read_or_none(mine) if had else SCHEMA.empty_table()  # what a killed run of this work scored
@@ -214,7 +220,9 @@ def score(cfg: QualityConfig, model, docs_files: list[str], *, exact: bool, pare
         write_scores(mine, pa.concat_tables([before, new_scores]))
     decision = _decide(cfg, rows, pa.concat_tables([cache, new_scores]).sort_by("key"))
     files = carried + ([mine] if new_scores.num_rows or had else [])
-    if len(files) > QUALITY_SEGMENTS:
+    if window is not None:
+        files = files[-window:]
+    elif len(files) > QUALITY_SEGMENTS:
         make_dirs(out_dir)
         files = [write_scores(join(out_dir, "scores-merged.parquet"), read_scores(files))]
     seconds = time.time() - started
@@ -223,7 +231,7 @@ def score(cfg: QualityConfig, model, docs_files: list[str], *, exact: bool, pare
                             reused=int(np.sum(rows.column("skip").to_numpy())) if rows.num_rows else 0,
                             tokens_scored=tokens, seconds=round(seconds, 2),
                             tokens_per_s=round(tokens / max(seconds, 1e-9), 1))
-    decision.state = {"model": model.source, "model_id": mid, "scores": files, "digests": [digest(f) for f in files]}
+    decision.state = {"model": model.source, "model_id": mid, "scores": files, "digests": [known.get(f) or digest(f) for f in files]}
     _say(f"quality: {decision.figures['documents']:,} documents, {decision.figures['scored']:,} scored and "
          f"{decision.figures['reused']:,} reused; {decision.figures['filtered']:,} fail {cfg.rule()} "
          f"(threshold {_number(decision.figures['threshold'])})")

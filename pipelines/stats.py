@@ -72,6 +72,8 @@ class Tally:
     duplicate: Mapping[str, int] = field(default_factory=dict)
     """Documents removed as duplicates, by kind (exact, near)."""
     removed_by_earlier_version: int = 0
+    removed_by_other_dataset: int = 0
+    """Documents removed because the --dedup-against dataset holds them."""
     clusters: Mapping[int, int] = field(default_factory=dict)
     """Duplicates removed per kept document key (the cluster's winner)."""
     pairs: tuple = field(default=(), metadata={"merge": lambda a, b: audit_sample(a + b)})
@@ -188,6 +190,9 @@ def summary_table(t: Tally, seconds: float, *, cpus: float, total_bytes: int, sh
     return {
         "documents": {k: getattr(docs, k) for k in DOCUMENT_STATUSES},
         "filtered_by_rule": dict(t.filtered), "duplicate": {k: t.duplicate.get(k, 0) for k in ("exact", "near")},
+        # Of those: the ones an earlier version (within the window) or the --dedup-against dataset holds.
+        "duplicate_of": {"earlier versions": t.removed_by_earlier_version,
+                         "other dataset": t.removed_by_other_dataset},
         "rejected_by_reason": dict(t.rejected), "bytes": total_bytes, "tokens": tokens,
         # Tokens of kept documents in no row: what is left of each split after every tail is packed, carried
         # into the next version (which packs it first); none with --final, which pads the last row instead.
@@ -228,6 +233,7 @@ def format_table(stats: dict) -> str:
     lines += [f"{'    ' + k:<28}{v:>14,}" for k, v in sorted(stats["filtered_by_rule"].items())]
     lines += [f"{'  duplicate':<28}{d['duplicate']:>14,}"]
     lines += [f"{'    ' + k:<28}{v:>14,}" for k, v in stats["duplicate"].items()]
+    lines += [f"{'      of ' + k:<28}{v:>14,}" for k, v in stats.get("duplicate_of", {}).items() if v]
     lines += [f"{'  rejected':<28}{d['rejected']:>14,}"]
     lines += [f"{'    ' + k:<28}{v:>14,}" for k, v in sorted(stats["rejected_by_reason"].items())]
     lines += [f"{'  unpacked (carried on)':<28}{d.get('unpacked', 0):>14,}"]

@@ -678,7 +678,7 @@ def commit(storage: Storage, name: str, tag: str, manifest_fields: dict, *, leas
         number = table.version() + 1
         manifest = Manifest(dataset=name, version=label(number), created_at=time.time(), files=rel,
                             parent=parent.manifest.version if parent else "",
-                            totals=_totals(parent, new, fields), **fields)
+                            totals=_totals(parent, new, fields), **_named(fields, label(number)))
         if lease is not None:
             lease.check()
         done = DatasetVersion(path, manifest, tuple(replace(s, version=manifest.version) for s in new))
@@ -700,6 +700,20 @@ def commit(storage: Storage, name: str, tag: str, manifest_fields: dict, *, leas
             continue  # another writer took the number, or the write failed: build again
         return done
     raise DatasetError(f"could not commit a version of dataset {name!r}: 1000 writers won the race first")
+
+
+THIS_VERSION = "@this"  # what a run calls the version it is making, in its dedup index, until the commit
+
+
+def _named(fields: dict, version: str) -> dict:
+    """The manifest fields with the dedup index's segments of this run (`first`/`last` THIS_VERSION) naming
+    the version the commit makes: the run learns its number only here."""
+    index = fields.get("dedup", {}).get("index")
+    if not isinstance(index, dict):
+        return fields
+    named = {t: [{**seg, **{k: version for k in ("first", "last") if seg.get(k) == THIS_VERSION}} for seg in segs]
+             for t, segs in index.items()}
+    return {**fields, "dedup": {**fields["dedup"], "index": named}}
 
 
 def add_actions(shards: list[Shard], number: int) -> list:
@@ -823,20 +837,19 @@ def _own_files(v: DatasetVersion, head: Head) -> tuple[str, list[str]]:
 def abandoned_runs(storage: Storage, name: str, before_gen: int, head: Head | None = None) -> list[str]:
     """Run tags (`g<gen>-<work>`) with files under `data/` or `_strata/` that no version committed (or
     whose version was deleted), left by writers of an older lease generation (crashed or killed before
-    their commit). Every version adds shards, so a run whose shards are in the table committed; for any
-    other, the table's application transactions say (each asks delta-rs to replay the log, so only
-    for those). No history read."""
+    their commit). A run deletes such leftovers before it commits, so only tags from the newest
+    version's run's generation on can be one: for each of those (other than that run's own) the
+    table's application transactions say. Neither the history nor the snapshot's files are read: the
+    cost is the two listings (a request per 1,000 runs)."""
     path = storage.dataset(name)
     head = head or _head(path, name)
-    live = set()
-    if head.table is not None:
-        live = {p.split("/")[1] for p in pa.table(retrying(head.table.get_add_actions)).column("path").to_pylist()
-                if p.startswith("data/") and p.count("/") >= 2}
+    newest = _load(path, head.live, name, head).manifest.files.rpartition("/")[2] if head.live is not None else ""
+    since = int(m.group(1)) if (m := re.match(r"^g(\d{8,})-", newest)) else 0
     out = set()
     for sub in ("data", "_strata"):
         for tag, d in list_dir(join(path, sub)):
             m = re.match(r"^g(\d{8,})-", tag)
-            if d and m and int(m.group(1)) < before_gen and tag not in live and tag not in out:
+            if d and m and since <= int(m.group(1)) < before_gen and tag != newest and tag not in out:
                 number = retrying(head.table.transaction_version, RUN_APP + tag) if head.table else None
                 if number is None or label(number) in head.deleted:
                     out.add(tag)
