@@ -51,8 +51,11 @@ def lookup(files: list[dict], candidates: list[Identity]) -> set[Identity]:
     for f in files:
         if not f["rows"] or not _meets(paths, f["lo"], f["hi"]):
             continue
-        fs, p = filesystem(f["path"])
-        pf = pq.ParquetFile(fs.open_input_file(p))
+        if f["rows"] <= ROW_GROUP:  # one row group: read whole, in one request
+            pf = pq.ParquetFile(pa.BufferReader(read_bytes(f["path"])))
+        else:
+            fs, p = filesystem(f["path"])
+            pf = pq.ParquetFile(fs.open_input_file(p))
         for g in range(pf.metadata.num_row_groups):
             stats = pf.metadata.row_group(g).column(0).statistics
             if stats is not None and stats.has_min_max and not _meets(paths, stats.min, stats.max):

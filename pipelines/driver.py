@@ -161,6 +161,7 @@ class Preprocess:
         self.shards: list[Output] = []
         self.index, self.sizes, self.segments, self.index_rss = [], [], {}, 0.0
         self.window: list[str] | None = []  # the versions dedup compares with (None: every earlier one)
+        self.compared = 0  # keys of earlier versions (and --dedup-against) the index read
         # With --dedup-against: the other dataset's version (what the manifest records) and its index.
         self.against, self.against_index = against or ({}, {})
         self.definition, self.tok, self.audit = None, None, {}
@@ -383,6 +384,7 @@ class Preprocess:
         prior = self.segments if self.cfg.dedup.against_previous else {}
         if self.against_index:
             prior = {t: [*prior.get(t, []), *self.against_index.get(t, [])] for t in self.tables}
+        self.compared = sum(f["rows"] for t in self.tables for seg in prior.get(t, []) for f in seg["files"]) if n else 0
         self.index = [actor.remote(s, n, [join(self.work, "docs", f) for f in docs], prior, self.tables)
                       for s in range(n)]
         self.sizes = ray.get([i.sizes.remote() for i in self.index])
@@ -624,8 +626,9 @@ class Preprocess:
     def window_record(self) -> dict:
         """What the manifest says of the window: its size and the versions this run compared with."""
         if self.window is None:
-            return {"size": "all", "earlier_versions": self.parent.manifest.totals.get("versions", 1) if self.parent else 0}
-        return {"size": self.cfg.dedup.window_size(), "versions": list(self.window)}
+            return {"size": "all", "earlier_versions": self.parent.manifest.totals.get("versions", 1) if self.parent else 0,
+                    "keys_compared": self.compared}
+        return {"size": self.cfg.dedup.window_size(), "versions": list(self.window), "keys_compared": self.compared}
 
     def against_record(self) -> dict:
         return {"dataset": self.against["ref"], "segments": self.against["segments"],
@@ -661,7 +664,8 @@ class Preprocess:
         cost = self.job.finish(beside=join(self.staging, "record.json"),
                                work_nodes=sorted(self.tally.nodes), figures=figures)
         return {**_summary(version), **cost, "units": self.unit_counts(),
-                "dedup_index_entries": max((sum(n.values()) for n in self.sizes), default=0)}
+                "dedup_index_entries": max((sum(n.values()) for n in self.sizes), default=0),
+                "dedup_keys_compared": self.compared}
 
     def unit_counts(self) -> dict:
         """Work units, and how many a killed run of the same work had finished (its first pass reused;

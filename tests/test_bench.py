@@ -80,12 +80,14 @@ def test_tune_benchmark_lists_its_targets_and_extrapolates_to_50000_configs_last
 
 @pytest.mark.bench  # about 2 minutes
 def test_scale_benchmark_counts_requests_per_version_and_prints_its_targets_last(tmp_path):
-    lines = _run("bench.scale", "--mb", "0.5", "--versions", "2", "--sizes", "1,2", "--out", str(tmp_path), "--json")
+    lines = _run("bench.scale", "--mb", "0.5", "--versions", "3", "--window", "1", "--all-versions", "3",
+                 "--sizes", "1", "--storage", "s3", "--out", str(tmp_path), "--json")
     result = json.loads(lines[-2])
-    s3 = result["history"]["s3"]
-    assert [r["version"] for r in s3] == ["v0001", "v0002"] and all(r["total_requests"] > 0 for r in s3)
-    assert s3[1]["index_entries"] > s3[0]["index_entries"]  # the second version's index holds the first's keys
-    assert set(result["input"]["local"]) == {"1", "2"} and result["resume"]["row_groups_at_start"] > 0
+    s3, every = result["history"]["s3"], result["history"]["s3 all"]
+    assert [r["version"] for r in s3] == ["v0001", "v0002", "v0003"] and all(r["total_requests"] > 0 for r in s3)
+    # Version 3 compares with version 2's keys alone under a window of 1, with both versions' under all.
+    assert s3[0]["keys_compared"] == 0 < s3[2]["keys_compared"] < every[2]["keys_compared"]
+    assert result["law"]["versions"] == 3 and "s3 worst of v3-v3 / v2 total_requests" in result["ratios"]
     assert lines[-1].startswith("ratio targets met ") and (tmp_path / "scale.md").exists()
 
 

@@ -57,7 +57,7 @@ def test_a_window_compares_with_the_last_n_versions_only(local_ray, versions, ca
     # v3's window is v2 alone: the copy of X (only v1 kept it) is kept; the near copy of a v2 document is not.
     assert three["documents"]["duplicate"] == 1 and three["stats"]["duplicate"] == {"exact": 0, "near": 1}
     m = resolve(storage, f"win@{three['version']}").manifest
-    assert m.dedup["window"] == {"size": 1, "versions": [two["version"]]}
+    assert m.dedup["window"] == {"size": 1, "versions": [two["version"]], "keys_compared": three["dedup_keys_compared"]}
     # The index the next version reads holds this version's keys alone: v2's left with the window, unread.
     for table in ("exact", "band"):
         assert [(s["first"], s["last"]) for s in m.dedup["index"][table]] == [(three["version"],) * 2]
@@ -69,7 +69,9 @@ def test_a_window_compares_with_the_last_n_versions_only(local_ray, versions, ca
     # The same inputs under --dedup-window all: v3's copy of X is a duplicate of v1's.
     a1, a2, a3 = _grow("win-all", versions["inputs"], "all")
     assert (a2["documents"]["duplicate"], a3["documents"]["duplicate"]) == (1, 2)
-    assert resolve(storage, f"win-all@{a3['version']}").manifest.dedup["window"] == {"size": "all", "earlier_versions": 2}
+    assert resolve(storage, f"win-all@{a3['version']}").manifest.dedup["window"] == {
+        "size": "all", "earlier_versions": 2, "keys_compared": a3["dedup_keys_compared"]}
+    assert a3["dedup_keys_compared"] > three["dedup_keys_compared"]  # v1's keys too
 
 
 def test_dedup_against_another_dataset(local_ray, versions, tmp_path):

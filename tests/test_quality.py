@@ -166,6 +166,21 @@ def test_preprocess_filters_by_score_and_the_next_version_reuses_the_scores(tmp_
     q4 = out4["stats"]["quality"]
     assert q4["reused"] == 0 and q4["scored"] == 3
 
+    # The cache follows the dedup window: under --dedup-window 1 a version carries no file but its own,
+    # so what version 4 scored is scored again two versions on.
+    window = {"exact_dedup": False, "near_dedup": False, "window": 1}
+    root5 = str(tmp_path / "in5")
+    make_corpus(root5, docs=3, seed=14)
+    run(debug("q", read={"inputs": (root5,)}, dedup=window, quality=quality), storage)
+    v5 = latest(storage, "q")
+    assert len(v5.manifest.quality["scores"]) == 1 and v5.manifest.quality["scores"][0].startswith(v5.manifest.files)
+    root6 = str(tmp_path / "in6")
+    os.makedirs(root6)
+    for name in some[:3]:
+        shutil.copy(os.path.join(root, name), os.path.join(root6, f"later-{name}"))
+    q6 = run(debug("q", read={"inputs": (root6,)}, dedup=window, quality=quality), storage)["stats"]["quality"]
+    assert q6["reused"] == 0 and q6["scored"] == 3
+
 
 @pytest.mark.slow
 def test_a_run_killed_after_scoring_is_rerun_without_scoring_again(tmp_path, local_ray, exported_model):
