@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -244,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             proxy.close()
         if server:
             server.stop()
+        shutil.rmtree(work, ignore_errors=True)
     if "s3 all" in results["history"]:
         results["law"] = law(results["history"]["s3 all"])
     results["ratios"] = ratios(results, sizes)
