@@ -14,7 +14,7 @@ The hand-written multiprocessing pipeline of `bench.preprocess` runs A as the ph
 Every run is a whole process timed on the wall clock, the systems alternating, on --cores cores
 (datatrove: 16 tasks on that many workers). datatrove runs in its own environment, `.venv-peer`
 (`make bench` builds it with the pinned version: not a dependency of strata). The last lines are the
-throughput ratios strata/datatrove for A and for B, per corpus (the target is >= 1.2).
+throughput ratios strata/datatrove for A and for B, per corpus (the target is >= 2).
 """
 
 from __future__ import annotations

@@ -52,8 +52,8 @@ def dedup_scope(dedup: dict) -> str:
         parts.append(f"every earlier version ({w.get('earlier_versions', 0)}; --dedup-window all)")
     elif isinstance(w, dict):
         vs = [v for v in w.get("versions") or [] if isinstance(v, str)]
-        span = f": {vs[0]}" + (f" to {vs[-1]}" if len(vs) > 1 else "") if vs else ""
-        parts.append(f"the last {w.get('size')} versions (--dedup-window), {len(vs)} so far{span}")
+        span = f"{len(vs)} so far: {vs[0]}" + (f" to {vs[-1]}" if len(vs) > 1 else "") if vs else "none before this one"
+        parts.append(f"the last {w.get('size')} versions (--dedup-window), {span}")
     if isinstance(a, dict):
         parts.append(f"dataset {a.get('dataset')} (--dedup-against; {a.get('removed', 0):,} documents removed as in it)")
     return "deduplicated against " + " and ".join(parts) if parts else ""

@@ -489,8 +489,9 @@ class Preprocess:
 
     def save_index(self) -> None:
         """The keys this run adds, as a new segment of the dataset's dedup index (a file per actor, beside
-        the version), then compaction: the newest INDEX_FAN_IN segments that cover as many versions each
-        are merged into one, so the segments a run reads stay few however long the history."""
+        the version). Under a window, the segments of the next version's window are kept and the one that
+        leaves is dropped (nothing is rewritten); under `all`, compaction: the newest INDEX_FAN_IN segments
+        that cover as many versions each are merged into one, so the segments a run reads stay few."""
         import ray
 
         from pipelines.dedup import compaction, in_window
