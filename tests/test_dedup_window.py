@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO, WORDS
@@ -82,7 +83,7 @@ def test_dedup_against_another_dataset(local_ray, versions, tmp_path):
     rng = random.Random(7)
     mine = _docs(rng, 10, "ft")
     x = versions["x"]
-    ft = _write(tmp_path / "ft", [*mine, x, _near(open(os.path.join(versions["inputs"][0], "d003.txt")).read())])
+    ft = _write(tmp_path / "ft", [*mine, x, _near((Path(versions["inputs"][0]) / "d003.txt").read_text())])
     out = run(debug("ft", read={"inputs": (ft,)}, dedup={"against": f"pre@{pre['version']}"}), storage)
     assert out["documents"]["duplicate"] == 2 and out["stats"]["duplicate_of"]["other dataset"] == 2
     assert out["documents"]["kept"] + out["documents"]["unpacked"] == len(mine)
