@@ -4,8 +4,9 @@ Pass 1 writes every kept document's keys beside its text; a sharded index of
 Ray actors on the cpu tier then reads the keys it owns and reduces them to the
 winner per key; pass 2 asks whether each document is the winner. The winner of a key is
 the entry with the smallest (priority, doc key): entries loaded from earlier
-versions have priority 0, so anything already in the dataset wins and a later
-run drops its duplicates. The same input always keeps the same documents.
+versions (those in the window, `--dedup-window`) and from a `--dedup-against`
+dataset have priority 0, so anything already there wins and a later run drops
+its duplicates. The same input always keeps the same documents.
 
 Near duplicates are documents sharing an LSH band (b bands of r rows of a
 num_perm MinHash over word shingles), the standard candidate rule without a

@@ -4,7 +4,7 @@
 
 Three Ray Data passes on cpu-tier nodes (see pipelines/pack.py): read, clean,
 filter and sign every record; drop exact and near duplicates (across the
-whole input and earlier versions), tokenize and pack; shuffle rows into
+whole input and the versions in --dedup-window), tokenize and pack; shuffle rows into
 shards. Every record is kept, filtered, duplicate or rejected with a reason;
 the version is published only when complete. The run itself: pipelines/driver.py.
 """
