@@ -15,11 +15,10 @@ import sys
 import time
 
 from pipelines.config import PRESETS, STAGES
-from pipelines.driver import WORKER_MODULES, run
+from pipelines.driver import run
 from pipelines.stats import format_table
 from strata.cli import add_config_arguments, finish, overrides
 from strata.cli import parser as cli_parser
-from strata.connect import connect_early
 from strata.dataset import DatasetError, latest
 from strata.lease import LeaseBusy
 from strata.shell import EXIT_BUSY, Command
@@ -55,8 +54,6 @@ def _main(cmd: Command) -> dict:
     try:
         if args.run_id:
             check_name(args.run_id, "run id")
-        # Ray's processes start while the driver lists the input, takes the lease and reads the dataset's head.
-        connect_early(dashboard=False, preload=WORKER_MODULES, quiet=True, log_to_driver=False)
         # The command ends with its run: an embedded Ray needs no dashboard (a joined cluster keeps its own).
         summary = run(cfg, storage, run_id=args.run_id, wait=not args.no_wait, dashboard=False)
     except LeaseBusy as e:
