@@ -376,7 +376,7 @@ class Preprocess:
         n = (self.cfg.dedup.index_shards or suggested_shards(self.cpus, self.total_bytes)) if self.tables and docs else 0
         actor = ray.remote(DedupIndex).options(num_cpus=0, label_selector=tiers.selector(tiers.Tier.CPU),
                                                max_restarts=-1, max_task_retries=-1)
-        earlier = functools.partial(history, self.storage, self.cfg.dataset)
+        earlier = functools.cache(functools.partial(history, self.storage, self.cfg.dataset))  # read once, if at all
         self.segments = _index_segments(self.parent, earlier, self.cfg)
         self.window = _window(self.parent, self.cfg.dedup.window_size(), earlier)
         if self.window is not None:
@@ -729,8 +729,10 @@ def _window(parent, size: int | None, earlier) -> list[str] | None:
     under `all`, or under a smaller window)."""
     from pipelines.dedup import window_versions
 
-    if size is None or parent is None:
-        return window_versions(None, None, size)
+    if size is None:
+        return None
+    if parent is None:
+        return []
     w = parent.manifest.dedup.get("window")
     listed = w.get("versions") if isinstance(w, dict) and w.get("size") != "all" else None
     if not (isinstance(listed, list) and all(isinstance(x, str) for x in listed)) or (
@@ -764,8 +766,9 @@ def _against(storage: Storage, cfg: PreprocessConfig) -> tuple[dict, dict[str, l
              f"{mismatch[0].get('params')}, not this run's {cfg.dedup.params()}: only exact duplicates are dropped")
         segments["band"] = [s for s in band if s.get("params") == cfg.dedup.params()]
     keys = sum(f["rows"] for segs in segments.values() for seg in segs for f in seg["files"])
-    _say(f"deduplicating against {other.ref} too: {keys:,} keys in {sum(map(len, segments.values()))} segment(s)")
-    return {"ref": other.ref, "segments": sum(map(len, segments.values()))}, segments
+    count = sum(map(len, segments.values()))
+    _say(f"deduplicating against {other.ref} too: {keys:,} keys in {count} segment(s)")
+    return {"ref": other.ref, "segments": count}, segments
 
 
 def _train_tokenizer(paths: list[str], vocab: int, sample_bytes: int) -> str:
