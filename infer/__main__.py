@@ -27,6 +27,18 @@ small synthetic task.
 as one task on `--tier`: `--temperature 0` is greedy, and the same seed gives the same text. It writes
 one {"prompt", "completion"} line per prompt (by default to $STRATA_STORAGE/generations/NAME/
 completions.jsonl, its record beside); the summary has throughput and dollars per million tokens.
+
+    python -m infer serve --model [NAME=]RUN[@STEP|@latest]|DIR [--model ...] [--models-file FILE]
+                          [--host 127.0.0.1] [--port 8000] [--address ADDR] [--token-file FILE]
+                          [--tier cpu|gpu] [--replicas N] [--max-replicas N] [--models-per-replica N] ...
+
+`serve` puts the models behind OpenAI's HTTP API on Ray Serve (infer/serve.py) until Ctrl-C or SIGTERM:
+POST /v1/completions (streaming, logprobs and echo), /v1/embeddings, /v1/score; GET /v1/models, /healthz.
+A request names its model by NAME (by default the run's name or the directory's). RUN@latest follows a
+training run: replicas move to each checkpoint it commits, one at a time. A host other than loopback
+needs --token-file (clients send `Authorization: Bearer TOKEN`). When it stops it writes a record under
+$STRATA_STORAGE/servings/NAME: requests, tokens, p50 and p99 latency, replica-hours, dollars per million
+tokens.
 """
 
 from __future__ import annotations
@@ -53,11 +65,13 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _main(cmd: Command) -> dict:
     from infer.driver import ScoreConfig, score
+    from infer.serve import ServeConfig
 
     parser = cli_parser("python -m infer", __doc__)
-    parser.add_argument("command", choices=["score", "eval", "generate"], help="what to run")
-    parser.add_argument("--model", required=True, help="RUN[@STEP] (a training run's checkpoint) or an exported "
-                        "model directory")
+    parser.add_argument("command", choices=["score", "eval", "generate", "serve"], help="what to run")
+    parser.add_argument("--model", action="append", default=[], help="RUN[@STEP] (a training run's checkpoint) or "
+                        "an exported model directory; serve: [NAME=]..., RUN@latest follows the run, and the flag "
+                        "repeats")
     parser.add_argument("--input", action="append", default=[], help="input files, folders, globs or URIs; "
                         "repeat the flag (eval: held-out text)")
     parser.add_argument("--dataset", help="score: a dataset version's rows (NAME[@VERSION]) instead of --input")
@@ -71,8 +85,21 @@ def _main(cmd: Command) -> dict:
     parser.add_argument("--name", help="the run's name (default: MODEL-TIME): score's table is under "
                         "$STRATA_STORAGE/scores/NAME, eval's summary under evals/NAME, generate's completions under "
                         "generations/NAME, each with its record")
+    parser.add_argument("--models-file", help="serve: more models, one [NAME=]SPEC a line (# comments)")
+    parser.add_argument("--host", default="127.0.0.1", help="serve: the address to listen on (beyond loopback "
+                        "only with --token-file)")
+    parser.add_argument("--port", type=int, default=8000, help="serve: the port to listen on")
+    parser.add_argument("--address", help="serve: a Ray cluster to serve on (default: RAY_ADDRESS, or an "
+                        "embedded Ray)")
+    parser.add_argument("--token-file", help="serve: a file holding the bearer token clients must send")
     add_config_arguments(parser, ScoreConfig)
+    add_config_arguments(parser, ServeConfig, skip=("tier",))
     args = parser.parse_args(cmd.argv)
+    if args.command == "serve":
+        return _serve(args, parser)
+    if len(args.model) != 1:
+        parser.error(f"{args.command} needs one --model RUN[@STEP] or DIR")
+    args.model = args.model[0]
     name = args.name or f"{args.model.rstrip('/').rsplit('/', 1)[-1].partition('@')[0]}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         check_name(name, "--name")
@@ -194,6 +221,33 @@ def _generate(args, parser, name: str) -> dict:
                "seconds": round(seconds, 3), "tokens_per_s": tokens / max(seconds, 1e-9), **cost,
                "dollars_per_million_tokens": per_million}
     _say(f"{len(prompts)} prompts, {tokens:,} tokens in {seconds:.2f} s ({summary['tokens_per_s']:,.0f} tokens/s): {out}")
+    return finish(summary, args.json)
+
+
+def _serve(args, parser) -> dict:
+    from infer.serve import ServeConfig, model_specs, serve_models
+
+    try:
+        cfg = ServeConfig(**overrides(args, ServeConfig))
+        specs = model_specs(args.model, args.models_file)
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(str(e))
+    if not 0 < args.port < 65536:
+        parser.error("--port must be between 1 and 65535")
+    name = args.name or f"serve-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        check_name(name, "--name")
+        summary = serve_models(specs, cfg, Storage.from_env(args.storage), name, host=args.host, port=args.port,
+                               address=args.address, token_file=args.token_file)
+    except LeaseBusy as e:
+        sys.exit(f"error: {e}")
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    p50 = "-" if summary.get("p50_ms") is None else f"{summary['p50_ms']:.1f}"
+    p99 = "-" if summary.get("p99_ms") is None else f"{summary['p99_ms']:.1f}"
+    _say(f"served {summary.get('requests') or 0:,} requests, {summary.get('completion_tokens') or 0:,} tokens "
+         f"generated; p50 {p50} ms, p99 {p99} ms; {summary['replica_hours']:.4f} replica-hours; "
+         f"record {summary['record']}")
     return finish(summary, args.json)
 
 

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 
-def _step(model, idx: torch.Tensor, start: int, cache: list) -> torch.Tensor:
-    """Logits of the last position after `idx` (B, t) at positions start.., the cache extended."""
+def _step(model, idx: torch.Tensor, start: int, cache: list, out: str = "last") -> torch.Tensor:
+    """After `idx` (B, t) at positions start.., the cache extended: the last position's logits (B, V), or
+    with `out` "all" every position's (B, t, V), or "hidden" every position's final hidden state (B, t, C)."""
     B, t = idx.shape
     x = model.wte(idx) + model.wpe(torch.arange(start, start + t, device=idx.device))
     for i, block in enumerate(model.blocks):
@@ -28,7 +29,9 @@ def _step(model, idx: torch.Tensor, start: int, cache: list) -> torch.Tensor:
         y = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0 and t > 1)
         x = x + attn.proj(y.transpose(1, 2).contiguous().view(B, t, C))
         x = x + block.mlp(block.ln2(x))
-    return model.head(model.ln_f(x[:, -1]))
+    if out == "hidden":
+        return model.ln_f(x)
+    return model.head(model.ln_f(x if out == "all" else x[:, -1]))
 
 
 @torch.no_grad()

@@ -220,6 +220,10 @@ class Storage:
         """A generation run's completions and record (python -m infer generate)."""
         return join(self.root, "generations", check_name(name, "generations name"))
 
+    def servings(self, name: str) -> str:
+        """A serving run's record (python -m infer serve)."""
+        return join(self.root, "servings", check_name(name, "serving name"))
+
     def records(self) -> str:
         """One JSON record per run of any kind (`python -m strata runs` lists them)."""
         return join(self.root, "records")
