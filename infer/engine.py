@@ -161,6 +161,7 @@ class Engine:
             seq = self.waiting[0]
             if seq.cancelled:
                 self.waiting.popleft()
+                seq.finish = "cancelled"
                 seq.events.put_nowait(("done", "cancelled"))
                 continue
             if held + seq.budget > self.max_batch_tokens and (self.active or admitted):
@@ -263,7 +264,8 @@ class Engine:
     def _echo(self, seq: Sequence, logits: torch.Tensor) -> None:
         """The prompt's tokens' log-probabilities (None for the first), as OpenAI's echo returns them."""
         n = seq.sampling.logprobs
-        lp = torch.log_softmax(logits[:-1, : self.tok.vocab_size].double(), dim=-1).cpu()
+        # Over the model's whole output, padding ids too: the likelihood `infer eval` and `infer score` compute.
+        lp = torch.log_softmax(logits[:-1].double(), dim=-1).cpu()
         targets = torch.tensor(seq.prompt[1:], dtype=torch.long)
         own = lp.gather(1, targets[:, None])[:, 0].tolist() if len(targets) else []
         seq.logprobs.append((None, {}))
@@ -296,8 +298,9 @@ class Engine:
 
     def _draw(self, rows: list[Sequence], logits: torch.Tensor, events: list) -> None:
         """The next token of each row (as infer generate draws it), its events, and the finished rows."""
+        full = logits.double() if any(s.sampling.logprobs is not None for s in rows) else None
         logits = logits.float()
-        logits[:, self.tok.vocab_size:] = -float("inf")
+        logits[:, self.tok.vocab_size:] = -float("inf")  # padding ids are never drawn
         greedy = logits.argmax(dim=-1).tolist()
         for r, s in enumerate(rows):
             sp = s.sampling
@@ -319,7 +322,7 @@ class Engine:
                     probs = probs.index_fill(0, order[beyond], 0.0)
                 token = int(torch.multinomial(probs, 1, generator=s.generator))
             if sp.logprobs is not None:
-                lp = torch.log_softmax(logits[r].double(), dim=-1).cpu()
+                lp = torch.log_softmax(full[r], dim=-1).cpu()
                 top = torch.topk(lp, sp.logprobs) if sp.logprobs else None
                 s.logprobs.append((float(lp[token]), {} if top is None else
                                    dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))))

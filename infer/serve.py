@@ -246,6 +246,7 @@ def models_deployment(limits: ServeConfig):
             self.pool = ThreadPoolExecutor(1, thread_name_prefix="strata-model")
             self.held: weakref.WeakValueDictionary[str, Held] = weakref.WeakValueDictionary()
             self.follower: asyncio.Task | None = None
+            self.replica = serve.get_replica_context().replica_id.unique_id
 
         async def model(self, name: str) -> Held:
             if self.follower is None and any(s.endswith("@latest") for s in self.specs.values()):
@@ -293,11 +294,11 @@ def models_deployment(limits: ServeConfig):
         async def complete(self, req: dict) -> dict:
             held = await self.model(req["model"])
             try:
-                return await _complete(held, req)
+                return {**await _complete(held, req), "strata": {"source": held.source, "replica": self.replica}}
             except ValueError as e:
-                return {"error": RequestError(str(e), param="prompt", code="limit").body(), "status": 400}
+                return {**RequestError(str(e), param="prompt", code="limit").body(), "status": 400}
             except Busy as e:
-                return {"error": RequestError(str(e), kind="overloaded", status=503).body(), "status": 503}
+                return {**RequestError(str(e), kind="overloaded", status=503).body(), "status": 503}
 
         async def stream(self, req: dict):
             held = await self.model(req["model"])
@@ -305,9 +306,9 @@ def models_deployment(limits: ServeConfig):
                 async for chunk in _stream(held, req):
                     yield chunk
             except ValueError as e:
-                yield {"error": RequestError(str(e), param="prompt", code="limit").body(), "status": 400}
+                yield {**RequestError(str(e), param="prompt", code="limit").body(), "status": 400}
             except Busy as e:
-                yield {"error": RequestError(str(e), kind="overloaded", status=503).body(), "status": 503}
+                yield {**RequestError(str(e), kind="overloaded", status=503).body(), "status": 503}
 
         async def passes(self, kind: str, req: dict) -> dict:
             held = await self.model(req["model"])
@@ -316,26 +317,30 @@ def models_deployment(limits: ServeConfig):
                 ids = [_ids(tok, x) for x in req["inputs"]]
                 got = await asyncio.gather(*[engine.run_pass(kind, i) for i in ids])
             except ValueError as e:
-                return {"error": RequestError(str(e), param="input", code="limit").body(), "status": 400}
+                return {**RequestError(str(e), param="input", code="limit").body(), "status": 400}
             except Busy as e:
-                return {"error": RequestError(str(e), kind="overloaded", status=503).body(), "status": 503}
+                return {**RequestError(str(e), kind="overloaded", status=503).body(), "status": 503}
             tokens = sum(len(i) for i in ids)
             if kind == "embed":
                 data = [{"object": "embedding", "index": k, "embedding": _encoded(v, req["encoding_format"])}
                         for k, v in enumerate(got)]
                 return {"object": "list", "model": req["model"], "data": data,
-                        "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+                        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                        "strata": {"source": held.source, "replica": self.replica}}
             per_token = tok.token_bytes()
             data = []
             for k, (i, (n, nll)) in enumerate(zip(ids, got, strict=True)):
                 size = int(per_token[i].sum()) if len(i) else 0
                 data.append({"index": k, "tokens": n, "loss": nll / n if n else None,
                              "bpb": nll / math.log(2) / max(1, size) if n else None, "bytes": size})
-            return {"object": "list", "model": req["model"], "source": held.source, "data": data,
-                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+            return {"object": "list", "model": req["model"], "data": data,
+                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                    "strata": {"source": held.source, "replica": self.replica}}
 
-        async def source(self, name: str) -> str:
-            return (await self.model(name)).source
+        def stats(self) -> dict:
+            """This replica's models: their sources and decode steps (rows / steps: the mean batch)."""
+            return {"replica": self.replica, "models": {
+                n: {"source": h.source, "steps": h.engine.steps, "rows": h.engine.rows} for n, h in self.held.items()}}
 
     return Models
 
@@ -630,6 +635,14 @@ def api_deployment():
                 return denied
             return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "strata"}
                                                for n in self.names]}
+
+        @app.get("/v1/stats")
+        async def stats(self, request: Request):
+            """What this ingress served, and one model replica's decode batches (strata's own)."""
+            denied = self._deny(request)
+            if denied:
+                return denied
+            return {"served": self.ledger.figures(), "replica": await self.models.stats.remote()}
 
         @app.get("/healthz")
         async def healthz(self):

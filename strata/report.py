@@ -41,6 +41,11 @@ def _headline(r: dict) -> str:
         return f"{f.get('items') or 0:,} items, {acc}"
     if r["kind"] == "generate":
         return f"{f.get('prompts') or 0:,} prompts, {f.get('tokens') or 0:,} tokens generated"
+    if r["kind"] == "serve":
+        p50, p99 = f.get("p50_ms"), f.get("p99_ms")
+        lat = f", p50 {p50:.1f} ms, p99 {p99:.1f} ms" if p50 is not None and p99 is not None else ""
+        return (f"{f.get('requests') or 0:,} requests, {f.get('completion_tokens') or 0:,} tokens generated{lat}, "
+                f"{f.get('replica_hours') or 0:.3f} replica-h")
     if r["kind"] == "sweep":
         return f"{f.get('trials', 0)} trials, best {f.get('metric', '')} {f.get('best') or 0:.4f}"
     return ", ".join(f"{k} {v}" for k, v in sorted(f.items()) if isinstance(v, int | float))[:60]

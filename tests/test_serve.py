@@ -1,0 +1,284 @@
+"""Online serving (`python -m infer serve`): the batching engine against `infer generate`'s decoding, and a
+live server against clients strata did not write (OpenAI's Python client, lm-evaluation-harness,
+transformers' forward on the exported weights)."""
+
+import asyncio
+import json
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from serving import Server, exported
+
+from infer.engine import Busy, Engine, Sampling
+from infer.generate import decode
+from infer.model import resolve
+from strata.storage import Storage
+
+TOKEN = "s3cret-token-for-the-tests"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve-models")
+    return {"m1": exported(root / "m1", seed=1), "m2": exported(root / "m2", seed=2)}
+
+
+@pytest.fixture(scope="module")
+def built(models):
+    return resolve(models["m1"], Storage("/nonexistent")).build()
+
+
+# ---- the engine, without Ray ------------------------------------------------------------------------------
+
+def _run_engine(net, tok, jobs, **engine_kwargs):
+    """Each job (prompt ids, Sampling, index, delay s) submitted after its delay; the tokens of each, and
+    the engine."""
+    async def main():
+        engine = Engine(net, tok, pool=ThreadPoolExecutor(1), **engine_kwargs)
+
+        async def one(prompt, sampling, index, delay):
+            await asyncio.sleep(delay)
+            seq = engine.submit(prompt, sampling, index)
+            while (await seq.events.get())[0] != "done":
+                pass
+            return seq.out
+
+        return await asyncio.gather(*[one(*j) for j in jobs]), engine
+
+    return asyncio.run(main())
+
+
+def test_continuous_batching_gives_the_tokens_decoding_alone_gives(built):
+    net, tok = built
+    prompts = [tok.encode(t).tolist() for t in ("hello world", "the cat", "a", "hello there friends", "xy")]
+    greedy = decode(net, prompts, max_tokens=20, temperature=0, eot_id=tok.eot_id, vocab_limit=tok.vocab_size)
+    drawn = decode(net, prompts, max_tokens=20, temperature=0.9, top_k=40, seed=7, eot_id=tok.eot_id,
+                   vocab_limit=tok.vocab_size)
+    # Arrivals staggered by a few ms: later prompts join the decode loop while earlier ones run.
+    got, engine = _run_engine(net, tok, [(p, Sampling(max_tokens=20, temperature=0), i, 0.004 * i)
+                                         for i, p in enumerate(prompts)])
+    assert got == greedy
+    steps_alone = sum(len(g) - 1 for g in greedy)  # one token comes from each prompt's own first pass
+    assert engine.steps < steps_alone and engine.rows == steps_alone  # steps were shared
+    got, _ = _run_engine(net, tok, [(p, Sampling(max_tokens=20, temperature=0.9, top_k=40, seed=7), i,
+                                     0.003 * (len(prompts) - i)) for i, p in enumerate(prompts)])
+    assert got == drawn  # the same seed and index: the same text, whatever shared the steps
+    assert engine.cache is None  # idle: the cache is freed
+
+
+def test_a_full_engine_refuses_at_once_and_a_too_long_prompt_names_the_limit(built):
+    net, tok = built
+
+    async def main():
+        engine = Engine(net, tok, pool=ThreadPoolExecutor(1), max_waiting=2, max_batch_tokens=64)
+        with pytest.raises(ValueError, match="exceed the model's context of 64"):
+            engine.submit(list(range(60)), Sampling(max_tokens=10))
+        seqs = [engine.submit([1, 2, 3], Sampling(max_tokens=50, temperature=0)) for _ in range(2)]
+        with pytest.raises(Busy):
+            for _ in range(3):
+                engine.submit([1, 2, 3], Sampling(max_tokens=50))
+        for s in seqs:
+            s.cancelled = True
+        while engine.task and not engine.task.done():
+            await asyncio.sleep(0.01)
+        return seqs
+
+    seqs = asyncio.run(main())
+    assert all(s.finish in ("cancelled", "length") for s in seqs)
+
+
+def test_top_p_keeps_the_smallest_head_of_the_distribution(built):
+    net, tok = built
+    p = tok.encode("hello").tolist()
+    tiny, _ = _run_engine(net, tok, [(p, Sampling(max_tokens=8, temperature=1.0, top_p=1e-6, seed=s), 0, 0)
+                                     for s in range(3)])
+    greedy = decode(net, [p], max_tokens=8, temperature=0, eot_id=tok.eot_id, vocab_limit=tok.vocab_size)[0]
+    assert all(t == greedy for t in tiny)  # only the most likely token is left to draw
+
+
+# ---- a live server ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    storage = tmp_path_factory.mktemp("serve-storage")
+    token_file = storage / "token"
+    token_file.write_text(TOKEN + "\n")
+    srv = Server(["--model", f"m1={models['m1']}", "--model", f"m2={models['m2']}", "--token-file",
+                  str(token_file), "--name", "live", "--max-new-tokens", "48", "--max-prompts", "8",
+                  "--max-body-bytes", "65536"], str(storage), token=TOKEN)
+    yield srv
+    srv.kill()
+
+
+def _openai(server):
+    openai = pytest.importorskip("openai")
+    return openai, openai.OpenAI(base_url=server.url + "/v1", api_key=TOKEN, max_retries=0)
+
+
+@pytest.mark.slow
+def test_the_openai_client_completes_streams_and_embeds_as_transformers_computes(server, models, built):
+    transformers = pytest.importorskip("transformers")
+    openai, client = _openai(server)
+    net, tok = built
+    hf = transformers.AutoModelForCausalLM.from_pretrained(models["m1"]).eval()
+    prompt = "the quick brown fox"
+    out = client.completions.create(model="m1", prompt=prompt, max_tokens=12, temperature=0)
+    x = torch.tensor([tok.encode(prompt).tolist()])
+    for _ in range(12):  # transformers' own forward, a token at a time
+        with torch.no_grad():
+            logits = hf(x).logits[0, -1]
+        logits[tok.vocab_size:] = -float("inf")
+        x = torch.cat([x, logits.argmax().view(1, 1)], dim=1)
+    made = x[0, x.shape[1] - 12:].tolist()
+    want = tok.decode(made[: made.index(tok.eot_id)] if tok.eot_id in made else made)
+    assert out.choices[0].text == want
+    assert out.usage.prompt_tokens == len(prompt) and out.usage.completion_tokens == 12
+    assert out.usage.total_tokens == len(prompt) + 12
+    pieces = [c.choices[0].text for c in client.completions.create(model="m1", prompt=prompt, max_tokens=12,
+                                                                    temperature=0, stream=True) if c.choices]
+    assert "".join(pieces) == want and len(pieces) > 1
+    texts = ["hello", "an embedding of a longer text"]
+    emb = client.embeddings.create(model="m1", input=texts)  # the client asks for base64 and decodes it
+    floats = client.embeddings.create(model="m1", input=texts, encoding_format="float")
+    base = transformers.AutoModel.from_pretrained(models["m1"]).eval()
+    for text, a, b in zip(texts, emb.data, floats.data, strict=True):
+        with torch.no_grad():
+            h = base(torch.tensor([tok.encode(text).tolist()])).last_hidden_state[0].mean(0)
+        want_v = (h / h.norm()).tolist()
+        assert a.embedding == pytest.approx(want_v, abs=1e-4) and b.embedding == pytest.approx(want_v, abs=1e-4)
+    assert [m.id for m in client.models.list()] == ["m1", "m2"]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="m3", prompt="x")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+@pytest.mark.slow
+def test_the_same_seed_gives_the_same_text_whatever_else_is_in_the_batch(server, built):
+    net, tok = built
+    body = {"model": "m1", "prompt": ["once upon", "a time"], "max_tokens": 16, "temperature": 0.9, "top_k": 40,
+            "seed": 11}
+    status, alone, _ = server.call("POST", "/v1/completions", body)
+    assert status == 200
+    want = decode(net, [tok.encode(p).tolist() for p in body["prompt"]], max_tokens=16, temperature=0.9, top_k=40,
+                  seed=11, eot_id=tok.eot_id, vocab_limit=tok.vocab_size)  # infer generate's sampling
+    assert [c["text"] for c in alone["choices"]] == [
+        tok.decode(w[: w.index(tok.eot_id)] if tok.eot_id in w else w) for w in want]
+    results = {}
+
+    def other(i):
+        results[i] = server.call("POST", "/v1/completions", {"model": "m1", "prompt": f"n{i}" * (i + 1),
+                                                             "max_tokens": 24, "temperature": 1.0, "seed": i})
+    threads = [threading.Thread(target=other, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    status, crowded, _ = server.call("POST", "/v1/completions", body)
+    for t in threads:
+        t.join()
+    assert status == 200 and [c["text"] for c in crowded["choices"]] == [c["text"] for c in alone["choices"]]
+    assert all(r[0] == 200 for r in results.values())
+    status, stats, _ = server.call("GET", "/v1/stats")
+    m1 = stats["replica"]["models"]["m1"]
+    assert m1["rows"] > m1["steps"]  # requests from different clients shared decode steps
+
+
+@pytest.mark.slow
+def test_scores_are_infer_scores_figures(server, built):
+    from infer.score import score_ids
+
+    net, tok = built
+    texts = ["a document to score", "another, longer document " * 5]
+    status, out, _ = server.call("POST", "/v1/score", {"model": "m1", "input": texts})
+    assert status == 200
+    want = score_ids(net, [tok.encode(t) for t in texts], tok.eot_id, stride=32, batch_tokens=4096)
+    for got, w, text in zip(out["data"], want, texts, strict=True):
+        assert got["tokens"] == w.tokens
+        assert got["loss"] == pytest.approx(w.loss(), rel=1e-4)
+        assert got["bpb"] == pytest.approx(w.nll / 0.6931471805599453 / len(text.encode()), rel=1e-4)
+
+
+@pytest.mark.slow
+def test_bad_requests_get_openai_errors_and_never_a_500(server):
+    cases = [
+        ({"model": "m1", "prompt": "x", "max_tokens": "3"}, 400, "max_tokens must be an integer"),
+        ({"model": "m1", "prompt": "x", "max_tokens": 49}, 400, "between 1 and 48"),
+        ({"model": "m1", "prompt": "x" * 60, "max_tokens": 10}, 400, "exceed the model's context of 64"),
+        ({"model": "m1", "prompt": ["x"] * 9}, 400, "the limit is 8 (--max-prompts)"),
+        ({"model": "m1", "prompt": {"a": 1}}, 400, "prompt must be"),
+        ({"model": "m1", "prompt": [1, 2, 100000]}, 400, "outside the vocabulary"),
+        ({"model": "m1", "prompt": "x", "temperature": -1}, 400, "temperature must be between"),
+        ({"model": "m1", "prompt": "x", "stream": "yes"}, 400, "stream must be true or false"),
+        ({"model": "m1", "prompt": "x", "stop": [1]}, 400, "stop must be"),
+        ({"model": "nope", "prompt": "x"}, 404, "does not exist"),
+        ({"prompt": "x"}, 400, "model is required"),
+        ([1, 2], 400, "must be a JSON object"),
+    ]
+    for body, status, message in cases:
+        got, out, _ = server.call("POST", "/v1/completions", body)
+        assert (got, out["error"]["type"] if isinstance(out, dict) else out) == (
+            status, "invalid_request_error"), (body, out)
+        assert message in out["error"]["message"], (body, out)
+    got, out, _ = server.call("POST", "/v1/completions", raw=b'{"model": "m1", "prompt": ')
+    assert got == 400 and "not JSON" in out["error"]["message"]
+    got, out, _ = server.call("POST", "/v1/completions", raw=b"\xff\xfe")
+    assert got == 400 and "not JSON" in out["error"]["message"]
+    got, out, _ = server.call("POST", "/v1/embeddings", raw=json.dumps({"model": "m1", "input": "x" * 70000}).encode())
+    assert got == 413 and "--max-body-bytes" in out["error"]["message"]
+    got, out, _ = server.call("POST", "/v1/embeddings", {"model": "m1", "input": "x", "encoding_format": "hex"})
+    assert got == 400 and out["error"]["param"] == "encoding_format"
+    got, out, _ = server.call("POST", "/v1/completions", {"model": "m1", "prompt": "x"}, token=None)
+    assert got == 401 and out["error"]["type"] == "authentication_error"
+    got, out, _ = server.call("GET", "/v1/models", token="s3cret-token-for-the-test")  # one character short
+    assert got == 401
+    assert server.call("GET", "/healthz", token=None)[0] == 200  # health checks need no token
+
+
+@pytest.mark.slow
+def test_lm_evaluation_harness_local_completions_gets_infer_evals_accuracy(server, models, built, tmp_path,
+                                                                           monkeypatch):
+    lm_eval = pytest.importorskip("lm_eval")
+    pytest.importorskip("tenacity")
+    from lm_eval.tasks import TaskManager
+    from test_harness import TASK, _local_task
+
+    from train.tasks import evaluate, load_task
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setenv("OPENAI_API_KEY", TOKEN)  # local-completions sends it as the bearer token
+    out = lm_eval.simple_evaluate(
+        model="local-completions", tasks=["strata_arith"], task_manager=TaskManager(include_path=str(_local_task(tmp_path))),
+        model_args={"model": "m1", "base_url": server.url + "/v1/completions", "tokenizer_backend": "huggingface",
+                    "tokenizer": models["m1"], "num_concurrent": 4, "max_retries": 1},
+        log_samples=True)
+    net, tok = built
+    ours = evaluate(net, tok, load_task(TASK))
+    got = out["results"]["strata_arith"]
+    assert got["acc,none"] == pytest.approx(ours["acc"]) and got["acc_norm,none"] == pytest.approx(ours["acc_norm"])
+    theirs = {s["doc_id"]: [float(r[0]) for r in s["filtered_resps"]] for s in out["samples"]["strata_arith"]}
+    for k, ll in enumerate(ours["logliks"]):  # every choice's log-likelihood, not only the argmax
+        assert theirs[k] == pytest.approx(ll, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_server_and_its_record_counts_what_it_served(server, tmp_path):
+    status, _, _ = server.call("POST", "/v1/completions", {"model": "m2", "prompt": "last", "max_tokens": 4})
+    assert status == 200
+    code, summary = server.stop()
+    assert code == 0, server.output()[-3000:]
+    assert summary["requests"] >= 10 and summary["completion_tokens"] > 0
+    assert summary["by_status"]["200"] >= 5 and summary["by_status"]["400"] >= 5 and "500" not in summary["by_status"]
+    assert 0 < summary["p50_ms"] <= summary["p99_ms"]
+    assert summary["replica_hours"] > 0 and summary["node_hours"] > 0
+    assert summary["dollars_per_million_tokens"] is not None
+    record = json.loads(Path(summary["record"]).read_text())
+    assert record["kind"] == "serve" and record["figures"]["requests"] == summary["requests"]
+    from strata.report import runs_table
+
+    assert "requests" in runs_table([record])
+    assert not os.path.exists(f"/proc/{server.proc.pid}")
