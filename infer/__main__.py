@@ -92,6 +92,8 @@ def _main(cmd: Command) -> dict:
     parser.add_argument("--address", help="serve: a Ray cluster to serve on (default: RAY_ADDRESS, or an "
                         "embedded Ray)")
     parser.add_argument("--token-file", help="serve: a file holding the bearer token clients must send")
+    parser.add_argument("--proxies", choices=["EveryNode", "HeadOnly"], default="EveryNode",
+                        help="serve: where Ray Serve runs its HTTP proxies (every node: any node takes traffic)")
     add_config_arguments(parser, ScoreConfig)
     add_config_arguments(parser, ServeConfig, skip=("tier",))
     args = parser.parse_args(cmd.argv)
@@ -238,7 +240,7 @@ def _serve(args, parser) -> dict:
     try:
         check_name(name, "--name")
         summary = serve_models(specs, cfg, Storage.from_env(args.storage), name, host=args.host, port=args.port,
-                               address=args.address, token_file=args.token_file)
+                               address=args.address, token_file=args.token_file, proxies=args.proxies)
     except LeaseBusy as e:
         sys.exit(f"error: {e}")
     except (FileNotFoundError, ValueError) as e:

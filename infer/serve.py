@@ -745,7 +745,7 @@ def model_specs(flags: list[str], models_file: str | None) -> dict[str, str]:
 
 
 def serve_models(specs: dict[str, str], cfg: ServeConfig, storage, name: str, *, host: str, port: int,
-                 address: str | None, token_file: str | None, ready=None) -> dict:
+                 address: str | None, token_file: str | None, proxies: str = "EveryNode") -> dict:
     """Check every model, deploy the application, serve until Ctrl-C or SIGTERM, then stop it and write
     the run's record (requests, tokens, latency, replica-hours, dollars per million tokens)."""
     import hashlib
@@ -776,7 +776,7 @@ def serve_models(specs: dict[str, str], cfg: ServeConfig, storage, name: str, *,
         job.begin({"models": specs, "host": host, "port": port, **asdict(cfg)})
         if not tiers.nodes_of(cfg.tier, ray.nodes()):
             raise StrataError(f"no alive node serves the {cfg.tier} tier (label {tiers.label_key(cfg.tier)}=true)")
-        serve.start(http_options={"host": host, "port": port})
+        serve.start(http_options={"host": host, "port": port, "location": proxies})
         digest = hashlib.sha256(token.encode()).hexdigest() if token else None
         started = time.time()
         replica_s, polled = 0.0, time.time()
@@ -785,8 +785,6 @@ def serve_models(specs: dict[str, str], cfg: ServeConfig, storage, name: str, *,
             shown = ", ".join(f"{n} ({sources[n]}{', following the run' if s.endswith('@latest') else ''})"
                               for n, s in specs.items())
             say(f"serving {shown} at http://{host}:{port}/v1 on the {cfg.tier} tier; Ctrl-C stops")
-            if ready:
-                ready()
             try:
                 while True:
                     time.sleep(1.0)

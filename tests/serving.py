@@ -17,13 +17,13 @@ from pathlib import Path
 from conftest import REPO, _free_port, write_checkpoint
 
 
-def model_config(seq_len: int = 64):
+def model_config(seq_len: int = 64, **shape):
     from train.model import preset
 
-    return preset("debug", n_layer=2, n_embd=64, n_head=4, seq_len=seq_len)
+    return preset("debug", **{"n_layer": 2, "n_embd": 64, "n_head": 4, "seq_len": seq_len, **shape})
 
 
-def exported(root, seed: int, seq_len: int = 64) -> str:
+def exported(root, seed: int, seq_len: int = 64, **shape) -> str:
     """A small random model (byte tokenizer) exported by train.export: its directory."""
     import torch
 
@@ -32,7 +32,7 @@ def exported(root, seed: int, seq_len: int = 64) -> str:
     from train.model import GPT
 
     os.makedirs(root, exist_ok=True)
-    cfg = model_config(seq_len)
+    cfg = model_config(seq_len, **shape)
     torch.manual_seed(seed)
     ckpt = write_checkpoint(os.path.join(root, "checkpoint"), GPT(cfg), 5,
                             {"model_config": asdict(cfg), "tokenizer": asdict(ByteTokenizer().info())})
@@ -79,8 +79,8 @@ class Server:
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited {self.proc.returncode}: {self.output()[-3000:]}")
-            try:
-                if self.call("GET", "/healthz")[0] == 200:
+            try:  # once every deployment is up (the command says so), the ingress answers
+                if "Ctrl-C stops" in self.output() and self.call("GET", "/healthz")[0] == 200:
                     return
             except OSError:
                 pass
@@ -103,9 +103,9 @@ class Server:
             req.add_header("Authorization", f"Bearer {token}")
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
-                text, status, headers = r.read().decode(), r.status, dict(r.headers)
+                text, status, headers = r.read().decode(), r.status, {k.lower(): v for k, v in r.headers.items()}
         except urllib.error.HTTPError as e:
-            text, status, headers = e.read().decode(), e.code, dict(e.headers)
+            text, status, headers = e.read().decode(), e.code, {k.lower(): v for k, v in e.headers.items()}
         try:
             return status, json.loads(text), headers
         except json.JSONDecodeError:

@@ -24,7 +24,8 @@ TOKEN = "s3cret-token-for-the-tests"
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-models")
-    return {"m1": exported(root / "m1", seed=1), "m2": exported(root / "m2", seed=2)}
+    return {"m1": exported(root / "m1", seed=1), "m2": exported(root / "m2", seed=2),
+            "big": exported(root / "big", seed=3, n_layer=8, n_embd=512, n_head=8)}  # 25M parameters: slow to load
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +108,8 @@ def server(models, tmp_path_factory):
     storage = tmp_path_factory.mktemp("serve-storage")
     token_file = storage / "token"
     token_file.write_text(TOKEN + "\n")
-    srv = Server(["--model", f"m1={models['m1']}", "--model", f"m2={models['m2']}", "--token-file",
+    srv = Server(["--model", f"m1={models['m1']}", "--model", f"m2={models['m2']}", "--model", f"big={models['big']}",
+                  "--token-file",
                   str(token_file), "--name", "live", "--max-new-tokens", "48", "--max-prompts", "8",
                   "--max-body-bytes", "65536"], str(storage), token=TOKEN)
     yield srv
@@ -150,7 +152,7 @@ def test_the_openai_client_completes_streams_and_embeds_as_transformers_computes
             h = base(torch.tensor([tok.encode(text).tolist()])).last_hidden_state[0].mean(0)
         want_v = (h / h.norm()).tolist()
         assert a.embedding == pytest.approx(want_v, abs=1e-4) and b.embedding == pytest.approx(want_v, abs=1e-4)
-    assert [m.id for m in client.models.list()] == ["m1", "m2"]
+    assert [m.id for m in client.models.list()] == ["big", "m1", "m2"]
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="m3", prompt="x")
     with pytest.raises(openai.AuthenticationError):
@@ -184,6 +186,25 @@ def test_the_same_seed_gives_the_same_text_whatever_else_is_in_the_batch(server,
     status, stats, _ = server.call("GET", "/v1/stats")
     m1 = stats["replica"]["models"]["m1"]
     assert m1["rows"] > m1["steps"]  # requests from different clients shared decode steps
+
+
+@pytest.mark.slow
+def test_a_model_loading_never_holds_up_the_models_already_loaded(server):
+    assert server.call("POST", "/v1/completions", {"model": "m1", "prompt": "warm", "max_tokens": 2})[0] == 200
+    box = {}
+
+    def load_big():
+        box["answer"] = server.call("POST", "/v1/completions", {"model": "big", "prompt": "x", "max_tokens": 2})
+    first = threading.Thread(target=load_big)
+    first.start()
+    answered_meanwhile = 0
+    while first.is_alive():
+        status, out, _ = server.call("POST", "/v1/completions", {"model": "m1", "prompt": "meanwhile", "max_tokens": 2})
+        assert status == 200
+        answered_meanwhile += first.is_alive()
+    first.join()
+    assert box["answer"][0] == 200
+    assert answered_meanwhile >= 3  # m1 kept answering while big loaded on the same replica
 
 
 @pytest.mark.slow
@@ -282,3 +303,119 @@ def test_sigterm_stops_the_server_and_its_record_counts_what_it_served(server, t
 
     assert "requests" in runs_table([record])
     assert not os.path.exists(f"/proc/{server.proc.pid}")
+
+
+# ---- many models, following a run, scaling and back-pressure ----------------------------------------------
+
+@pytest.mark.slow
+def test_twelve_models_on_two_replicas_of_three_slots_and_a_run_followed_without_a_failed_request(tmp_path):
+    from serving import commit_checkpoint
+
+    storage = tmp_path / "storage"
+    storage.mkdir()
+    run_dir = storage / "runs" / "live"
+    commit_checkpoint(str(run_dir), 1, seed=100)
+    dirs = {f"m{i:02d}": exported(tmp_path / f"m{i:02d}", seed=i) for i in range(11)}
+    srv = Server([*[a for n, d in dirs.items() for a in ("--model", f"{n}={d}")], "--model", "live=live@latest",
+                  "--replicas", "2", "--models-per-replica", "3", "--cpus-per-replica", "0.5", "--max-ongoing", "2",
+                  "--follow-s", "1"], str(storage))
+    try:
+        prompt = "same prompt"
+        for name, d in [*dirs.items(), ("live", "live@1")]:  # every model answers with its own weights
+            net, tok = resolve(d, Storage(str(storage))).build()
+            want = decode(net, [tok.encode(prompt).tolist()], max_tokens=8, temperature=0, eot_id=tok.eot_id,
+                          vocab_limit=tok.vocab_size)[0]
+            status, out, _ = srv.call("POST", "/v1/completions", {"model": name, "prompt": prompt, "max_tokens": 8,
+                                                                  "temperature": 0})
+            assert status == 200, out
+            assert out["choices"][0]["text"] == tok.decode([t for t in want if t != tok.eot_id]), name
+
+        # A skewed load: the hot model gets 24 requests at once, and spreads over both replicas.
+        with ThreadPoolExecutor(24) as pool:
+            hot = list(pool.map(lambda i: srv.call("POST", "/v1/completions", {
+                "model": "m00", "prompt": f"hot {i}", "max_tokens": 24, "temperature": 0}), range(24)))
+        assert all(s == 200 for s, _, _ in hot)
+        assert len({out["strata"]["replica"] for _, out, _ in hot}) == 2
+
+        # The run commits a checkpoint under steady load: no request fails, and the answers move to it.
+        stop, seen = threading.Event(), []
+
+        def steady():
+            while not stop.is_set():
+                status, out, _ = srv.call("POST", "/v1/completions", {"model": "live", "prompt": prompt,
+                                                                      "max_tokens": 8, "temperature": 0})
+                seen.append((status, out.get("strata", {}).get("source"), out.get("choices", [{}])[0].get("text")))
+        clients = [threading.Thread(target=steady) for _ in range(3)]
+        for c in clients:
+            c.start()
+        try:
+            commit_checkpoint(str(run_dir), 2, seed=200)
+            from conftest import wait_for
+
+            wait_for(lambda: sum(1 for s in seen[-6:] if s[1] == "live@2") == 6, "the replicas to move to step 2", 120)
+        finally:
+            stop.set()
+            for c in clients:
+                c.join()
+        assert all(s == 200 for s, _, _ in seen), [s for s in seen if s[0] != 200][:3]
+        net, tok = resolve("live@2", Storage(str(storage))).build()
+        want = decode(net, [tok.encode(prompt).tolist()], max_tokens=8, temperature=0, eot_id=tok.eot_id,
+                      vocab_limit=tok.vocab_size)[0]
+        assert seen[-1][2] == tok.decode([t for t in want if t != tok.eot_id])
+        assert {s[1] for s in seen} == {"live@1", "live@2"}
+    finally:
+        code, summary = srv.stop()
+    assert code == 0 and summary["models"] == 12 and summary["by_status"].get("200", 0) == summary["requests"]
+
+
+@pytest.mark.slow
+def test_replicas_scale_up_under_load_and_down_after_it_and_overload_gets_503_at_once(tmp_path, models):
+    from conftest import simulated_cluster, wait_for
+    from ray import serve
+
+    def running():
+        app = serve.status().applications.get("strata")
+        dep = app.deployments.get("Models") if app else None
+        return dep.replica_states.get("RUNNING", 0) if dep else 0
+
+    with simulated_cluster([(("cpu",), 1), (("cpu",), 1)]) as (cluster, _):
+        srv = Server(["--model", f"m1={models['m1']}", "--address", cluster.address, "--min-replicas", "1",
+                      "--max-replicas", "2", "--target-ongoing", "1", "--max-ongoing", "4", "--max-queued", "8",
+                      "--proxies", "HeadOnly"],  # the nodes share one loopback: one proxy on the port
+                     str(tmp_path))
+        try:
+            assert running() == 1
+            stop = threading.Event()
+            statuses = []
+
+            def load():
+                while not stop.is_set():
+                    statuses.append(srv.call("POST", "/v1/completions", {"model": "m1", "prompt": "load",
+                                                                         "max_tokens": 40, "temperature": 0})[0])
+            clients = [threading.Thread(target=load) for _ in range(4)]
+            for c in clients:
+                c.start()
+            try:
+                wait_for(lambda: running() == 2, "a second replica under load", 120)
+            finally:
+                stop.set()
+                for c in clients:
+                    c.join()
+            assert set(statuses) == {200}
+            wait_for(lambda: running() == 1, "the replicas to come back down after the load", 120)
+
+            # 256 clients at once against 1 replica taking 4 and a queue of 8: refused at once, never a 500.
+            def burst(i):
+                return srv.call("POST", "/v1/completions", {"model": "m1", "prompt": f"b{i}", "max_tokens": 40,
+                                                            "temperature": 0}, timeout=300)
+            with ThreadPoolExecutor(256) as pool:
+                answers = list(pool.map(burst, range(256)))
+            codes = [a[0] for a in answers]
+            assert set(codes) <= {200, 503} and codes.count(503) > 0 and codes.count(200) > 0, set(codes)
+            refused = next(a for a in answers if a[0] == 503)
+            assert refused[2].get("retry-after") and refused[1]["error"]["type"] == "overloaded"
+            status, _, _ = srv.call("POST", "/v1/completions", {"model": "m1", "prompt": "after", "max_tokens": 4})
+            assert status == 200  # and it still serves
+        finally:
+            code, summary = srv.stop()
+        assert code == 0 and summary["replica_hours"] > 0
