@@ -36,7 +36,7 @@ completions.jsonl, its record beside); the summary has throughput and dollars pe
 POST /v1/completions (streaming, logprobs and echo), /v1/embeddings, /v1/score; GET /v1/models, /healthz.
 A request names its model by NAME (by default the run's name or the directory's). RUN@latest follows a
 training run: replicas move to each checkpoint it commits, one at a time. A host other than loopback
-needs --token-file (clients send `Authorization: Bearer TOKEN`). When it stops it writes a record under
+needs --token-file or --token-sha256 (clients send `Authorization: Bearer TOKEN`). When it stops it writes a record under
 $STRATA_STORAGE/servings/NAME: requests, tokens, p50 and p99 latency, replica-hours, dollars per million
 tokens.
 """
@@ -92,6 +92,8 @@ def _main(cmd: Command) -> dict:
     parser.add_argument("--address", help="serve: a Ray cluster to serve on (default: RAY_ADDRESS, or an "
                         "embedded Ray)")
     parser.add_argument("--token-file", help="serve: a file holding the bearer token clients must send")
+    parser.add_argument("--token-sha256", help="serve: instead of --token-file, the token's SHA-256 (no secret: "
+                        "it can go on a job's command line)")
     parser.add_argument("--proxies", choices=["EveryNode", "HeadOnly"], default="EveryNode",
                         help="serve: where Ray Serve runs its HTTP proxies (every node: any node takes traffic)")
     add_config_arguments(parser, ScoreConfig)
@@ -240,7 +242,8 @@ def _serve(args, parser) -> dict:
     try:
         check_name(name, "--name")
         summary = serve_models(specs, cfg, Storage.from_env(args.storage), name, host=args.host, port=args.port,
-                               address=args.address, token_file=args.token_file, proxies=args.proxies)
+                               address=args.address, token_file=args.token_file,
+                               token_sha256=args.token_sha256, proxies=args.proxies)
     except LeaseBusy as e:
         sys.exit(f"error: {e}")
     except (FileNotFoundError, ValueError) as e:

@@ -745,10 +745,12 @@ def model_specs(flags: list[str], models_file: str | None) -> dict[str, str]:
 
 
 def serve_models(specs: dict[str, str], cfg: ServeConfig, storage, name: str, *, host: str, port: int,
-                 address: str | None, token_file: str | None, proxies: str = "EveryNode") -> dict:
+                 address: str | None, token_file: str | None = None, token_sha256: str | None = None,
+                 proxies: str = "EveryNode") -> dict:
     """Check every model, deploy the application, serve until Ctrl-C or SIGTERM, then stop it and write
     the run's record (requests, tokens, latency, replica-hours, dollars per million tokens)."""
     import hashlib
+    import re
 
     import ray
     from ray import serve
@@ -759,14 +761,19 @@ def serve_models(specs: dict[str, str], cfg: ServeConfig, storage, name: str, *,
     from strata.storage import join, text_of
 
     say = _logger("serve").info
-    token = None
+    digest = token_sha256.lower() if token_sha256 else None
+    if token_file and token_sha256:
+        raise ValueError("give --token-file or --token-sha256, not both")
     if token_file:
         token = text_of(token_file, "--token-file").strip()
         if len(token) < 16:
             raise ValueError(f"--token-file {token_file}: the token must be at least 16 characters")
-    elif host not in LOOPBACK:
-        raise ValueError(f"--host {host} listens beyond this machine: give --token-file FILE (a bearer token "
-                         "clients must send), or keep the default 127.0.0.1")
+        digest = hashlib.sha256(token.encode()).hexdigest()
+    elif digest and not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise ValueError("--token-sha256 must be 64 hex digits: printf %s \"$TOKEN\" | sha256sum")
+    elif not digest and host not in LOOPBACK:
+        raise ValueError(f"--host {host} listens beyond this machine: give --token-file FILE or --token-sha256 HEX "
+                         "(the bearer token clients must send), or keep the default 127.0.0.1")
     sources = {}
     for n, spec in specs.items():  # on the driver: a bad --model fails before anything starts
         sources[n] = resolve(spec.removesuffix("@latest"), storage, "--model").source
@@ -777,7 +784,6 @@ def serve_models(specs: dict[str, str], cfg: ServeConfig, storage, name: str, *,
         if not tiers.nodes_of(cfg.tier, ray.nodes()):
             raise StrataError(f"no alive node serves the {cfg.tier} tier (label {tiers.label_key(cfg.tier)}=true)")
         serve.start(http_options={"host": host, "port": port, "location": proxies})
-        digest = hashlib.sha256(token.encode()).hexdigest() if token else None
         started = time.time()
         replica_s, polled = 0.0, time.time()
         with job.working():
@@ -826,3 +832,31 @@ def _figures() -> dict:
         return serve.get_app_handle(APP).figures.remote().result(timeout_s=10)
     except Exception as e:  # noqa: BLE001 - the record says it could not count
         return {"requests": None, "error": f"the ingress's figures could not be read: {e}"}
+
+
+def app(args: dict):
+    """Ray Serve's application builder, for a Serve config (a RayService's serveConfigV2, `serve deploy`):
+    `import_path: infer.serve:app` with args `models` ({name: spec}), `storage` (the root; default
+    $STRATA_STORAGE), `config` (ServeConfig's fields) and `token_sha256`, the SHA-256 of the bearer token
+    clients send (`printf %s "$TOKEN" | sha256sum`): such a server listens beyond loopback, so it is required.
+    """
+    import re
+
+    from strata.storage import Storage
+
+    unknown = set(args) - {"models", "storage", "config", "token_sha256"}
+    if unknown:
+        raise ValueError(f"infer.serve:app: unknown args {sorted(unknown)} (models, storage, config, token_sha256)")
+    digest = str(args.get("token_sha256", ""))
+    if not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise ValueError("infer.serve:app needs token_sha256: the SHA-256 (64 hex digits) of the bearer token clients "
+                         "must send; make one with printf %s \"$TOKEN\" | sha256sum")
+    if digest == "0" * 64:
+        raise ValueError("infer.serve:app: token_sha256 is still the placeholder of platform/k8s/rayservice.yaml; put "
+                         "the SHA-256 of your token there")
+    models = args.get("models")
+    if not isinstance(models, dict) or not models:
+        raise ValueError("infer.serve:app needs models: {name: RUN[@STEP|@latest] or an exported directory}")
+    specs = model_specs([f"{n}={s}" for n, s in models.items()], None)
+    root = Storage.from_env(args.get("storage")).root
+    return build(specs, root, ServeConfig(**args.get("config", {})), digest)

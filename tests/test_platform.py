@@ -20,7 +20,8 @@ from tune.config import REFERENCE_CONCURRENT, SweepConfig
 ROOT = Path(REPO)
 SCHEMAS = ROOT.parent / "shared" / "schemas" / "kuberay"
 K8S = ROOT / "platform" / "k8s"
-CRDS = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml", "RayCronJob": "ray.io_raycronjobs.yaml"}
+CRDS = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml", "RayCronJob": "ray.io_raycronjobs.yaml",
+        "RayService": "ray.io_rayservices.yaml"}
 MODULES = {"pipelines.preprocess", "train", "tune"}
 
 
@@ -99,7 +100,7 @@ def _images() -> dict:
 
 def test_ray_up_copies_the_code_and_not_the_working_tree(cluster):
     """`ray up` syncs file_mounts with rsync: only the packages and the files the commands read, by name."""
-    allowed = {"./strata", "./pipelines", "./train", "./tune", "./pyproject.toml", "./README.md", "./cluster.yaml",
+    allowed = {"./strata", "./pipelines", "./train", "./tune", "./infer", "./pyproject.toml", "./README.md", "./cluster.yaml",
                "./prices.yaml"}
     mounts = {dst: src for dst, src in cluster["file_mounts"].items() if not dst.startswith("~/.strata/")}
     assert set(mounts.values()) == allowed, "a mount of the whole tree would copy .env, .git and keys to every node"
@@ -255,6 +256,42 @@ def test_jobs_and_schedules_run_real_commands_on_the_strata_cluster(manifests):
     rbac = {i["kind"]: i for i in manifests["cronjob-rbac.yaml"]["items"]}
     assert pod["serviceAccountName"] == rbac["ServiceAccount"]["metadata"]["name"]
     assert {"pods/portforward"} <= {r for rule in rbac["Role"]["rules"] for r in rule["resources"]}
+
+
+def test_the_rayservice_serves_strata_models_on_the_strata_cluster(manifests, monkeypatch):
+    """Its cluster is raycluster.yaml's plus the serve port on the cpu workers; its Serve config passes Ray
+    Serve's own schema, and the application builds from its args (once its placeholder digest is replaced)."""
+    import hashlib
+
+    from ray.serve.schema import ServeDeploySchema
+
+    svc = manifests["rayservice.yaml"]["spec"]
+    cluster_spec = copy.deepcopy(svc["rayClusterConfig"])
+    served = []
+    for g in cluster_spec["workerGroupSpecs"]:
+        container = g["template"]["spec"]["containers"][0]
+        if {"containerPort": 8000, "name": "serve"} in container.get("ports", []):
+            served.append(g["labels"])
+            container["ports"].remove({"containerPort": 8000, "name": "serve"})
+            if not container["ports"]:
+                del container["ports"]
+    assert served and all(labels.get("strata.io/cpu") == "true" for labels in served)
+    assert cluster_spec == manifests["raycluster.yaml"]["spec"]
+    assert svc["excludeHeadPodFromServeSvc"] is True  # the head runs no work
+    config = ServeDeploySchema(**yaml.safe_load(svc["serveConfigV2"]))
+    [application] = config.applications
+    assert application.import_path == "infer.serve:app" and config.http_options.port == 8000
+    from infer.serve import ServeConfig, app
+
+    args = copy.deepcopy(application.args)
+    ServeConfig(**args["config"])  # every field is one of the command's
+    with pytest.raises(ValueError, match="placeholder"):
+        app(args)
+    args["token_sha256"] = hashlib.sha256(b"a token").hexdigest()
+    built = app(args)
+    assert type(built).__name__ == "Application"
+    with pytest.raises(ValueError, match="unknown args"):
+        app({**args, "token": "plain"})
 
 
 def test_gpu_nodes_get_shared_memory_and_their_network_interface(cluster, manifests):

@@ -419,3 +419,27 @@ def test_replicas_scale_up_under_load_and_down_after_it_and_overload_gets_503_at
         finally:
             code, summary = srv.stop()
         assert code == 0 and summary["replica_hours"] > 0
+
+
+def test_listening_beyond_loopback_needs_a_token(models, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    def serve(*args):
+        return subprocess.run([sys.executable, "-m", "infer", "serve", "--model", f"m1={models['m1']}", *args],
+                              cwd=REPO, env={**os.environ, "STRATA_STORAGE": str(tmp_path)}, capture_output=True,
+                              text=True, timeout=120)
+    out = serve("--host", "0.0.0.0")
+    assert out.returncode == 1 and "--host 0.0.0.0 listens beyond this machine" in out.stderr
+    out = serve("--host", "0.0.0.0", "--token-sha256", "abc")
+    assert out.returncode == 1 and "64 hex digits" in out.stderr
+    (tmp_path / "short").write_text("short\n")
+    out = serve("--host", "0.0.0.0", "--token-file", str(tmp_path / "short"))
+    assert out.returncode == 1 and "at least 16 characters" in out.stderr
+    out = serve("--model", "m1=/no/such/model")
+    assert out.returncode == 2 and "two models are named 'm1'" in out.stderr
+    out = serve("--models-per-replica", "0")
+    assert out.returncode == 2 and "--models-per-replica must be >= 1" in out.stderr
+    assert not (tmp_path / "servings").exists()  # nothing started, nothing recorded
