@@ -104,6 +104,9 @@ def runtime_env(working_dir: str, env_file: str | None, storage: str | None = No
     if storage:  # the submitter's storage wins over anything the file says
         env_vars["STRATA_STORAGE"] = storage
     env_vars.setdefault("STRATA_CODE_VERSION", code_version())  # the upload has no .git to ask
+    # `ray job stop` sends SIGTERM and kills the job 3 s later by default: every strata command stops cleanly on
+    # SIGTERM (a server drains and writes its record, about 7 s on 2 cores), so give it a minute.
+    env_vars.setdefault("RAY_JOB_STOP_WAIT_TIME_S", "60")
     # The cluster's nodes sign and check checkpoints with the submitter's key (strata.signing), so what the
     # job writes loads back here, and what was trained here continues there.
     env_vars.setdefault(signing.KEY_ENV, signing.secret().decode())

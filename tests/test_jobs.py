@@ -1,6 +1,7 @@
 """`ray job submit` against a real local cluster (`ray start --head` on loopback, token auth on)."""
 
 import datetime as dt
+import fnmatch
 import json
 import os
 import secrets
@@ -283,7 +284,8 @@ def test_a_submitted_working_dir_uploads_the_code_and_nothing_else(head, tmp_pat
 
     work = tmp_path / "project"
     code = [f for f in subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True).stdout.split()
-            if f.split("/")[0] in ("strata", "pipelines", "train", "tune") and f.endswith(".py") and f.count("/") == 1]
+            if f.split("/")[0] in ("strata", "pipelines", "train", "tune", "infer") and f.count("/") == 1
+            and (f.endswith(".py") or fnmatch.fnmatch(f, "strata/*.yaml"))]  # and strata's package data
     code += ["pyproject.toml", "cluster.yaml", "prices.yaml"]
     for name in code:
         (work / name).parent.mkdir(parents=True, exist_ok=True)
