@@ -337,6 +337,10 @@ def models_deployment(limits: ServeConfig):
                     "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                     "strata": {"source": held.source, "replica": self.replica}}
 
+        async def warm(self, name: str) -> str:
+            """Load `name` here (before the first request asks): its source."""
+            return (await self.model(name)).source
+
         def stats(self) -> dict:
             """This replica's models: their sources and decode steps (rows / steps: the mean batch)."""
             return {"replica": self.replica, "models": {
@@ -790,6 +794,12 @@ def serve_models(specs: dict[str, str], cfg: ServeConfig, storage, name: str, *,
             serve.run(build(specs, storage.root, cfg, digest), name=APP, route_prefix="/", blocking=False)
             shown = ", ".join(f"{n} ({sources[n]}{', following the run' if s.endswith('@latest') else ''})"
                               for n, s in specs.items())
+            _warm(specs, cfg)
+            metrics = sorted(f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics" for n in ray.nodes()
+                             if n.get("Alive") and n.get("MetricsExportPort"))
+            if metrics:  # Ray Serve's Prometheus metrics (ray_serve_*), from each node's metrics agent
+                say(f"Prometheus metrics at {metrics[0]}" + (f" and {len(metrics) - 1} more nodes" if len(metrics) > 1
+                                                              else ""))
             say(f"serving {shown} at http://{host}:{port}/v1 on the {cfg.tier} tier; Ctrl-C stops")
             try:
                 while True:
@@ -812,6 +822,18 @@ def serve_models(specs: dict[str, str], cfg: ServeConfig, storage, name: str, *,
     per_million = cost["cost"] / tokens * 1e6 if tokens and cost["cost"] is not None else None
     return {"name": name, "models": sources, **figures, **cost, "dollars_per_million_tokens": per_million,
             "record": join(out, "record.json")}
+
+
+def _warm(specs: dict[str, str], cfg: ServeConfig) -> None:
+    """Load the first models (as many as the replicas hold) before the first request, so that it does not
+    wait for a load: each through Serve's router, as a request for it would go."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("Models", app_name=APP)
+    room = cfg.models_per_replica * max(1, cfg.replicas if not cfg.max_replicas else cfg.min_replicas or 1)
+    calls = [handle.options(multiplexed_model_id=n).warm.remote(n) for n in list(specs)[:room]]
+    for call in calls:
+        call.result(timeout_s=600)
 
 
 def _replicas() -> int:

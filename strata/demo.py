@@ -1,5 +1,6 @@
 """The main job end to end on an embedded local Ray: preprocess -> train -> sweep -> sample, then the
-loop back to tier 1: the next version's documents scored with the trained model and the worst filtered.
+loop back to tier 1: the next version's documents scored with the trained model and the worst filtered,
+and last the trained model served behind OpenAI's API and called over HTTP.
 
 Each stage runs as its real command line (`python -m ...  --json`), exactly as a
 user or `ray job submit` would run it, and the demo reads each stage's JSON
@@ -67,6 +68,50 @@ def stage(title: str, module: str, *args: str) -> dict:
     return json.loads(last)
 
 
+def serve_stage(title: str, run: str) -> tuple[dict, list[dict]]:
+    """Serve the trained run (`python -m infer serve`) on a free loopback port, call it as an OpenAI client
+    would, then stop it with SIGTERM: its summary, and what the calls returned."""
+    import signal
+    import socket
+    import threading
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = ["serve", "--model", f"{run}@latest", "--port", str(port), "--name", f"{run}-serve"]
+    print(f"\n=== {title}: {shown('infer', args)}", flush=True)
+    proc = subprocess.Popen([sys.executable, "-m", "infer", *args, "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    up = threading.Event()
+
+    def relay():  # its log lines to the terminal, and the moment it serves
+        for line in proc.stderr:
+            if line.startswith("["):
+                print(line, end="", flush=True)
+            if "Ctrl-C stops" in line:
+                up.set()
+    threading.Thread(target=relay, daemon=True).start()
+    while not up.wait(0.5):
+        if proc.poll() is not None:
+            raise SystemExit(f"demo stage infer serve failed (exit {proc.returncode})")
+    calls = []
+    for path, body in (("/v1/completions", {"model": run, "prompt": "def ", "max_tokens": 48, "temperature": 0}),
+                       ("/v1/completions", {"model": run, "prompt": ["import ", "class "], "max_tokens": 32,
+                                            "temperature": 0.8, "seed": 1}),
+                       ("/v1/embeddings", {"model": run, "input": ["def f(x):", "return x"]})):
+        print(f"POST {path} {json.dumps(body)}", flush=True)
+        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            calls.append(json.loads(r.read()))
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    if proc.returncode != 0:
+        raise SystemExit(f"demo stage infer serve failed (exit {proc.returncode})")
+    return json.loads(out.strip().splitlines()[-1]), calls
+
+
 def _cost(summary: dict) -> str:
     return "unpriced" if summary.get("cost") is None else f"{summary['cost']:.4f}"
 
@@ -88,22 +133,23 @@ def main(argv: list[str] | None = None) -> None:
     inputs = [a for path in corpus for a in ("--input", path)]
     # A dataset per demo run: a rerun over unchanged inputs into one dataset would (rightly) make no version.
     try:
-        pre = stage("1/5 tier 1: preprocess", "pipelines.preprocess", *inputs, "--dataset", f"demo-{stamp}",
+        pre = stage("1/6 tier 1: preprocess", "pipelines.preprocess", *inputs, "--dataset", f"demo-{stamp}",
                     "--final")  # a one-off dataset: its last row padded, so every kept document is in it
     finally:
         shutil.rmtree(corpus[-1], ignore_errors=True)  # the damaged files' private folder
     dataset = f"{pre['dataset']}@{pre['version']}"
     cpus = str(os.cpu_count() or 1)
-    tr = stage("2/5 tier 2: train", "train", "--dataset", dataset, "--preset", "debug",
+    tr = stage("2/6 tier 2: train", "train", "--dataset", dataset, "--preset", "debug",
                "--max-steps", str(args.steps), "--run", f"demo-{stamp}", "--cpus-per-worker", cpus)
-    sw = stage("3/5 sweep", "tune", "--dataset", dataset, "--preset", "debug",
+    sw = stage("3/6 sweep", "tune", "--dataset", dataset, "--preset", "debug",
                "--num-samples", str(args.trials), "--sweep", f"demo-sweep-{stamp}")
-    sm = stage("4/5 sample", "train.sample", "--run", tr["run"], "--prompt", "def ", "--tokens", "160",
+    sm = stage("4/6 sample", "train.sample", "--run", tr["run"], "--prompt", "def ", "--tokens", "160",
                "--samples", "2")
-    loop = stage("5/5 tier 1 again: the next version, scored with the trained model", "pipelines.preprocess",
+    loop = stage("5/6 tier 1 again: the next version, scored with the trained model", "pipelines.preprocess",
                  *[a for path in next_inputs() for a in ("--input", path)], "--dataset", pre["dataset"], "--final",
                  "--quality-model", tr["run"], "--keep-fraction", "0.8")
     q = loop["stats"]["quality"]
+    sv, calls = serve_stage("6/6 serve the trained model (OpenAI's API, Ray Serve)", tr["run"])
 
     d = pre["documents"]
     best = sw["best"]
@@ -119,6 +165,9 @@ def main(argv: list[str] | None = None) -> None:
                 best {best['metric_name']} {best['metric']:.3f} with {json.dumps(best['config'])}
         loop    {pre['dataset']}@{loop['version']}: {q['documents']} new documents scored under {q['model']}, the best 80%
                 kept (bits per byte <= {q['threshold']:.3f}): {q['filtered']} filtered:quality ({q['tokens_per_s']:,.0f} tokens/s scored)
+        serve   {sv['requests']} requests ({sv['completion_tokens']} tokens generated), p50 {sv['p50_ms']:.0f} ms, p99 {sv['p99_ms']:.0f} ms,
+                {sv['replica_hours']:.4f} replica-hours; completion of "def ": {json.dumps(calls[0]['choices'][0]['text'][:60])}
+                embeddings: {len(calls[2]['data'])} vectors of {len(calls[2]['data'][0]['embedding'])} floats
         cost    preprocess {_cost(pre)}, train {_cost(tr)}, sweep {_cost(sw)} for {pre['node_hours'] + tr['node_hours'] + sw['node_hours']:.3f} node-hours
                 (prices.yaml charges 0 for the local node); CPU busy {_busy(pre)} / {_busy(tr)} / {_busy(sw)}
                 (`.venv/bin/strata runs`; `.venv/bin/strata report NAME` writes an HTML report)

@@ -24,8 +24,8 @@ TOKEN = "s3cret-token-for-the-tests"
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-models")
-    return {"m1": exported(root / "m1", seed=1), "m2": exported(root / "m2", seed=2),
-            "big": exported(root / "big", seed=3, n_layer=8, n_embd=512, n_head=8)}  # 25M parameters: slow to load
+    return {"m1": exported(root / "m1", seed=1), "m2": exported(root / "m2", seed=2), "m3": exported(root / "m3", seed=3),
+            "big": exported(root / "big", seed=4, n_layer=8, n_embd=512, n_head=8)}  # 25M parameters: slow to load
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +108,8 @@ def server(models, tmp_path_factory):
     storage = tmp_path_factory.mktemp("serve-storage")
     token_file = storage / "token"
     token_file.write_text(TOKEN + "\n")
-    srv = Server(["--model", f"m1={models['m1']}", "--model", f"m2={models['m2']}", "--model", f"big={models['big']}",
-                  "--token-file",
+    # Three slots: the first three models load at start, and big when it is first asked for.
+    srv = Server([*[a for n in ("m1", "m2", "m3", "big") for a in ("--model", f"{n}={models[n]}")], "--token-file",
                   str(token_file), "--name", "live", "--max-new-tokens", "48", "--max-prompts", "8",
                   "--max-body-bytes", "65536"], str(storage), token=TOKEN)
     yield srv
@@ -152,9 +152,9 @@ def test_the_openai_client_completes_streams_and_embeds_as_transformers_computes
             h = base(torch.tensor([tok.encode(text).tolist()])).last_hidden_state[0].mean(0)
         want_v = (h / h.norm()).tolist()
         assert a.embedding == pytest.approx(want_v, abs=1e-4) and b.embedding == pytest.approx(want_v, abs=1e-4)
-    assert [m.id for m in client.models.list()] == ["big", "m1", "m2"]
+    assert [m.id for m in client.models.list()] == ["big", "m1", "m2", "m3"]
     with pytest.raises(openai.NotFoundError, match="does not exist"):
-        client.completions.create(model="m3", prompt="x")
+        client.completions.create(model="m9", prompt="x")
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
 
@@ -288,8 +288,21 @@ def test_lm_evaluation_harness_local_completions_gets_infer_evals_accuracy(serve
 
 @pytest.mark.slow
 def test_sigterm_stops_the_server_and_its_record_counts_what_it_served(server, tmp_path):
+    import re
+    import urllib.request
+
+    from conftest import wait_for
+
     status, _, _ = server.call("POST", "/v1/completions", {"model": "m2", "prompt": "last", "max_tokens": 4})
     assert status == 200
+    # Ray Serve's own Prometheus metrics, as Ray's metrics agent exports them (every few seconds).
+    url = re.search(r"Prometheus metrics at (\S+)", server.output()).group(1)
+
+    def counted():
+        with urllib.request.urlopen(url, timeout=30) as r:
+            text = r.read().decode()
+        return re.search(r'^ray_serve_num_http_requests(_total)?\{[^}]*\} [0-9.]+', text, re.M)
+    wait_for(counted, "Ray Serve's request counter in the metrics", 120)
     code, summary = server.stop()
     assert code == 0, server.output()[-3000:]
     assert summary["requests"] >= 10 and summary["completion_tokens"] > 0
