@@ -5,8 +5,7 @@ key/value-cached decoding and packed layers; requests take turns on the model).
     python -m bench.serve_plain --model NAME=DIR [--model ...] --port PORT [--threads N]
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: FastAPI reads the routes' annotations (Request) as objects.
 import argparse
 import asyncio
 

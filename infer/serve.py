@@ -54,8 +54,9 @@ class ServeConfig:
     max_batch_tokens: int = 8192
     """Tokens in flight per model on a replica: active sequences' prompts plus what they may still add,
     and a pass batch's tokens. A sequence waits until it fits."""
-    batch_wait_ms: float = 2.0
-    """How long an idle model waits after a request arrives, so that others share its first pass."""
+    batch_wait_ms: float = 0.0
+    """How long an idle model waits after a request arrives, so that others share its first pass (under
+    load batches form anyway: requests arriving during a step share the next)."""
     max_ongoing: int = 64
     """Requests a model replica takes at once; past it Serve tries another replica or queues."""
     max_queued: int = 256
@@ -539,6 +540,7 @@ def api_deployment():
             self.limits = ServeConfig(**limits)
             self.token = token_sha256
             self.ledger = Ledger()
+            self.handles = {n: models.options(multiplexed_model_id=n) for n in self.names}
 
         def _deny(self, request: Request) -> JSONResponse | None:
             if self.token is None:
@@ -576,7 +578,7 @@ def api_deployment():
                 return denied
             try:
                 req = check(await self._body(request), self.names, self.limits)
-                handle = self.models.options(multiplexed_model_id=req["model"])
+                handle = self.handles[req["model"]]
                 if req.get("stream"):
                     return self._streamed(handle, req, started)
                 out = await getattr(handle, method).remote(*args, req)
@@ -705,7 +707,8 @@ def build(specs: dict[str, str], root: str, limits: ServeConfig, token_sha256: s
     options = {"ray_actor_options": {"num_cpus": 0 if gpu else limits.cpus_per_replica, "num_gpus": 1 if gpu else 0,
                                      "label_selector": tiers.selector(limits.tier)},
                "max_ongoing_requests": limits.max_ongoing, "max_queued_requests": limits.max_queued,
-               "health_check_period_s": 2.0, "graceful_shutdown_timeout_s": 10.0}
+               "health_check_period_s": 2.0, "graceful_shutdown_timeout_s": 10.0,
+               "logging_config": {"enable_access_log": False}}  # a log line per request costs each hop CPU
     if limits.autoscaling():
         options["autoscaling_config"] = limits.autoscaling()
     else:
@@ -714,7 +717,8 @@ def build(specs: dict[str, str], root: str, limits: ServeConfig, token_sha256: s
 
     model_app = serve.deployment(models, name="Models", **options).bind(specs, root)
     api = serve.deployment(api_deployment(), name="Api", num_replicas=1, max_ongoing_requests=4 * limits.max_queued,
-                           ray_actor_options={"num_cpus": 0, "label_selector": tiers.selector(tiers.Tier.CPU)})
+                           ray_actor_options={"num_cpus": 0, "label_selector": tiers.selector(tiers.Tier.CPU)},
+                           logging_config={"enable_access_log": False})
     return api.bind(model_app, sorted(specs), asdict(limits), token_sha256)
 
 
@@ -829,11 +833,12 @@ def _warm(specs: dict[str, str], cfg: ServeConfig) -> None:
     wait for a load: each through Serve's router, as a request for it would go."""
     from ray import serve
 
-    handle = serve.get_deployment_handle("Models", app_name=APP)
     room = cfg.models_per_replica * max(1, cfg.replicas if not cfg.max_replicas else cfg.min_replicas or 1)
-    calls = [handle.options(multiplexed_model_id=n).warm.remote(n) for n in list(specs)[:room]]
-    for call in calls:
-        call.result(timeout_s=600)
+
+    async def warm():  # in an event loop: Serve's throughput-optimised mode routes only from inside one
+        handle = serve.get_deployment_handle("Models", app_name=APP)
+        await asyncio.gather(*[handle.options(multiplexed_model_id=n).warm.remote(n) for n in list(specs)[:room]])
+    asyncio.run(asyncio.wait_for(warm(), 600))
 
 
 def _replicas() -> int:
@@ -850,8 +855,11 @@ def _replicas() -> int:
 def _figures() -> dict:
     from ray import serve
 
+    async def read():
+        return await serve.get_app_handle(APP).figures.remote()
+
     try:
-        return serve.get_app_handle(APP).figures.remote().result(timeout_s=10)
+        return asyncio.run(asyncio.wait_for(read(), 10))
     except Exception as e:  # noqa: BLE001 - the record says it could not count
         return {"requests": None, "error": f"the ingress's figures could not be read: {e}"}
 

@@ -149,3 +149,15 @@ def test_infer_benchmark_checks_the_losses_and_prints_its_ratio_last():
     result = json.loads(lines[-3])
     assert result["max_loss_difference"] < 1e-4 and result["tokens"] > 0
     assert lines[-1].startswith("ratio tokens/s per core, strata / transformers: ")
+
+
+@pytest.mark.bench  # about 2 minutes
+def test_serve_benchmark_loads_each_server_and_prints_its_targets_last():
+    lines = _run("bench.serve", "--seconds", "0.5", "--concurrency", "1,4", "--presets", "debug", "--json", timeout=900)
+    result = json.loads(lines[-2])
+    for workload in ("completions debug", "embeddings debug"):
+        servers = result["results"][workload]
+        assert set(servers) == {"plain", "strata", "strata-optimized"}
+        assert all(p["ok"] > 0 and p["p50_ms"] > 0 for points in servers.values() for p in points)
+    assert result["targets"]["strata"]["only_200_503_at_top"] is True
+    assert lines[-1].startswith("strata serve / plain FastAPI: embeddings c=1 p50")
