@@ -84,7 +84,11 @@ class Server:
             cmd = [sys.executable, "-m", "infer", "serve", *flags, "--port", str(self.port), "--cpus-per-replica",
                    str(cores), "--models-per-replica", str(len(models)), "--name", f"bench-{kind}", "--json"]
             if kind == "strata-optimized":
-                env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
+                # Direct ingress: the ingress replica serves HTTP on a port of its own (the first of this range),
+                # where Ray's HA proxy would send traffic; the load goes there.
+                self.direct = _port()
+                env.update(RAY_SERVE_THROUGHPUT_OPTIMIZED="1", RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(self.direct),
+                           RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(self.direct + 20))
         self.log = open(os.path.join(work, f"{kind}.log"), "w+")  # noqa: SIM115 - the server's life
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      start_new_session=True)
@@ -93,6 +97,11 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{kind} server exited: {self.tail()}")
             if self._up():
+                if kind == "strata-optimized":
+                    proxy, self.port = self.port, self.direct
+                    if not self._up():
+                        self.port = proxy  # no direct ingress here: through the proxy, and said so
+                        print("strata-optimized: no direct ingress port answered; through the proxy", flush=True)
                 return
             time.sleep(0.5)
         self.stop()

@@ -11,7 +11,7 @@ import asyncio
 
 
 def app(models: dict):
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI, Request, Response
 
     from infer.generate import decode
 
@@ -37,6 +37,8 @@ def app(models: dict):
         body = await request.json()
         net, tok = models[body["model"]]
         async with turn:
+            if await request.is_disconnected():  # the client gave up while it waited: no work for no one
+                return Response(status_code=499)
             ids = await asyncio.to_thread(complete, net, tok, body["prompt"], int(body.get("max_tokens", 16)))
         return {"choices": [{"index": 0, "text": tok.decode([i for i in ids if i != tok.eot_id])}],
                 "usage": {"completion_tokens": len(ids)}}
@@ -46,6 +48,8 @@ def app(models: dict):
         body = await request.json()
         net, tok = models[body["model"]]
         async with turn:
+            if await request.is_disconnected():
+                return Response(status_code=499)
             vector = await asyncio.to_thread(embed, net, tok, body["input"])
         return {"data": [{"index": 0, "embedding": vector}]}
 

@@ -227,125 +227,143 @@ def _load(spec: str, root: str, device: str, limits: ServeConfig, pool) -> tuple
                                 max_waiting=limits.max_queued, batch_wait_ms=limits.batch_wait_ms), tok
 
 
+class Holder:
+    """What a replica that holds models does with them (the Models deployment; the ingress itself when every
+    replica holds every model): load, follow a run, answer. `_model(name)` gives the loaded model."""
+
+    def _hold(self, specs: dict[str, str], root: str, limits: ServeConfig) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        import ray
+        import torch
+        from ray import serve
+
+        self.specs, self.root, self.limits = specs, root, limits
+        self.device = "cuda" if ray.get_gpu_ids() else "cpu"
+        torch.set_num_threads(max(1, int(limits.cpus_per_replica)))
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="strata-model")
+        self.held: weakref.WeakValueDictionary[str, Held] = weakref.WeakValueDictionary()
+        self.follower: asyncio.Task | None = None
+        self.replica = serve.get_replica_context().replica_id.unique_id
+
+    async def _model(self, name: str) -> Held:
+        raise NotImplementedError
+
+    async def _load_held(self, name: str) -> Held:
+        """`name` loaded on a thread of its own: the models already loaded keep answering meanwhile."""
+        spec = self.specs[name].removesuffix("@latest")
+        source, engine, tok = await asyncio.to_thread(_load, spec, self.root, self.device, self.limits, self.pool)
+        held = Held(name, source, engine, tok)
+        self.held[name] = held
+        return held
+
+    async def model(self, name: str) -> Held:
+        if self.follower is None and any(s.endswith("@latest") for s in self.specs.values()):
+            self.follower = asyncio.get_running_loop().create_task(self._follow())
+        return await self._model(name)
+
+    async def _follow(self) -> None:
+        """Move RUN@latest models to their run's newest checkpoint, one replica at a time."""
+        import logging
+
+        while True:
+            await asyncio.sleep(self.limits.follow_s)
+            try:
+                await self._move()
+            except Exception as e:  # noqa: BLE001 - a failed look is tried again at the next
+                logging.getLogger("ray.serve").warning(f"strata serve: following a run failed: {e}")
+
+    async def _move(self) -> None:
+        from strata.storage import Storage
+
+        for name, spec in self.specs.items():
+            held = self.held.get(name)
+            if not spec.endswith("@latest") or held is None:
+                continue
+            newest = await asyncio.to_thread(_newest, spec.removesuffix("@latest"), Storage(self.root))
+            if newest is None or newest == held.source:
+                continue
+            lock = _mover()
+            await lock.acquire.remote()
+            try:
+                source, engine, tok = await asyncio.to_thread(_load, newest, self.root, self.device, self.limits,
+                                                              self.pool)
+                held.source, held.engine, held.tok, held.loaded_at = source, engine, tok, time.time()
+            finally:
+                await lock.release.remote()
+
+    async def complete(self, req: dict) -> dict:
+        from infer.engine import Busy
+
+        held = await self.model(req["model"])
+        try:
+            return {**await _complete(held, req), "strata": {"source": held.source, "replica": self.replica}}
+        except ValueError as e:
+            return {**RequestError(str(e), param="prompt", code="limit").body(), "status": 400}
+        except Busy as e:
+            return {**RequestError(str(e), kind="overloaded", status=503).body(), "status": 503}
+
+    async def stream(self, req: dict):
+        from infer.engine import Busy
+
+        held = await self.model(req["model"])
+        try:
+            async for chunk in _stream(held, req):
+                yield chunk
+        except ValueError as e:
+            yield {**RequestError(str(e), param="prompt", code="limit").body(), "status": 400}
+        except Busy as e:
+            yield {**RequestError(str(e), kind="overloaded", status=503).body(), "status": 503}
+
+    async def passes(self, kind: str, req: dict) -> dict:
+        from infer.engine import Busy
+
+        held = await self.model(req["model"])
+        engine, tok = held.engine, held.tok
+        try:
+            ids = [_ids(tok, x) for x in req["inputs"]]
+            got = await asyncio.gather(*[engine.run_pass(kind, i) for i in ids])
+        except ValueError as e:
+            return {**RequestError(str(e), param="input", code="limit").body(), "status": 400}
+        except Busy as e:
+            return {**RequestError(str(e), kind="overloaded", status=503).body(), "status": 503}
+        tokens = sum(len(i) for i in ids)
+        where = {"source": held.source, "replica": self.replica}
+        if kind == "embed":
+            data = [{"object": "embedding", "index": k, "embedding": _encoded(v, req["encoding_format"])}
+                    for k, v in enumerate(got)]
+            return {"object": "list", "model": req["model"], "data": data,
+                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "strata": where}
+        per_token = tok.token_bytes()
+        data = []
+        for k, (i, (n, nll)) in enumerate(zip(ids, got, strict=True)):
+            size = int(per_token[i].sum()) if len(i) else 0
+            data.append({"index": k, "tokens": n, "loss": nll / n if n else None,
+                         "bpb": nll / math.log(2) / max(1, size) if n else None, "bytes": size})
+        return {"object": "list", "model": req["model"], "data": data,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "strata": where}
+
+    async def warm(self, name: str) -> str:
+        """Load `name` here (before the first request asks): its source."""
+        return (await self.model(name)).source
+
+    def model_stats(self) -> dict:
+        """This replica's models: their sources and decode steps (rows / steps: the mean batch)."""
+        return {"replica": self.replica, "models": {
+            n: {"source": h.source, "steps": h.engine.steps, "rows": h.engine.rows} for n, h in self.held.items()}}
+
+
 def models_deployment(limits: ServeConfig):
     """The Models deployment class, its multiplexing sized by `limits.models_per_replica`."""
     from ray import serve
 
-    from infer.engine import Busy
-
-    class Models:
+    class Models(Holder):
         def __init__(self, specs: dict[str, str], root: str):
-            from concurrent.futures import ThreadPoolExecutor
-
-            import ray
-            import torch
-
-            self.specs, self.root = specs, root
-            gpu = bool(ray.get_gpu_ids())
-            self.device = "cuda" if gpu else "cpu"
-            torch.set_num_threads(max(1, int(limits.cpus_per_replica)))
-            self.pool = ThreadPoolExecutor(1, thread_name_prefix="strata-model")
-            self.held: weakref.WeakValueDictionary[str, Held] = weakref.WeakValueDictionary()
-            self.follower: asyncio.Task | None = None
-            self.replica = serve.get_replica_context().replica_id.unique_id
-
-        async def model(self, name: str) -> Held:
-            if self.follower is None and any(s.endswith("@latest") for s in self.specs.values()):
-                self.follower = asyncio.get_running_loop().create_task(self._follow())
-            return await self._model(name)
+            self._hold(specs, root, limits)
 
         @serve.multiplexed(max_num_models_per_replica=limits.models_per_replica)
         async def _model(self, name: str) -> Held:
-            spec = self.specs[name].removesuffix("@latest")
-            source, engine, tok = await asyncio.to_thread(_load, spec, self.root, self.device, limits, self.pool)
-            held = Held(name, source, engine, tok)
-            self.held[name] = held
-            return held
-
-        async def _follow(self) -> None:
-            """Move RUN@latest models to their run's newest checkpoint, one replica at a time."""
-            import logging
-
-            while True:
-                await asyncio.sleep(limits.follow_s)
-                try:
-                    await self._move()
-                except Exception as e:  # noqa: BLE001 - a failed look is tried again at the next
-                    logging.getLogger("ray.serve").warning(f"strata serve: following a run failed: {e}")
-
-        async def _move(self) -> None:
-            from strata.storage import Storage
-
-            for name, spec in self.specs.items():
-                held = self.held.get(name)
-                if not spec.endswith("@latest") or held is None:
-                    continue
-                newest = await asyncio.to_thread(_newest, spec.removesuffix("@latest"), Storage(self.root))
-                if newest is None or newest == held.source:
-                    continue
-                lock = _mover()
-                await lock.acquire.remote()
-                try:
-                    source, engine, tok = await asyncio.to_thread(_load, newest, self.root, self.device, limits,
-                                                                  self.pool)
-                    held.source, held.engine, held.tok, held.loaded_at = source, engine, tok, time.time()
-                finally:
-                    await lock.release.remote()
-
-        async def complete(self, req: dict) -> dict:
-            held = await self.model(req["model"])
-            try:
-                return {**await _complete(held, req), "strata": {"source": held.source, "replica": self.replica}}
-            except ValueError as e:
-                return {**RequestError(str(e), param="prompt", code="limit").body(), "status": 400}
-            except Busy as e:
-                return {**RequestError(str(e), kind="overloaded", status=503).body(), "status": 503}
-
-        async def stream(self, req: dict):
-            held = await self.model(req["model"])
-            try:
-                async for chunk in _stream(held, req):
-                    yield chunk
-            except ValueError as e:
-                yield {**RequestError(str(e), param="prompt", code="limit").body(), "status": 400}
-            except Busy as e:
-                yield {**RequestError(str(e), kind="overloaded", status=503).body(), "status": 503}
-
-        async def passes(self, kind: str, req: dict) -> dict:
-            held = await self.model(req["model"])
-            engine, tok = held.engine, held.tok
-            try:
-                ids = [_ids(tok, x) for x in req["inputs"]]
-                got = await asyncio.gather(*[engine.run_pass(kind, i) for i in ids])
-            except ValueError as e:
-                return {**RequestError(str(e), param="input", code="limit").body(), "status": 400}
-            except Busy as e:
-                return {**RequestError(str(e), kind="overloaded", status=503).body(), "status": 503}
-            tokens = sum(len(i) for i in ids)
-            if kind == "embed":
-                data = [{"object": "embedding", "index": k, "embedding": _encoded(v, req["encoding_format"])}
-                        for k, v in enumerate(got)]
-                return {"object": "list", "model": req["model"], "data": data,
-                        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-                        "strata": {"source": held.source, "replica": self.replica}}
-            per_token = tok.token_bytes()
-            data = []
-            for k, (i, (n, nll)) in enumerate(zip(ids, got, strict=True)):
-                size = int(per_token[i].sum()) if len(i) else 0
-                data.append({"index": k, "tokens": n, "loss": nll / n if n else None,
-                             "bpb": nll / math.log(2) / max(1, size) if n else None, "bytes": size})
-            return {"object": "list", "model": req["model"], "data": data,
-                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-                    "strata": {"source": held.source, "replica": self.replica}}
-
-        async def warm(self, name: str) -> str:
-            """Load `name` here (before the first request asks): its source."""
-            return (await self.model(name)).source
-
-        def stats(self) -> dict:
-            """This replica's models: their sources and decode steps (rows / steps: the mean batch)."""
-            return {"replica": self.replica, "models": {
-                n: {"source": h.source, "steps": h.engine.steps, "rows": h.engine.rows} for n, h in self.held.items()}}
+            return await self._load_held(name)
 
     return Models
 
@@ -534,13 +552,38 @@ def api_deployment():
     app = FastAPI(title="strata", docs_url=None, redoc_url=None)
 
     @serve.ingress(app)
-    class Api:
-        def __init__(self, models, names: list[str], limits: dict, token_sha256: str | None):
+    class Api(Holder):
+        """The ingress. With `models` None it holds every model itself (`specs`, under `root`) and answers in
+        this process: one hop from the proxy instead of two."""
+
+        def __init__(self, models, names: list[str], limits: dict, token_sha256: str | None,
+                     specs: dict[str, str] | None = None, root: str = ""):
             self.models, self.names = models, list(names)
             self.limits = ServeConfig(**limits)
             self.token = token_sha256
             self.ledger = Ledger()
-            self.handles = {n: models.options(multiplexed_model_id=n) for n in self.names}
+            self.inflight = 0  # requests in this replica (the bound when it holds the models itself)
+            if models is None:
+                self._hold(specs, root, self.limits)
+                self.loads: dict[str, asyncio.Task] = {}
+                self.handles = {}
+                try:  # the constructor runs on the replica's event loop: every model starts loading now
+                    loop = asyncio.get_running_loop()
+                    self.loads = {n: loop.create_task(self._load_held(n)) for n in specs}
+                except RuntimeError:
+                    pass
+            else:
+                self.handles = {n: models.options(multiplexed_model_id=n) for n in self.names}
+
+        async def _model(self, name: str) -> Held:  # every model stays: a load happens once per name
+            if name not in self.loads:
+                self.loads[name] = asyncio.get_running_loop().create_task(self._load_held(name))
+            try:
+                return await asyncio.shield(self.loads[name])
+            except Exception:
+                self.loads.pop(name, None)  # a failed load is tried again by the next request
+                raise
+
 
         def _deny(self, request: Request) -> JSONResponse | None:
             if self.token is None:
@@ -578,13 +621,22 @@ def api_deployment():
                 return denied
             try:
                 req = check(await self._body(request), self.names, self.limits)
-                handle = self.handles[req["model"]]
+                if self.models is None and self.inflight >= self.limits.max_ongoing + self.limits.max_queued:
+                    raise RequestError(f"overloaded: {self.inflight} requests in flight on this replica "
+                                       "(--max-ongoing plus --max-queued); retry", status=503, kind="overloaded")
                 if req.get("stream"):
-                    return self._streamed(handle, req, started)
-                out = await getattr(handle, method).remote(*args, req)
+                    return self._streamed(req, started)
+                if self.models is None:
+                    self.inflight += 1
+                    try:
+                        out = await getattr(self, method)(*args, req)
+                    finally:
+                        self.inflight -= 1
+                else:
+                    out = await getattr(self.handles[req["model"]], method).remote(*args, req)
             except RequestError as e:
                 self.ledger.add(time.perf_counter() - started, e.status)
-                return _error(e)
+                return _error(e, retry_after=1 if e.status == 503 else None)
             except BackPressureError as e:
                 self.ledger.add(time.perf_counter() - started, 503)
                 return _error(RequestError(f"overloaded: {e.message}; retry", status=503, kind="overloaded"),
@@ -597,8 +649,12 @@ def api_deployment():
                 return JSONResponse(out, status_code=status, headers={"Retry-After": "1"} if status == 503 else None)
             return out
 
-        def _streamed(self, handle, req: dict, started: float):
-            gen = handle.options(stream=True).stream.remote(req)
+        def _streamed(self, req: dict, started: float):
+            if self.models is None:
+                gen = self.stream(req)
+            else:
+                gen = self.handles[req["model"]].options(stream=True).stream.remote(req)
+            self.inflight += 1
 
             async def events():
                 status, usage = 200, {}
@@ -617,6 +673,7 @@ def api_deployment():
                     status = 503
                     yield f"data: {json.dumps(RequestError(f'overloaded: {e.message}', status=503).body())}\n\n"
                 finally:
+                    self.inflight -= 1
                     self.ledger.add(time.perf_counter() - started, status, usage.get("prompt_tokens", 0),
                                     usage.get("completion_tokens", 0))
 
@@ -648,7 +705,8 @@ def api_deployment():
             denied = self._deny(request)
             if denied:
                 return denied
-            return {"served": self.ledger.figures(), "replica": await self.models.stats.remote()}
+            replica = self.model_stats() if self.models is None else await self.models.model_stats.remote()
+            return {"served": self.ledger.figures(), "replica": replica}
 
         @app.get("/healthz")
         async def healthz(self):
@@ -701,8 +759,9 @@ class Ledger:
 
 
 def build(specs: dict[str, str], root: str, limits: ServeConfig, token_sha256: str | None):
-    """The Serve application: Api in front of Models."""
-    models = models_deployment(limits)
+    """The Serve application. When every replica can hold every model (no more models than
+    --models-per-replica), one deployment: the ingress holds the models and answers itself, one hop from
+    the proxy. Otherwise Api in front of Models, which Serve multiplexes by model."""
     gpu = limits.tier == tiers.Tier.GPU
     options = {"ray_actor_options": {"num_cpus": 0 if gpu else limits.cpus_per_replica, "num_gpus": 1 if gpu else 0,
                                      "label_selector": tiers.selector(limits.tier)},
@@ -715,7 +774,14 @@ def build(specs: dict[str, str], root: str, limits: ServeConfig, token_sha256: s
         options["num_replicas"] = limits.replicas
     from ray import serve
 
-    model_app = serve.deployment(models, name="Models", **options).bind(specs, root)
+    if len(specs) <= limits.models_per_replica:
+        # The replica refuses past --max-ongoing plus --max-queued itself (503, OpenAI's shape, Retry-After); Serve's
+        # own bounds sit above it as the last line.
+        options.update(max_ongoing_requests=limits.max_ongoing + limits.max_queued + 32,
+                       max_queued_requests=limits.max_queued)
+        return serve.deployment(api_deployment(), name="Api", **options).bind(None, sorted(specs), asdict(limits),
+                                                                            token_sha256, specs, root)
+    model_app = serve.deployment(models_deployment(limits), name="Models", **options).bind(specs, root)
     api = serve.deployment(api_deployment(), name="Api", num_replicas=1, max_ongoing_requests=4 * limits.max_queued,
                            ray_actor_options={"num_cpus": 0, "label_selector": tiers.selector(tiers.Tier.CPU)},
                            logging_config={"enable_access_log": False})
@@ -836,6 +902,10 @@ def _warm(specs: dict[str, str], cfg: ServeConfig) -> None:
     room = cfg.models_per_replica * max(1, cfg.replicas if not cfg.max_replicas else cfg.min_replicas or 1)
 
     async def warm():  # in an event loop: Serve's throughput-optimised mode routes only from inside one
+        if len(specs) <= cfg.models_per_replica:  # the ingress holds them all (build): each replica loads them
+            handle = serve.get_deployment_handle("Api", app_name=APP)
+            await asyncio.gather(*[handle.warm.remote(n) for n in specs])
+            return
         handle = serve.get_deployment_handle("Models", app_name=APP)
         await asyncio.gather(*[handle.options(multiplexed_model_id=n).warm.remote(n) for n in list(specs)[:room]])
     asyncio.run(asyncio.wait_for(warm(), 600))
@@ -846,9 +916,12 @@ def _replicas() -> int:
 
     try:
         app = serve.status().applications.get(APP)
-        dep = app.deployments.get("Models") if app else None
+        dep = (app.deployments.get("Models") or app.deployments.get("Api")) if app else None
         return sum(n for state, n in dep.replica_states.items() if str(state).endswith("RUNNING")) if dep else 0
-    except Exception:  # noqa: BLE001 - a status that fails to read counts no replica for that second
+    except Exception as e:  # noqa: BLE001 - a status that fails to read counts no replica for that second
+        from strata.shell import log
+
+        log("serve").warning(f"Ray Serve's status did not read ({type(e).__name__}: {e}): no replica counted")
         return 0
 
 

@@ -295,6 +295,7 @@ def test_sigterm_stops_the_server_and_its_record_counts_what_it_served(server, t
 
     status, _, _ = server.call("POST", "/v1/completions", {"model": "m2", "prompt": "last", "max_tokens": 4})
     assert status == 200
+    assert server.call("POST", "/v1/completions", {"model": "m2", "prompt": 7})[0] == 400
     # Ray Serve's own Prometheus metrics, as Ray's metrics agent exports them (every few seconds).
     url = re.search(r"Prometheus metrics at (\S+)", server.output()).group(1)
 
@@ -305,8 +306,8 @@ def test_sigterm_stops_the_server_and_its_record_counts_what_it_served(server, t
     wait_for(counted, "Ray Serve's request counter in the metrics", 120)
     code, summary = server.stop()
     assert code == 0, server.output()[-3000:]
-    assert summary["requests"] >= 10 and summary["completion_tokens"] > 0
-    assert summary["by_status"]["200"] >= 5 and summary["by_status"]["400"] >= 5 and "500" not in summary["by_status"]
+    assert summary["requests"] >= 2 and summary["completion_tokens"] >= 4
+    assert summary["by_status"]["200"] >= 1 and summary["by_status"]["400"] >= 1 and "500" not in summary["by_status"]
     assert 0 < summary["p50_ms"] <= summary["p99_ms"]
     assert summary["replica_hours"] > 0 and summary["node_hours"] > 0
     assert summary["dollars_per_million_tokens"] is not None
@@ -388,7 +389,7 @@ def test_replicas_scale_up_under_load_and_down_after_it_and_overload_gets_503_at
 
     def running():
         app = serve.status().applications.get("strata")
-        dep = app.deployments.get("Models") if app else None
+        dep = app.deployments.get("Api") if app else None  # one model: the ingress holds it (one hop)
         return dep.replica_states.get("RUNNING", 0) if dep else 0
 
     with simulated_cluster([(("cpu",), 1), (("cpu",), 1)]) as (cluster, _):
