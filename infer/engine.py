@@ -219,14 +219,15 @@ class Engine:
         self._rows = {id(s): i for i, s in enumerate(self.active)}
 
     def _room(self, rows: int, length: int) -> None:
-        """A cache of at least `rows` rows of `length` positions (grown by doubling; its rows kept)."""
+        """A cache of at least `rows` rows of `length` positions (its rows kept)."""
         blk = self.net.blocks[0].attn
         H, C = blk.n_head, self.net.cfg.n_embd
         have_rows, have_len = (self.cache[0][0].shape[0], self.cache[0][0].shape[2]) if self.cache else (0, 0)
         if rows <= have_rows and length <= have_len:
             return
-        new_rows = max(rows, min(2 * have_rows, rows * 2), 4)
-        new_len = min(self.context, max(length, 2 * have_len, 64))
+        # Rounded up, not doubled: the cache stays within about --max-batch-tokens of keys and values.
+        new_rows = max(have_rows, -(-rows // 8) * 8)
+        new_len = min(self.context, max(have_len, -(-length // 64) * 64))
         dtype = self.net.wte.weight.dtype
         cache = []
         for i in range(len(self.net.blocks)):
