@@ -65,8 +65,8 @@ class ServeConfig:
     """Prompts (or inputs) a request may carry."""
     max_new_tokens: int = 1024
     """The largest max_tokens a request may ask for (the model's context bounds it too)."""
-    max_body_bytes: int = 4 << 20
-    """The largest request body."""
+    max_body_bytes: int = 1 << 20
+    """The largest request body (64 prompts of a 1,024-token context fit in well under 1 MB of JSON)."""
     follow_s: float = 10.0
     """How often a RUN@latest model looks for a newer checkpoint."""
 
@@ -620,10 +620,11 @@ def api_deployment():
             if denied:
                 return denied
             try:
-                req = check(await self._body(request), self.names, self.limits)
                 if self.models is None and self.inflight >= self.limits.max_ongoing + self.limits.max_queued:
+                    # At once, before the body is read: an overload costs this replica next to nothing.
                     raise RequestError(f"overloaded: {self.inflight} requests in flight on this replica "
                                        "(--max-ongoing plus --max-queued); retry", status=503, kind="overloaded")
+                req = check(await self._body(request), self.names, self.limits)
                 if req.get("stream"):
                     return self._streamed(req, started)
                 if self.models is None:
@@ -767,7 +768,8 @@ def build(specs: dict[str, str], root: str, limits: ServeConfig, token_sha256: s
                                      "label_selector": tiers.selector(limits.tier)},
                "max_ongoing_requests": limits.max_ongoing, "max_queued_requests": limits.max_queued,
                "health_check_period_s": 2.0, "graceful_shutdown_timeout_s": 10.0,
-               "logging_config": {"enable_access_log": False}}  # a log line per request costs each hop CPU
+               "logging_config": {"enable_access_log": False},  # a log line per request costs each hop CPU
+               "backpressure_config": {"retry_after_s": 1}}  # Serve's own 503s say when to retry too
     if limits.autoscaling():
         options["autoscaling_config"] = limits.autoscaling()
     else:
@@ -775,10 +777,11 @@ def build(specs: dict[str, str], root: str, limits: ServeConfig, token_sha256: s
     from ray import serve
 
     if len(specs) <= limits.models_per_replica:
-        # The replica refuses past --max-ongoing plus --max-queued itself (503, OpenAI's shape, Retry-After); Serve's
-        # own bounds sit above it as the last line.
-        options.update(max_ongoing_requests=limits.max_ongoing + limits.max_queued + 32,
-                       max_queued_requests=limits.max_queued)
+        # The replica refuses past --max-ongoing plus --max-queued itself, before reading the body (503 in OpenAI's
+        # shape, Retry-After); Serve's own bounds sit far above it as the last line.
+        # (The proxy's router holds a burst's requests while it picks replicas: its queue is that large too.)
+        bound = max(1024, 4 * (limits.max_ongoing + limits.max_queued))
+        options.update(max_ongoing_requests=bound, max_queued_requests=bound)
         return serve.deployment(api_deployment(), name="Api", **options).bind(None, sorted(specs), asdict(limits),
                                                                             token_sha256, specs, root)
     model_app = serve.deployment(models_deployment(limits), name="Models", **options).bind(specs, root)
