@@ -272,11 +272,13 @@ def test_lm_evaluation_harness_local_completions_gets_infer_evals_accuracy(serve
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
     monkeypatch.setenv("OPENAI_API_KEY", TOKEN)  # local-completions sends it as the bearer token
-    out = lm_eval.simple_evaluate(
-        model="local-completions", tasks=["strata_arith"], task_manager=TaskManager(include_path=str(_local_task(tmp_path))),
-        model_args={"model": "m1", "base_url": server.url + "/v1/completions", "tokenizer_backend": "huggingface",
-                    "tokenizer": models["m1"], "num_concurrent": 4, "max_retries": 1},
-        log_samples=True)
+    # The harness's own class (its registry by name can miss it once another model was registered first).
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    lm = LocalCompletionsAPI(model="m1", base_url=server.url + "/v1/completions", tokenizer_backend="huggingface",
+                             tokenizer=models["m1"], num_concurrent=4, max_retries=1)
+    out = lm_eval.simple_evaluate(model=lm, tasks=["strata_arith"],
+                                  task_manager=TaskManager(include_path=str(_local_task(tmp_path))), log_samples=True)
     net, tok = built
     ours = evaluate(net, tok, load_task(TASK))
     got = out["results"]["strata_arith"]
