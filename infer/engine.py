@@ -23,7 +23,6 @@ text whatever else is in the batch.
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 from collections import deque
 from concurrent.futures import Executor
@@ -376,7 +375,3 @@ def _resolve(fut: asyncio.Future, value=None, error: Exception | None = None) ->
             fut.set_exception(error) if error else fut.set_result(value)
 
     fut.get_loop().call_soon_threadsafe(settle)
-
-
-def bits_per_byte(nll: float, size: int) -> float:
-    return nll / math.log(2) / max(1, size)

@@ -28,7 +28,7 @@ import json
 import math
 import time
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from strata import tiers
 
@@ -213,7 +213,6 @@ class Held:
     source: str
     engine: object
     tok: object
-    loaded_at: float = field(default_factory=time.time)
 
 
 def _load(spec: str, root: str, device: str, limits: ServeConfig, pool) -> tuple[str, object, object]:
@@ -288,7 +287,7 @@ class Holder:
             try:
                 source, engine, tok = await asyncio.to_thread(_load, newest, self.root, self.device, self.limits,
                                                               self.pool)
-                held.source, held.engine, held.tok, held.loaded_at = source, engine, tok, time.time()
+                held.source, held.engine, held.tok = source, engine, tok
             finally:
                 await lock.release.remote()
 
