@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-bench lint bench clean
+.PHONY: install demo test test-bench test-cluster hosts lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,14 @@ lint: install
 
 test: lint
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m pytest
+
+# strata on a cluster of hosts (network namespaces on a bridge; needs root): every case, the partition ones
+# `make test` runs and those it leaves out. `make hosts` starts that cluster for a person, until Ctrl-C.
+test-cluster: install
+	$(PY) -m pytest tests/test_hosts.py -m 'not bench'
+
+hosts: install
+	$(PY) tests/hosts.py
 
 # The benchmark smoke runs `make test` leaves out (about 2 minutes on 2 cores); `make bench` runs the benchmarks.
 test-bench: install

@@ -184,6 +184,17 @@ def _join_early() -> dict | None:
     return box
 
 
+def _signing_env() -> dict | None:
+    """The driver's signing key for the workers of a cluster it joins, unless its job already passes one
+    (`strata submit` does). Without it each host signs with a key of its own (~/.strata/signing-key there),
+    and the driver refuses what a worker on another host wrote: a checkpoint, a sweep's state."""
+    from strata import signing
+
+    if os.environ.get(signing.KEY_ENV):
+        return None
+    return {"env_vars": {signing.KEY_ENV: signing.secret().decode()}}
+
+
 def connect(*, address: str | None = None, num_cpus: int | None = None,
             temp_dir: str | None = None, log_to_driver: bool = True, dashboard: bool = True,
             preload: tuple[str, ...] = (), quiet: bool = False) -> str:
@@ -212,7 +223,8 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
         return "already connected"
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=log_to_driver, logging_level=logging.WARNING if quiet else logging.INFO)
+        ray.init(address=address, runtime_env=_signing_env(), log_to_driver=log_to_driver,
+                 logging_level=logging.WARNING if quiet else logging.INFO)
         stop_on_sigterm()
         if quiet:
             filter_core_logs()

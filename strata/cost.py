@@ -117,11 +117,50 @@ class _RemoteSampler:
         return self.sampler.stop()
 
 
+class NodeWatch:
+    """Says, the moment the cluster declares it dead, which node a run lost: its address and type, and how
+    long into the run. A host cut off from the network looks like a slow one until then; the line names
+    the host a stalled run is waiting on, and `lost` goes into the run's record."""
+
+    def __init__(self, nodes: list[dict], interval_s: float, started: float):
+        from strata.shell import log
+
+        self.say = log("cluster").warning
+        self.nodes = {n["NodeID"]: n for n in nodes}
+        self.started, self.interval_s = started, interval_s
+        self.lost: list[dict] = []
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        import ray
+
+        while not self.stop_event.wait(self.interval_s):
+            try:
+                dead = {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
+            except Exception:  # noqa: BLE001 - the GCS itself out of reach: the run's own calls say so
+                continue
+            for nid in dead & set(self.nodes) - {x["node_id"] for x in self.lost}:
+                n = self.nodes[nid]
+                loss = {"node_id": nid, "address": n.get("NodeManagerAddress"), "type": node_type(n.get("Labels", {})),
+                        "after_s": round(time.time() - self.started, 1)}
+                self.lost.append(loss)
+                self.say(f"lost node {loss['address']} ({loss['type']}, {nid[:8]}) {loss['after_s']:.0f} s into "
+                         "the run: the cluster declared it dead; its work is retried on the nodes left")
+
+    def stop(self) -> list[dict]:
+        self.stop_event.set()
+        self.thread.join(timeout=10)
+        return self.lost
+
+
 class UsageMonitor:
     """`with UsageMonitor() as usage:` around a run's work; then `usage.nodes(work_node_ids)`."""
 
     def __init__(self, interval_s: float = 2.0):
         self.interval_s = interval_s
+        self.lost: list[dict] = []
 
     def __enter__(self) -> UsageMonitor:
         import ray
@@ -132,6 +171,7 @@ class UsageMonitor:
         self.labels = {n["NodeID"]: n.get("Labels", {}) for n in alive}
         self.resources = {n["NodeID"]: n.get("Resources", {}) for n in alive}
         self.here = ray.get_runtime_context().get_node_id()
+        self.watch = NodeWatch(alive, self.interval_s, self.started)
         self.local = Sampler(self.interval_s)
         remote = ray.remote(num_cpus=0, max_restarts=0)(_RemoteSampler)
         self.remote = {
@@ -143,6 +183,7 @@ class UsageMonitor:
         import ray
 
         self.ended = time.time()
+        self.lost = self.watch.stop()
         self.series = {self.here: self.local.stop()}
         for nid, actor in self.remote.items():
             try:

@@ -36,7 +36,7 @@ def write_record(storage: Storage, info: dict, *, name: str, beside: str, usage:
         "prices_as_of": prices.get("as_of"),
         "utilization": {"cpu_busy": sum(b * h for b, h in busy) / sum(h for _, h in busy) if busy else None,
                         "gpu_busy": sum(gpu) / len(gpu) if gpu else None, "mfu": figures.get("mfu")},
-        "figures": figures,
+        "figures": figures, "lost_nodes": usage.lost,
     }
     write_json_atomic(beside, record)
     write_json_atomic(join(storage.records(), f"{info['kind']}-{name}-{int(started)}.json"), record)

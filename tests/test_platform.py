@@ -346,3 +346,15 @@ def test_the_slurm_script_starts_the_same_cluster_as_cluster_yaml(cluster):
         "resources"]["CPU"] == 0
     # Ray stops at the end whatever the driver did; the driver is the given command.
     assert "trap stop_ray EXIT" in text and text.rstrip().endswith('"$@"')
+
+
+def test_every_node_of_cluster_yaml_starts_with_the_network_settings(cluster):
+    """The settings tests/hosts.py measured a cut-off host with are the ones a real cluster's nodes get."""
+    from hosts import ray_network_env
+
+    want = ray_network_env()
+    assert want, "platform/ray-network.env sets nothing"
+    starts = [c for c in cluster["head_start_ray_commands"] + cluster["worker_start_ray_commands"] if "ray start" in c]
+    assert len(starts) == 2
+    for command in starts:
+        assert {k: v for k, v in re.findall(r"(RAY_grpc_\w+)=(\S+)", command)} == want, command
