@@ -9,9 +9,9 @@ API, port 8265, and the S3 server). Addresses are in 198.18.0.0/24 (a range rese
 lives in a namespace of its own and nothing routes off it. Each host has its own hostname (`unshare --uts`)
 and an /etc/hosts naming every host (`ip netns exec` mounts /etc/netns/NS/hosts over /etc/hosts).
 
-Faults are network ones: `cut`/`heal` take a host's link down and up, `block` makes one address unreachable
-from a host (a prohibit route: asymmetric reachability), `rate` limits a host's link (tbf), and
-`tests/netproxy.py` adds latency and loss (the kernel has no netem).
+Faults are network ones: `cut`/`heal` take a host's link down and up (the host's processes live on, cut
+off, as behind a failed switch), and `replace` brings a host back as a new node. Reachability rules are
+policy routes (`only`): this kernel has no netem, and the machine no iptables.
 
 Ray here binds where it must: every address it announces is its host's (`--node-ip-address`), the
 dashboard and the S3 server bind their host's address only; Ray's core (GCS, raylets, workers) listens
@@ -109,28 +109,12 @@ class Host:
     def heal(self) -> None:
         _ip("-n", self.net.switch, "link", "set", self.link, "up")
 
-    def block(self, ip: str) -> None:
-        """This host can no longer reach `ip` (its packets are refused at once; others still reach it)."""
-        _ip("-n", self.ns, "route", "add", "prohibit", f"{ip}/32")
-
-    def unblock(self, ip: str) -> None:
-        _ip("-n", self.ns, "route", "del", "prohibit", f"{ip}/32", check=False)
-
     def only(self, allowed: list[tuple[str, int | None]]) -> None:
         """This host reaches only these (address, TCP port or None for any) on the bridge."""
         for i, (ip, port) in enumerate(allowed):
             sel = ["ipproto", "tcp", "dport", str(port)] if port else []
             _ip("-n", self.ns, "rule", "add", "to", f"{ip}/32", *sel, "table", "main", "priority", str(100 + i))
         _ip("-n", self.ns, "rule", "add", "to", f"{SUBNET}.0/24", "prohibit", "priority", "900")
-
-    def rate(self, kbit: int | None) -> None:
-        """Limit what this host receives to `kbit` kbit/s (tbf on the bridge side), or lift the limit."""
-        _ip("-n", self.net.switch, "link", "show", self.link)
-        tc = ["tc", "-n", self.net.switch, "qdisc"]
-        subprocess.run([*tc, "del", "dev", self.link, "root"], capture_output=True)
-        if kbit:
-            subprocess.run([*tc, "add", "dev", self.link, "root", "tbf", "rate", f"{kbit}kbit", "burst", "32kbit",
-                            "latency", "400ms"], check=True, capture_output=True)
 
     def stop(self, timeout: float = 30) -> None:
         """SIGTERM to what this host's processes are, then SIGKILL to their groups after `timeout`."""
@@ -203,14 +187,13 @@ def _labels(node_type: str) -> dict:
 class HostCluster:
     """LAYOUT as Ray nodes and servers in namespaces. Every process is started here and stopped by its pid."""
 
-    def __init__(self, layout: dict | None = None, workdir: str | None = None, verbose: bool = False):
+    def __init__(self, layout: dict | None = None, workdir: str | None = None):
         self.layout = layout or LAYOUT
         self.workdir = workdir or tempfile.mkdtemp(prefix="strata-hosts-", dir="/tmp")
         self.token = secrets.token_hex(32)
         self.bucket = "strata"
         self.net = Net()
         self.nodes: dict[str, subprocess.Popen] = {}
-        self.verbose = verbose
         try:
             for name, (octet, _, _) in self.layout.items():
                 self.net.add(name, octet)

@@ -1,6 +1,6 @@
 """strata across hosts with addresses of their own (tests/hosts.py), under network faults: a host cut off in
-the middle of a stage. `make test` runs the partition cases of tier 1 and training; `make test-cluster`
-runs every test marked `cluster` too.
+the middle of a stage: the partition cases of tier 1 and training, in `make test` (`make test-cluster`
+runs this file alone).
 """
 
 from __future__ import annotations
