@@ -6,8 +6,8 @@ bridge, so the head, the workers, the S3 server and the laptop talk over a netwo
 Layout (cluster.yaml's node types, smaller): `head` (no CPUs), `cpu-a`/`cpu-b` (cpu tier), `spot`,
 `gpu-a`/`gpu-b` (gpu-labelled, no GPU), `s3` (moto's S3 server), `laptop` (reaches only the head's job
 API, port 8265, and the S3 server). Addresses are in 198.18.0.0/24 (a range reserved for tests); the bridge
-lives in a namespace of its own and nothing routes off it. Each host has its own hostname (`unshare --uts`)
-and an /etc/hosts naming every host (`ip netns exec` mounts /etc/netns/NS/hosts over /etc/hosts).
+lives in a namespace of its own and nothing routes off it. Each host has its own hostname, /tmp and process
+table (`Host.boot`), and an /etc/hosts naming every host.
 
 Faults are network ones: `cut`/`heal` take a host's link down and up (the host's processes live on, cut
 off, as behind a failed switch), and `replace` brings a host back as a new node. Reachability rules are
@@ -62,11 +62,27 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
 
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def missing() -> str | None:
     """Why a cluster of hosts cannot start here, in one line, or None."""
     if os.geteuid() != 0:
         return "network namespaces need root (this user is not)"
-    for tool in ("ip", "unshare", "tc"):
+    for tool in ("ip", "unshare", "nsenter"):
         if not shutil.which(tool):
             return f"`{tool}` is not installed"
     probe = f"stprobe{os.getpid() % 100000}"
@@ -85,12 +101,31 @@ class Host:
     link: str
     """The host's veth end on the bridge: taking it down cuts the host off."""
     net: Net
+    tmp: str
+    """What the host sees as /tmp (a directory of the machine's, bound over /tmp in the host's mounts)."""
     procs: list = field(default_factory=list)
 
+    def boot(self) -> None:
+        """The host's init: its own hostname (leases and logs name hosts by it), /tmp and process table, as a
+        real host has. A Ray driver finds its node among the raylets it sees in the process table: seeing
+        every host's, a driver on a worker host took the head's for its own. Every command on the host
+        joins these namespaces; when the init ends, the kernel ends what is left in them."""
+        self.init = subprocess.Popen(
+            ["ip", "netns", "exec", self.ns, "unshare", "--uts", "--pid", "--fork", "--mount-proc", "--kill-child",
+             "sh", "-c", 'hostname "$0" && mount --bind "$1" /tmp && exec sleep infinity', self.name, self.tmp],
+            stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.time() + 30
+        while True:  # the namespaces' first process: the child of unshare, once it sleeps
+            kids = _children(self.init.pid)
+            if kids and "sleep" in _cmdline(kids[0]):
+                self.pid1 = kids[0]
+                return
+            if self.init.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"host {self.name} did not boot (unshare exited {self.init.poll()})")
+            time.sleep(0.05)
+
     def argv(self, argv: list[str]) -> list[str]:
-        # Its own hostname, as a real host has: leases and logs name hosts by it.
-        return ["ip", "netns", "exec", self.ns, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
-                self.name, *argv]
+        return ["nsenter", "-t", str(self.pid1), "--net", "--uts", "--pid", "--mount", "--", *argv]
 
     def popen(self, argv: list[str], env: dict, log: str) -> subprocess.Popen:
         with open(log, "ab") as out:
@@ -130,6 +165,9 @@ class Host:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         self.procs.clear()
+        if getattr(self, "init", None) is not None:  # its init: the kernel ends the rest of the host
+            self.init.kill()
+            self.init.wait()
         for pid in _ip("netns", "pids", self.ns, check=False).stdout.split():  # anything left in the namespace
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(pid), signal.SIGKILL)
@@ -138,7 +176,8 @@ class Host:
 class Net:
     """Namespaces on one bridge; the bridge in a namespace of its own (the machine's own stack is untouched)."""
 
-    def __init__(self, tag: str | None = None):
+    def __init__(self, workdir: str, tag: str | None = None):
+        self.workdir = workdir
         self.tag = tag or f"st{secrets.token_hex(2)}"
         self.switch = f"{self.tag}-sw"
         self.hosts: dict[str, Host] = {}
@@ -158,8 +197,17 @@ class Net:
         _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
         _ip("-n", ns, "link", "set", "eth0", "up")
         _ip("-n", ns, "link", "set", "lo", "up")
-        host = self.hosts[name] = Host(name, ns, ip, switch_end, self)
+        tmp = os.path.join(self.workdir, "tmp", name)
+        os.makedirs(tmp, mode=0o1777)
+        host = self.hosts[name] = Host(name, ns, ip, switch_end, self, tmp)
         return host
+
+    def boot(self) -> None:
+        """Every host's /etc/hosts naming them all (`ip netns exec` mounts /etc/netns/NS/hosts over it), then
+        their inits."""
+        self.write_hosts_files()
+        for h in self.hosts.values():
+            h.boot()
 
     def write_hosts_files(self) -> None:
         lines = "127.0.0.1 localhost\n" + "".join(f"{h.ip} {h.name}\n" for h in self.hosts.values())
@@ -189,15 +237,16 @@ class HostCluster:
 
     def __init__(self, layout: dict | None = None, workdir: str | None = None):
         self.layout = layout or LAYOUT
-        self.workdir = workdir or tempfile.mkdtemp(prefix="strata-hosts-", dir="/tmp")
+        # Not under /tmp: every host has a /tmp of its own (Host.argv), and sees this directory as it is.
+        self.workdir = workdir or tempfile.mkdtemp(prefix="strata-hosts-", dir="/var/tmp")
         self.token = secrets.token_hex(32)
         self.bucket = "strata"
-        self.net = Net()
+        self.net = Net(self.workdir)
         self.nodes: dict[str, subprocess.Popen] = {}
         try:
             for name, (octet, _, _) in self.layout.items():
                 self.net.add(name, octet)
-            self.net.write_hosts_files()
+            self.net.boot()
             self.host("laptop").only([(self.host("head").ip, DASHBOARD_PORT), (self.host("s3").ip, S3_PORT)])
             self._start_s3()
             self.start_node("head")
@@ -262,10 +311,8 @@ class HostCluster:
 
         _, node_type, cpus = self.layout[name]
         host = self.host(name)
-        temp = os.path.join(self.workdir, "ray", name)
-        shutil.rmtree(temp, ignore_errors=True)
-        os.makedirs(temp)
-        argv = [os.path.join(BIN, "ray"), "start", "--block", f"--node-ip-address={host.ip}", f"--temp-dir={temp}",
+        shutil.rmtree(os.path.join(host.tmp, "ray"), ignore_errors=True)  # a replaced host starts afresh
+        argv = [os.path.join(BIN, "ray"), "start", "--block", f"--node-ip-address={host.ip}", "--temp-dir=/tmp/ray",
                 f"--num-cpus={cpus}", "--object-store-memory=80000000", "--disable-usage-stats",
                 f"--labels={tiers.format_labels(_labels(node_type))}"]
         if node_type == "head":

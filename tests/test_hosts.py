@@ -23,7 +23,7 @@ WHY = missing()
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     if WHY:
         pytest.skip(f"no cluster of hosts: {WHY}")
     from strata.connect import shutdown
@@ -31,7 +31,7 @@ def cluster(tmp_path_factory):
     shutdown()  # the session's embedded Ray holds CPU this cluster needs; ensure_local_ray() brings it back
     c = HostCluster()
     try:
-        corpus_dir = str(tmp_path_factory.mktemp("hosts-corpus"))
+        corpus_dir = os.path.join(c.workdir, "corpus")  # not under /tmp: the laptop has a /tmp of its own
         corpus = make_corpus(corpus_dir, docs=60)
         rng = random.Random(1)
         big = [f"record {i} " + " ".join(rng.choice(WORDS) for _ in range(150)) for i in range(3000)]
@@ -179,3 +179,131 @@ def test_training_on_two_hosts_resumes_after_one_is_cut_off_with_the_same_losses
     assert any(len(v) > 1 for v in got.values()), "no step ran twice: the cut did not land mid-run"
     for step, values in got.items():
         assert set(values) == set(want[step]), (step, values, want[step])
+
+
+@pytest.mark.cluster
+def test_a_sweep_runs_on_the_spot_host_and_reruns_what_a_cut_lost(cluster):
+    """Trials run on the spot host only. Cut off mid-sweep and back as a new node, the sweep ends with
+    every config accounted for: the trials that ran there are rerun, none lost."""
+    argv = [sys.executable, "-m", "tune", "--dataset", "cut", "--preset", "debug", "--num-samples", "6",
+            "--max-concurrent", "2", "--json"]
+    stage = Stage(cluster, "head", [*argv, "--sweep", "spot"])
+    assert stage.finish() == 0, stage.text()[-4000:]
+    alive = cluster.alive()
+    assert hosts_of(cluster, alive, record(cluster, "sweep/spot")) <= {"spot", "head"}
+    whole = stage.ended - stage.started
+    stage = Stage(cluster, "head", [*argv, "--sweep", "spot-cut"])
+    cut = stage.wait_for(r"trial|Trial", timeout=300) + 5
+    time.sleep(max(0.0, cut - time.time()))
+    cluster.host("spot").cut()
+    try:
+        stage.wait_for(r"lost node", timeout=180)
+        noticed = time.time()
+    finally:
+        cluster.replace("spot")
+    assert stage.finish() == 0, stage.text()[-4000:]
+    out = stage.summary()
+    print(f"FIGURE sweep cut: noticed after {noticed - cut:.1f} s; {stage.ended - cut:.1f} s from the cut to the "
+          f"end, against {whole:.1f} s for a whole sweep; {out['trials']} trials, {out['errors']} errors")
+    assert out["trials"] == 6 and out["ended"] == 6 and out["errors"] == 0, out
+
+
+@pytest.mark.cluster
+def test_strata_submit_from_the_laptop_reaches_only_the_job_api_with_the_token(cluster):
+    """The laptop reaches the head's job API (8265) and nothing else of the cluster; `strata submit` from it
+    runs tier 1 there with the token, and is refused without it."""
+    laptop = cluster.host("laptop")
+    probe = ("import socket, sys\nfor port in (6379, 8265):\n    s = socket.socket(); s.settimeout(3)\n"
+             "    print(port, s.connect_ex((sys.argv[1], port)))")
+    out = laptop.run([sys.executable, "-c", probe, cluster.host("head").ip], cluster.env("laptop"), timeout=30)
+    assert out.stdout.split() == ["6379", str(13), "8265", "0"], out  # 13: EACCES, the prohibit rule
+    submit = [sys.executable, "-m", "strata", "submit", "preprocess", "--address", cluster.dashboard,
+              "--insecure-http", "--",  # plain HTTP on the test bridge: strata refuses it to another host unless told
+              "--input", f"s3://{cluster.bucket}/raw", "--dataset", "submitted", "--json", "--split-bytes", str(64 << 10)]
+    refused = laptop.run(submit, {**cluster.env("laptop"), "RAY_AUTH_TOKEN": "0" * 64}, timeout=300)
+    assert refused.returncode != 0 and ("401" in refused.stderr or "token" in refused.stderr.lower()), refused.stderr[-2000:]
+    done = laptop.run(submit, cluster.env("laptop"), timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("{")))
+    assert summary["dataset"] == "submitted" and summary["snapshot"]["documents"]["read"] == cluster.corpus["read"]
+
+
+@pytest.mark.cluster
+def test_scoring_on_the_cpu_hosts_accounts_for_every_document_when_one_is_cut_off(cluster):
+    """`infer score` of the trained run over the raw input from S3, its actors on the cpu hosts; with cpu-b
+    cut off mid-scoring, the same documents are scored or accounted for as in a run left alone, each once."""
+    argv = [sys.executable, "-m", "infer", "score", "--model", "ref", "--input", f"s3://{cluster.bucket}/raw",
+            "--actors", "1", "--docs-per-batch", "64", "--json"]
+    whole = Stage(cluster, "head", [*argv, "--name", "hosts-whole"])
+    assert whole.finish() == 0, whole.text()[-4000:]
+    alive = cluster.alive()
+    assert hosts_of(cluster, alive, record(cluster, "score/hosts-whole")) <= {"cpu-a", "cpu-b", "head"}
+    stage = Stage(cluster, "head", [*argv, "--name", "hosts-cut"])
+    cut = stage.started + (whole.ended - whole.started) / 2
+    time.sleep(max(0.0, cut - time.time()))
+    cluster.host("cpu-b").cut()
+    try:
+        rc = stage.finish()
+    finally:
+        cluster.replace("cpu-b")
+    assert rc == 0, stage.text()[-4000:]
+    out = stage.summary()
+    print(f"FIGURE score cut: {stage.ended - cut:.1f} s from the cut to the end, against "
+          f"{whole.ended - whole.started:.1f} s for a whole run; {out['documents']} scored, {out['unscored']} unscored")
+
+    def ids(summary) -> list[str]:
+        return cluster.python("laptop", "import json, pyarrow.parquet as pq\nfrom strata.storage import filesystem\n"
+                              f"f, p = filesystem({summary['output']!r})\n"
+                              "print(json.dumps(pq.read_table(p, filesystem=f, columns=['doc_id']).column(0).to_pylist()))")
+
+    got, want = ids(out), ids(whole.summary())
+    assert len(got) == len(set(got)) == out["documents"] + out["unscored"]
+    assert sorted(got) == sorted(want)
+
+
+def _versions(cluster, dataset: str) -> list:
+    return cluster.python("laptop", "import json, os\nfrom strata.dataset import list_versions\n"
+                          "from strata.storage import Storage\n"
+                          f"print(json.dumps(list_versions(Storage(os.environ['STRATA_STORAGE']), {dataset!r})))")
+
+
+@pytest.mark.cluster
+def test_storage_cut_off_at_tier1s_commit_commits_once_or_not_at_all(cluster):
+    """The S3 host's link goes down as tier 1 writes its shards and commits, for 20 s: the run commits
+    once with every document, or fails naming storage and commits nothing; a rerun then commits once."""
+    stage = Stage(cluster, "head", _preprocess(cluster, "s3cut"))
+    cut = stage.wait_for(r"pass 3/3")
+    cluster.host("s3").cut()
+    time.sleep(20)
+    cluster.host("s3").heal()
+    rc = stage.finish()
+    print(f"FIGURE storage cut at commit: rc {rc}, {stage.ended - cut:.1f} s from the cut to the end")
+    if rc == 0:
+        assert stage.summary()["snapshot"]["documents"]["read"] == cluster.corpus["read"]
+        assert len(_versions(cluster, "s3cut")) == 1
+    else:
+        assert _versions(cluster, "s3cut") == [], stage.text()[-3000:]
+        again = Stage(cluster, "head", _preprocess(cluster, "s3cut"))
+        assert again.finish() == 0, again.text()[-4000:]
+        assert len(_versions(cluster, "s3cut")) == 1
+
+
+@pytest.mark.cluster
+def test_tier1_through_a_flapping_link_commits_once_with_every_document(cluster):
+    """cpu-b's link goes down and up every 3 s through tier 1's passes."""
+    stage = Stage(cluster, "head", _preprocess(cluster, "flap"))
+    stage.wait_for(r"pass 1/3")
+    flaps = 0
+    while stage.proc.poll() is None and flaps < 20:
+        cluster.host("cpu-b").cut()
+        time.sleep(3)
+        cluster.host("cpu-b").heal()
+        time.sleep(3)
+        flaps += 1
+    rc = stage.finish()
+    if cluster.nodes["cpu-b"].poll() is not None or "cpu-b" not in cluster.alive().values():
+        cluster.replace("cpu-b")
+    assert rc == 0, stage.text()[-4000:]
+    print(f"FIGURE flapping: {flaps} flaps, {stage.ended - stage.started:.1f} s for the run")
+    assert stage.summary()["snapshot"]["documents"]["read"] == cluster.corpus["read"]
+    assert len(_versions(cluster, "flap")) == 1
