@@ -6,8 +6,8 @@ bridge, so the head, the workers, the S3 server and the laptop talk over a netwo
 Layout (cluster.yaml's node types, smaller): `head` (no CPUs), `cpu-a`/`cpu-b` (cpu tier), `spot`,
 `gpu-a`/`gpu-b` (gpu-labelled, no GPU), `s3` (moto's S3 server), `laptop` (reaches only the head's job
 API, port 8265, and the S3 server). Addresses are in 198.18.0.0/24 (a range reserved for tests); the bridge
-lives in a namespace of its own and nothing routes off it. Each host has its own hostname, /tmp and process
-table (`Host.boot`), and an /etc/hosts naming every host.
+lives in a namespace of its own and nothing routes off it. Each host has its own hostname and process table
+(`Host.boot`), and an /etc/hosts naming every host.
 
 Faults are network ones: `cut`/`heal` take a host's link down and up (the host's processes live on, cut
 off, as behind a failed switch), and `replace` brings a host back as a new node. Reachability rules are
@@ -102,17 +102,19 @@ class Host:
     """The host's veth end on the bridge: taking it down cuts the host off."""
     net: Net
     tmp: str
-    """What the host sees as /tmp (a directory of the machine's, bound over /tmp in the host's mounts)."""
+    """The host's own directory: its Ray's temp dir is in it."""
     procs: list = field(default_factory=list)
 
     def boot(self) -> None:
-        """The host's init: its own hostname (leases and logs name hosts by it), /tmp and process table, as a
-        real host has. A Ray driver finds its node among the raylets it sees in the process table: seeing
-        every host's, a driver on a worker host took the head's for its own. Every command on the host
-        joins these namespaces; when the init ends, the kernel ends what is left in them."""
+        """The host's init: its own hostname (leases and logs name hosts by it) and process table, as a real
+        host has. A Ray driver finds its node among the raylets it sees in the process table: seeing every
+        host's, a driver on a worker host took the head's for its own. Every command on the host joins
+        these namespaces; when the init ends, the kernel ends what is left in them. The file system stays
+        the machine's (the repository and its environment may be anywhere, /tmp included): each host's Ray
+        keeps its files in a directory of its own (`tmp`)."""
         self.init = subprocess.Popen(
             ["ip", "netns", "exec", self.ns, "unshare", "--uts", "--pid", "--fork", "--mount-proc", "--kill-child",
-             "sh", "-c", 'hostname "$0" && mount --bind "$1" /tmp && exec sleep infinity', self.name, self.tmp],
+             "sh", "-c", 'hostname "$0" && exec sleep infinity', self.name],
             stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.time() + 30
         while True:  # the namespaces' first process: the child of unshare, once it sleeps
@@ -197,8 +199,8 @@ class Net:
         _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
         _ip("-n", ns, "link", "set", "eth0", "up")
         _ip("-n", ns, "link", "set", "lo", "up")
-        tmp = os.path.join(self.workdir, "tmp", name)
-        os.makedirs(tmp, mode=0o1777)
+        tmp = os.path.join(self.workdir, name)  # short: Ray's unix sockets live under it (108 bytes at most)
+        os.makedirs(tmp)
         host = self.hosts[name] = Host(name, ns, ip, switch_end, self, tmp)
         return host
 
@@ -237,8 +239,7 @@ class HostCluster:
 
     def __init__(self, layout: dict | None = None, workdir: str | None = None):
         self.layout = layout or LAYOUT
-        # Not under /tmp: every host has a /tmp of its own (Host.argv), and sees this directory as it is.
-        self.workdir = workdir or tempfile.mkdtemp(prefix="strata-hosts-", dir="/var/tmp")
+        self.workdir = workdir or tempfile.mkdtemp(prefix="sth-", dir="/tmp")
         self.token = secrets.token_hex(32)
         self.bucket = "strata"
         self.net = Net(self.workdir)
@@ -312,7 +313,8 @@ class HostCluster:
         _, node_type, cpus = self.layout[name]
         host = self.host(name)
         shutil.rmtree(os.path.join(host.tmp, "ray"), ignore_errors=True)  # a replaced host starts afresh
-        argv = [os.path.join(BIN, "ray"), "start", "--block", f"--node-ip-address={host.ip}", "--temp-dir=/tmp/ray",
+        argv = [os.path.join(BIN, "ray"), "start", "--block", f"--node-ip-address={host.ip}",
+                f"--temp-dir={os.path.join(host.tmp, 'ray')}",
                 f"--num-cpus={cpus}", "--object-store-memory=80000000", "--disable-usage-stats",
                 f"--labels={tiers.format_labels(_labels(node_type))}"]
         if node_type == "head":

@@ -31,7 +31,7 @@ def cluster():
     shutdown()  # the session's embedded Ray holds CPU this cluster needs; ensure_local_ray() brings it back
     c = HostCluster()
     try:
-        corpus_dir = os.path.join(c.workdir, "corpus")  # not under /tmp: the laptop has a /tmp of its own
+        corpus_dir = os.path.join(c.workdir, "corpus")
         corpus = make_corpus(corpus_dir, docs=60)
         rng = random.Random(1)
         big = [f"record {i} " + " ".join(rng.choice(WORDS) for _ in range(150)) for i in range(3000)]
