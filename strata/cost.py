@@ -171,7 +171,8 @@ class UsageMonitor:
         self.labels = {n["NodeID"]: n.get("Labels", {}) for n in alive}
         self.resources = {n["NodeID"]: n.get("Resources", {}) for n in alive}
         self.here = ray.get_runtime_context().get_node_id()
-        self.watch = NodeWatch(alive, self.interval_s, self.started)
+        # One node (the embedded Ray): nothing to lose that the run would outlive.
+        self.watch = NodeWatch(alive, self.interval_s, self.started) if len(alive) > 1 else None
         self.local = Sampler(self.interval_s)
         remote = ray.remote(num_cpus=0, max_restarts=0)(_RemoteSampler)
         self.remote = {
@@ -183,7 +184,7 @@ class UsageMonitor:
         import ray
 
         self.ended = time.time()
-        self.lost = self.watch.stop()
+        self.lost = self.watch.stop() if self.watch else []
         self.series = {self.here: self.local.stop()}
         for nid, actor in self.remote.items():
             try:

@@ -32,6 +32,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from strata.head import _cmdline
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 SUBNET = "198.18.0"
@@ -68,14 +70,6 @@ def _children(pid: int) -> list[int]:
             return [int(p) for p in f.read().split()]
     except OSError:
         return []
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def missing() -> str | None:
@@ -395,19 +389,27 @@ class HostCluster:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    if argv:
+        print(__doc__)
+        return 0 if argv[0] in ("-h", "--help") else 2
     if why := missing():
         print(f"no cluster of hosts here: {why}", file=sys.stderr)
         return 1
+    # Before anything starts: a SIGTERM while the cluster comes up stops it and deletes its namespaces too.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     print("starting: hosts", ", ".join(f"{n} {SUBNET}.{o}" for n, (o, _, _) in LAYOUT.items()), flush=True)
-    cluster = HostCluster()
+    try:
+        cluster = HostCluster()  # stops what it started if interrupted
+    except KeyboardInterrupt:
+        print("stopped while starting; namespaces deleted")
+        return 130
     laptop = cluster.host("laptop")
     print(f"up: Ray {cluster.gcs}, jobs {cluster.dashboard}, S3 {cluster.s3}; logs {cluster.workdir}/logs\n"
           f"a shell on the laptop host:  ip netns exec {laptop.ns} bash\n"
           f"  (its environment: RAY_AUTH_TOKEN={cluster.token} AWS_ENDPOINT_URL={cluster.s3})\n"
           f"cut a host off:  ip -n {cluster.net.switch} link set {cluster.host('cpu-b').link} down\n"
           "Ctrl-C stops every process and deletes every namespace.", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         while True:
             time.sleep(3600)
@@ -420,5 +422,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, REPO)
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))
