@@ -348,13 +348,26 @@ def test_the_slurm_script_starts_the_same_cluster_as_cluster_yaml(cluster):
     assert "trap stop_ray EXIT" in text and text.rstrip().endswith('"$@"')
 
 
-def test_every_node_of_cluster_yaml_starts_with_the_network_settings(cluster):
-    """The settings tests/hosts.py measured a cut-off host with are the ones a real cluster's nodes get."""
+def test_every_node_of_every_cluster_starts_with_the_network_settings(cluster, manifests):
+    """The settings tests/hosts.py measured a cut-off host with are the ones a real cluster's nodes get:
+    cluster.yaml's start commands, the images KubeRay's pods run, the Slurm script."""
     from hosts import ray_network_env
+
+    def settings(text: str) -> dict:
+        return dict(re.findall(r"(RAY_grpc_\w+)=(\S+)", text))
 
     want = ray_network_env()
     assert want, "platform/ray-network.env sets nothing"
     starts = [c for c in cluster["head_start_ray_commands"] + cluster["worker_start_ray_commands"] if "ray start" in c]
     assert len(starts) == 2
     for command in starts:
-        assert {k: v for k, v in re.findall(r"(RAY_grpc_\w+)=(\S+)", command)} == want, command
+        assert settings(command) == want, command
+    images = set()
+    for doc in manifests.values():
+        images |= set(re.findall(r"image: (strata/strata-\w+):", yaml.safe_dump(doc)))
+    assert images == {"strata/strata-cpu", "strata/strata-gpu"}, images  # every pod runs one of the two images
+    for kind in ("cpu", "gpu"):
+        text = (ROOT / "platform" / "docker" / f"{kind}.Dockerfile").read_text()
+        assert settings("\n".join(re.findall(r"^ENV .*$", text, re.M))) == want, kind
+    sbatch = (ROOT / "platform" / "slurm" / "strata.sbatch").read_text()
+    assert settings("\n".join(re.findall(r"^export .*$", sbatch, re.M))) == want

@@ -15,3 +15,5 @@ COPY --chown=ray tune tune
 COPY --chown=ray infer infer
 RUN pip install --no-cache-dir --no-deps -e .
 ENV RAY_AUTH_MODE=token
+# Every pod of a strata cluster (KubeRay) notices a cut-off peer in about 30 s (platform/ray-network.env).
+ENV RAY_grpc_client_keepalive_time_ms=10000 RAY_grpc_client_keepalive_timeout_ms=10000
