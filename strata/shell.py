@@ -5,6 +5,8 @@
 
 - A user's mistake (`StrataError`, a bad flag) ends with one line that says
   what to do, and a distinct exit code; never a traceback.
+- The cluster failing under a run (its node, a worker or an object lost: `cluster_failure`) ends with
+  one line naming what Ray lost, and EXIT_FAILED: not a bug of strata's, and a rerun continues.
 - A bug (any other exception) shows its traceback and exits EXIT_BUG.
 - Ctrl-C ends with one line: what was interrupted, what was kept, and the exact
   command that continues (`Command.interrupted`), and exit code 130.
@@ -167,6 +169,25 @@ class Parser(argparse.ArgumentParser):
                 for p in action.choices.values()]
 
 
+def cluster_failure(e: BaseException) -> str | None:
+    """What Ray lost, in one line, when `e` (or what caused it) is the cluster failing under the run: a
+    node, its raylet, a worker or actor, an object, a call that could not reach its peer. None for
+    anything else (a task's own exception is the code's)."""
+    exc = sys.modules.get("ray.exceptions")
+    if exc is None:
+        return None
+    lost = (exc.NodeDiedError, exc.LocalRayletDiedError, exc.RayActorError, exc.WorkerCrashedError,
+            exc.ObjectLostError, exc.RpcError, exc.RaySystemError, exc.OutOfMemoryError, exc.OutOfDiskError)
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, lost):
+            first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+            return f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+    return None
+
+
 class Command:
     """One run of a command: its exit, whatever happens inside `body`."""
 
@@ -204,7 +225,10 @@ class Command:
             self._error(e, EXIT_FAILED)
         except SystemExit:
             raise
-        except BaseException:  # noqa: BLE001 - a bug: show where
+        except BaseException as e:  # noqa: BLE001 - a bug: show where (unless the cluster failed under it)
+            if lost := cluster_failure(e):
+                self._error(RuntimeError(f"the Ray cluster failed under this run: {lost}; what it committed "
+                                         "stays: run the command again to continue"), EXIT_FAILED)
             traceback.print_exc()
             self._say(f"internal error (a bug in strata; the traceback is above), exit code {EXIT_BUG}")
             _exit(EXIT_BUG)

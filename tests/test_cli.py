@@ -3,8 +3,10 @@
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from conftest import REPO
@@ -334,3 +336,42 @@ def test_a_mistyped_flag_gets_a_did_you_mean():
     assert out.returncode == 2 and "--max-step: did you mean --max-steps" in out.stderr, out.stderr
     out = cli("pipelines.datasets", "show", "x", "--jsn")
     assert out.returncode == 2 and "--jsn: did you mean --json?" in out.stderr, out.stderr
+
+
+_LOST = """
+import sys
+import tempfile
+import ray
+from strata.connect import connect
+from strata.shell import Command
+
+def body(cmd):
+    connect(num_cpus=1, temp_dir=sys.argv[1], dashboard=False, quiet=True)
+
+    @ray.remote(max_restarts=0)
+    class Peer:
+        def ping(self):
+            return 1
+
+    peer = Peer.remote()
+    ray.get(peer.ping.remote())
+    ray.kill(peer)  # as a node lost under it would: the peer is gone
+    return ray.get(peer.ping.remote())
+
+Command("python -m lost").run(body)
+"""
+
+
+def test_the_cluster_failing_under_a_command_is_one_line_not_a_bug(tmp_path):
+    """A peer the run worked with died (its node cut off, say): Ray's ActorDiedError ended the command as a
+    bug in strata (exit 70, a traceback). It is one line naming what Ray lost, exit 1."""
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "HOME": str(tmp_path)}
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit
+    try:
+        out = subprocess.run([sys.executable, "-c", _LOST, temp], cwd=REPO, capture_output=True, text=True,
+                             timeout=180, env=env)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "error: the Ray cluster failed under this run: ActorDiedError" in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "a bug in strata" not in out.stderr
