@@ -117,6 +117,29 @@ class _RemoteSampler:
         return self.sampler.stop()
 
 
+def detection_bound_s() -> float | None:
+    """How long the cluster takes to declare dead a node that went silent, from Ray's settings: gRPC's
+    keepalive finds the connection dead (time + timeout), then the GCS's health checks fail `threshold`
+    times, `period` apart. Measured (README: Reliability): 420 s with Ray's defaults (this gives 435),
+    30-33 s with platform/ray-network.env (35). None where Ray's settings cannot be read."""
+    try:
+        from ray._raylet import Config
+
+        return (Config.grpc_client_keepalive_time_ms() + Config.grpc_client_keepalive_timeout_ms()
+                + Config.health_check_failure_threshold() * Config.health_check_period_ms()) / 1000
+    except Exception:  # noqa: BLE001 - an internal API: without it the run still says what it lost
+        return None
+
+
+def _own_node() -> str | None:
+    import ray
+
+    try:
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - not connected: no node of its own to lose
+        return None
+
+
 class NodeWatch:
     """Says, the moment the cluster declares it dead, which node a run lost: its address and type, and how
     long into the run. A host cut off from the network looks like a slow one until then; the line names
@@ -128,7 +151,11 @@ class NodeWatch:
         self.say = log("cluster").warning
         self.nodes = {n["NodeID"]: n for n in nodes}
         self.started, self.interval_s = started, interval_s
+        self.own = _own_node()
         self.lost: list[dict] = []
+        if bound := detection_bound_s():
+            log("cluster").info(f"{len(nodes)} nodes; one that goes silent (cut off, not stopped) is declared dead "
+                                f"within about {bound:.0f} s, and this run says which")
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -146,8 +173,12 @@ class NodeWatch:
                 loss = {"node_id": nid, "address": n.get("NodeManagerAddress"), "type": node_type(n.get("Labels", {})),
                         "after_s": round(time.time() - self.started, 1)}
                 self.lost.append(loss)
-                self.say(f"lost node {loss['address']} ({loss['type']}, {nid[:8]}) {loss['after_s']:.0f} s into "
-                         "the run: the cluster declared it dead; its work is retried on the nodes left")
+                said = f"lost node {loss['address']} ({loss['type']}, {nid[:8]}) {loss['after_s']:.0f} s into the run"
+                if nid == self.own:  # this driver's host was cut off: Ray ends the driver with its node
+                    self.say(f"{said}: this driver's own node: the cluster declared it dead (cut off from the "
+                             "head?), so the run ends here (what it committed before stays); run it again to continue")
+                else:
+                    self.say(f"{said}: the cluster declared it dead; its work is retried on the nodes left")
 
     def stop(self) -> list[dict]:
         self.stop_event.set()

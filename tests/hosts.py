@@ -5,13 +5,16 @@ bridge, so the head, the workers, the S3 server and the laptop talk over a netwo
 
 Layout (cluster.yaml's node types, smaller): `head` (no CPUs), `cpu-a`/`cpu-b` (cpu tier), `spot`,
 `gpu-a`/`gpu-b` (gpu-labelled, no GPU), `s3` (moto's S3 server), `laptop` (reaches only the head's job
-API, port 8265, and the S3 server). Addresses are in 198.18.0.0/24 (a range reserved for tests); the bridge
-lives in a namespace of its own and nothing routes off it. Each host has its own hostname and process table
-(`Host.boot`), and an /etc/hosts naming every host.
+API, port 8265, its serving port, 8000, and the S3 server). Addresses are in 198.18.0.0/24 (a range
+reserved for tests); the bridge lives in a namespace of its own and nothing routes off it. Each host has
+its own hostname and process table (`Host.boot`), and an /etc/hosts naming every host.
 
 Faults are network ones: `cut`/`heal` take a host's link down and up (the host's processes live on, cut
-off, as behind a failed switch), and `replace` brings a host back as a new node. Reachability rules are
-policy routes (`only`): this kernel has no netem, and the machine no iptables.
+off, as behind a failed switch), `block`/`unblock` keep a host from one address while it reaches the rest
+(asymmetric reachability), `slow_storage` adds latency and loss between everyone and the S3 server, and
+`replace` brings a host back as a new node. Reachability rules are routes and policy routes (`only`), and
+latency and loss a proxy of our own in front of the S3 server (tests/slowlink.py): this kernel has no
+netem and no tc actions, and the machine no iptables.
 
 Ray here binds where it must: every address it announces is its host's (`--node-ip-address`), the
 dashboard and the S3 server bind their host's address only; Ray's core (GCS, raylets, workers) listens
@@ -37,7 +40,8 @@ from strata.head import _cmdline
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 SUBNET = "198.18.0"
-GCS_PORT, DASHBOARD_PORT, S3_PORT = 6379, 8265, 9000
+GCS_PORT, DASHBOARD_PORT, SERVE_PORT, S3_PORT = 6379, 8265, 8000, 9000
+MOTO_PORT = 9001  # the S3 server itself, behind the link's proxy (tests/slowlink.py) on S3_PORT
 # name: (last octet, Ray node type in cluster.yaml or None, CPUs)
 LAYOUT = {
     "head": (1, "head", 0), "s3": (2, None, 0), "laptop": (3, None, 0),
@@ -139,6 +143,13 @@ class Host:
 
     def heal(self) -> None:
         _ip("-n", self.net.switch, "link", "set", self.link, "up")
+
+    def block(self, ip: str) -> None:
+        """This host can no longer reach `ip` (nor answer it): a security group or route gone wrong."""
+        _ip("-n", self.ns, "route", "add", "prohibit", f"{ip}/32")
+
+    def unblock(self, ip: str) -> None:
+        _ip("-n", self.ns, "route", "del", "prohibit", f"{ip}/32", check=False)
 
     def only(self, allowed: list[tuple[str, int | None]]) -> None:
         """This host reaches only these (address, TCP port or None for any) on the bridge."""
@@ -242,7 +253,8 @@ class HostCluster:
             for name, (octet, _, _) in self.layout.items():
                 self.net.add(name, octet)
             self.net.boot()
-            self.host("laptop").only([(self.host("head").ip, DASHBOARD_PORT), (self.host("s3").ip, S3_PORT)])
+            head = self.host("head").ip
+            self.host("laptop").only([(head, DASHBOARD_PORT), (head, SERVE_PORT), (self.host("s3").ip, S3_PORT)])
             self._start_s3()
             self.start_node("head")
             for name in self.ray_hosts():
@@ -291,14 +303,32 @@ class HostCluster:
     # -- processes ---------------------------------------------------------------------------------
     def _start_s3(self) -> None:
         s3 = self.host("s3")
-        s3.popen([sys.executable, "-m", "moto.server", "-H", s3.ip, "-p", str(S3_PORT)], self.env("s3"),
+        s3.popen([sys.executable, "-m", "moto.server", "-H", s3.ip, "-p", str(MOTO_PORT)], self.env("s3"),
                  self.log("s3"))
+        s3.popen([sys.executable, os.path.join(REPO, "tests", "slowlink.py"), "--listen", f"{s3.ip}:{S3_PORT}",
+                  "--to", f"{s3.ip}:{MOTO_PORT}", "--control", self._link_file()], self.env("s3"), self.log("s3-link"))
         code = ("import boto3, time\nfor i in range(300):\n    try:\n"
                 f"        boto3.client('s3').create_bucket(Bucket='{self.bucket}'); break\n"
                 "    except Exception:\n        time.sleep(0.2)\nelse:\n    raise SystemExit('S3 never answered')")
         out = self.host("laptop").run([sys.executable, "-c", code], self.env("laptop"), timeout=120)
         if out.returncode != 0:
             raise RuntimeError(f"the S3 host did not come up: {out.stderr[-1500:]}")
+
+    def _link_file(self) -> str:
+        return os.path.join(self.host("s3").tmp, "link.json")
+
+    def slow_storage(self, delay_ms: tuple[float, float] | None = (50, 200), loss: float = 0.01) -> None:
+        """From now on every connection to the S3 server has `delay_ms` of round trip added and loses
+        `loss` of its segments (tests/slowlink.py); `slow_storage(None)` makes the link plain again."""
+        path = self._link_file()
+        if delay_ms is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        else:
+            with open(path + ".tmp", "w") as f:
+                json.dump({"delay_ms": list(delay_ms), "loss": loss}, f)
+            os.replace(path + ".tmp", path)
+        time.sleep(1)  # the proxy reads it every 0.5 s
 
     def start_node(self, name: str, wait: bool = True) -> subprocess.Popen:
         """`ray start --block` on host `name` as its node type in cluster.yaml (labels; CPUs scaled down)."""
@@ -409,6 +439,7 @@ def main(argv: list[str]) -> int:
           f"a shell on the laptop host:  ip netns exec {laptop.ns} bash\n"
           f"  (its environment: RAY_AUTH_TOKEN={cluster.token} AWS_ENDPOINT_URL={cluster.s3})\n"
           f"cut a host off:  ip -n {cluster.net.switch} link set {cluster.host('cpu-b').link} down\n"
+          f"slow the storage:  echo '{{\"delay_ms\": [50, 200], \"loss\": 0.01}}' > {cluster._link_file()}\n"
           "Ctrl-C stops every process and deletes every namespace.", flush=True)
     try:
         while True:
