@@ -1,4 +1,4 @@
-"""strata's own commands: demo, submit, runs, report, plan, migrate (`python -m strata` lists them)."""
+"""strata's own commands: demo, submit, runs, report, ledger, plan, migrate (`python -m strata` lists them)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ def main() -> None:
                 "head": "start, stop or check a Ray head on this machine for submit: head start|status|stop",
                 "runs": "list every recorded run with its cost and key figures",
                 "report": "summarise one run and write an HTML report with plots: report RUN",
+                "ledger": "a model's whole cost, from its data to its evaluations: ledger RUN (or --dataset NAME)",
                 "plan": "estimate wall time and cost of a workload on each node type",
                 "migrate": "convert a dataset of the format before Delta Lake: migrate NAME"}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
@@ -23,7 +24,7 @@ def main() -> None:
         from strata.demo import main as demo
 
         demo(sys.argv[2:])
-    elif sys.argv[1] in ("runs", "report"):
+    elif sys.argv[1] in ("runs", "report", "ledger"):
         from strata.report import main as report
 
         sys.exit(report(sys.argv[1:]))

@@ -178,4 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     for text in sm["samples"]:
         print(textwrap.indent(text.strip()[:400], "    | "))
         print("    " + "-" * 60)
+    from strata import ledger  # the trained model's whole cost: `.venv/bin/strata ledger RUN`
+
+    print(textwrap.indent(ledger.text(ledger.model_ledger(tr["run"], storage=storage)), "    "))
     print(f"done in {time.time() - t0:.0f} s")

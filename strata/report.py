@@ -1,5 +1,6 @@
 """`python -m strata runs` lists every run with its cost; `python -m strata report RUN` explains one:
-a terminal summary, and an HTML page with plots (loss, throughput, utilization, cost)."""
+a terminal summary, and an HTML page with plots (loss, throughput, utilization, cost); `python -m strata
+ledger RUN` (or `--dataset NAME`) adds up a model's (or a dataset's) whole cost (strata/ledger.py)."""
 
 from __future__ import annotations
 
@@ -167,7 +168,7 @@ def _task_evals(r: dict) -> list[dict]:
     return sorted(read_log(r["outputs"], until=r["ended_at"] + 5).events(TASK_EVAL), key=lambda e: e["step"])
 
 
-def html_page(r: dict, images: dict[str, str]) -> str:
+def html_page(r: dict, images: dict[str, str], said: str | None = None) -> str:
     figs = "\n".join(f"<h2>{html.escape(t)}</h2>\n<img alt='{html.escape(t)}' src='data:image/png;base64,{b}'>"
                      for t, b in images.items())
     rows = "\n".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(json.dumps(v))}</td></tr>"
@@ -177,7 +178,7 @@ def html_page(r: dict, images: dict[str, str]) -> str:
 <style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}pre{{background:#f4f4f4;padding:1em}}
 td{{padding:0.2em 1em;vertical-align:top}}img{{max-width:100%}}</style></head><body>
 <h1>{html.escape(r['kind'])} run {html.escape(r['name'])}</h1>
-<pre>{html.escape(summary(r))}</pre>
+<pre>{html.escape(said or summary(r))}</pre>
 <h2>Figures</h2><table>{rows}</table>
 {figs}
 <h2>Configuration</h2><pre>{html.escape(json.dumps(r.get('config'), indent=1))}</pre>
@@ -192,8 +193,13 @@ def report(ref: str, storage: Storage, out: str | None = None) -> tuple[str, str
     r = find_record(storage, ref)
     name = f"report-{r['kind']}-{r['name']}.html"
     path = out or (join(r["outputs"], name) if under(r["outputs"], storage.root, strict=True) else join(storage.root, "reports", name))
-    write_bytes_atomic(path, html_page(r, plots(r, storage)).encode())
-    return summary(r), path
+    said = summary(r)
+    if r["kind"] == "train":  # the model's whole cost: its data's share, its sweep, its scoring and evaluations
+        from strata import ledger
+
+        said += "\n" + ledger.text(ledger.model_ledger(r["name"], storage=storage), r.get("currency") or "USD")
+    write_bytes_atomic(path, html_page(r, plots(r, storage), said).encode())
+    return said, path
 
 
 def main(argv: list[str]) -> int:
@@ -208,6 +214,10 @@ def _main(cmd: Command) -> int:
     rp = sub.add_parser("report", help="summarise one run and write its HTML report")
     rp.add_argument("run", help="a run's name, or KIND/NAME (kind: preprocess, train, sweep)")
     rp.add_argument("--out", help="where to write the HTML page (default: beside the run's outputs)")
+    lp = sub.add_parser("ledger", help="a model's whole cost (its training, its share of its data's preprocessing, "
+                        "its sweep, scoring and evaluations), or a dataset's")
+    lp.add_argument("run", nargs="?", help="a training run's name")
+    lp.add_argument("--dataset", help="instead of a run: what each version of this dataset cost, and who read it")
     for s in sub.choices.values():
         s.add_argument("--storage", help="storage root (default: $STRATA_STORAGE or ~/strata-data)")
         s.add_argument("--json", action="store_true", help="print JSON instead")
@@ -222,6 +232,15 @@ def _main(cmd: Command) -> int:
             print(runs_table(records) if records else f"no runs recorded under {storage.records()}")
         for bad in list_records(storage, errors=True)[len(records):]:
             print(f"error  {bad['error']}", file=sys.stderr if a.json else sys.stdout)
+        return 0
+    if a.command == "ledger":
+        from strata import ledger
+
+        if bool(a.run) == bool(a.dataset):
+            p.error("ledger takes a training run's name, or --dataset NAME")
+        book = ledger.dataset_ledger(a.dataset, storage=storage) if a.dataset else ledger.model_ledger(a.run, storage=storage)
+        currency = next((r.get("currency") for r in list_records(storage) if r.get("currency")), None) or "USD"
+        print(json.dumps(book) if a.json else ledger.text(book, currency))
         return 0
     if a.out:
         storage.check_output(a.out, "--out")

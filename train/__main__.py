@@ -115,7 +115,8 @@ def _main(cmd: Command) -> dict:
         summary = run(spec, run_name=run_name, storage=storage, workers=args.workers, use_gpu=args.use_gpu,
                       cpus_per_worker=args.cpus_per_worker, max_failures=args.max_failures,
                       allow_change=args.allow_change, allow_mixed_gpus=args.allow_mixed_gpus,
-                      gpu_wait_s=args.gpu_wait_s, verbose=args.verbose, reschedule=args.reschedule)
+                      gpu_wait_s=args.gpu_wait_s, verbose=args.verbose, reschedule=args.reschedule,
+                      from_sweep=args.from_sweep)
     except LeaseBusy as e:
         sys.exit(f"error: {e}: wait for it to end, or use another --run")
     except (DatasetError, ValueError, FileNotFoundError, PlacementError) as e:

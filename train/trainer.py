@@ -35,7 +35,7 @@ EVAL_WAIT_S = 300.0  # how long the driver waits, once training ends, for evalua
 
 def run(spec: RunSpec, *, run_name: str, storage: Storage, workers: int | None = None, use_gpu: bool | None = None,
         cpus_per_worker: float = 1, max_failures: int = 2, allow_change: bool = False, allow_mixed_gpus: bool = False,
-        gpu_wait_s: float = 900.0, verbose: bool = False, reschedule: bool = False) -> dict:
+        gpu_wait_s: float = 900.0, verbose: bool = False, reschedule: bool = False, from_sweep: str | None = None) -> dict:
     """Train (or continue) run `run_name` on `spec` (train.spec.resolve, with the same run_name), holding
     the run's lease: one writer per run."""
     run_dir = storage.run(run_name)
@@ -49,11 +49,11 @@ def run(spec: RunSpec, *, run_name: str, storage: Storage, workers: int | None =
         return _run_leased(spec, run_name=run_name, run_dir=run_dir, job=job, workers=workers, use_gpu=use_gpu,
                            cpus_per_worker=cpus_per_worker, max_failures=max_failures, allow_change=allow_change,
                            allow_mixed_gpus=allow_mixed_gpus, gpu_wait_s=gpu_wait_s, verbose=verbose,
-                           reschedule=reschedule)
+                           reschedule=reschedule, from_sweep=from_sweep)
 
 
 def _run_leased(spec: RunSpec, *, run_name, run_dir, job: Job, workers, use_gpu, cpus_per_worker, max_failures,
-                allow_change, allow_mixed_gpus, gpu_wait_s, verbose, reschedule) -> dict:
+                allow_change, allow_mixed_gpus, gpu_wait_s, verbose, reschedule, from_sweep) -> dict:
     import ray
 
     # The driver speaks for the run (train/progress.py): Ray's worker and controller logs stay in its log
@@ -83,7 +83,7 @@ def _run_leased(spec: RunSpec, *, run_name, run_dir, job: Job, workers, use_gpu,
         _log.info(f"run {run_name} starts from the weights of {spec.init_from}")
     record = job.begin({"model": asdict(spec.model), "train": asdict(spec.train), "dataset": spec.dataset,
                         "init_from": spec.init_from, "tokenizer": asdict(spec.tokenizer), "workers": workers,
-                        "use_gpu": use_gpu, "cpus_per_worker": cpus_per_worker, **size})
+                        "use_gpu": use_gpu, "cpus_per_worker": cpus_per_worker, "from_sweep": from_sweep, **size})
     record_launch(run_dir, len(launches), record)
     # Starting weights go to the object store once; every worker takes them from there.
     spec = replace(spec, init=ray.put(spec.init) if spec.init is not None and not resume_from else None)
@@ -112,7 +112,7 @@ def _run_leased(spec: RunSpec, *, run_name, run_dir, job: Job, workers, use_gpu,
         _log.info(f"{evals.name}, evaluated on the cpu tier: " + ", ".join(
             f"step {r['step']} acc {r['acc']:.3f} (acc_norm {r['acc_norm']:.3f})" if r["status"] == "ok"
             else f"step {r['step']} failed ({r['error']})" for r in sorted(task_evals, key=lambda r: r["step"])))
-    figures = {k: summary.get(k) for k in ("steps", "first_loss", "last_loss", "val_loss", "val_bpb",
+    figures = {k: summary.get(k) for k in ("steps", "start_step", "tokens", "first_loss", "last_loss", "val_loss", "val_bpb",
                                            "val_loss_by_source", "tokens_by_source", "tokens_per_s",
                                            "tokens_per_s_per_worker", "mfu", "data_wait", "checkpoint_blocked",
                                            "report_blocked", "eval_share", "loop_s", "task_evals")}
@@ -256,7 +256,7 @@ def loop_totals(ends: list[dict], workers: int) -> dict:
     if not seconds:
         return {"tokens_per_s": None, "tokens_per_s_per_worker": None, "mfu": None, "data_wait": None,
                 "checkpoint_blocked": None, "report_blocked": None, "eval_share": None, "compute_share": None,
-                "loop_s": 0.0}
+                "loop_s": 0.0, "tokens": sum(e["tokens"] for e in ends)}
     tps = sum(e["tokens"] for e in ends) / seconds
     share = {k: sum(e[f"share_{k}"] * e["loop_s"] for e in ends) / seconds
              for k in ("data", "eval", "checkpoint", "report", "compute")}
@@ -264,7 +264,8 @@ def loop_totals(ends: list[dict], workers: int) -> dict:
     return {"tokens_per_s": tps, "tokens_per_s_per_worker": tps / workers,
             "mfu": sum(e["mfu"] * e["loop_s"] for e in ends) / seconds if known else None,
             "data_wait": share["data"], "checkpoint_blocked": share["checkpoint"], "report_blocked": share["report"],
-            "eval_share": share["eval"], "compute_share": share["compute"], "loop_s": round(seconds, 3)}
+            "eval_share": share["eval"], "compute_share": share["compute"], "loop_s": round(seconds, 3),
+            "tokens": sum(e["tokens"] for e in ends)}
 
 
 # Settings that decide which rows each step trains on: a continued run keeps them, so it continues exactly.
