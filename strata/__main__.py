@@ -1,4 +1,4 @@
-"""strata's own commands: demo, submit, runs, report, ledger, plan, migrate (`python -m strata` lists them)."""
+"""strata's own commands: demo, submit, runs, report, ledger, lineage, plan, migrate (`python -m strata` lists them)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ def main() -> None:
                 "runs": "list every recorded run with its cost and key figures",
                 "report": "summarise one run and write an HTML report with plots: report RUN",
                 "ledger": "a model's whole cost, from its data to its evaluations: ledger RUN (or --dataset NAME)",
+                "lineage": "which rows a training step learned from: lineage step RUN STEP",
                 "plan": "estimate wall time and cost of a workload on each node type",
                 "migrate": "convert a dataset of the format before Delta Lake: migrate NAME"}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
@@ -28,6 +29,8 @@ def main() -> None:
         from strata.report import main as report
 
         sys.exit(report(sys.argv[1:]))
+    elif sys.argv[1] == "lineage":  # a run's data order is training's own code: run it there
+        os.execv(sys.executable, [sys.executable, "-m", "train.lineage", *sys.argv[2:]])
     elif sys.argv[1] == "plan":  # the planner thinks in model FLOPs, so it lives in train: run it, never import it
         os.execv(sys.executable, [sys.executable, "-m", "train.plan", *sys.argv[2:]])
     elif sys.argv[1] == "migrate":

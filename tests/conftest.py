@@ -135,6 +135,20 @@ def make_corpus(root: str, docs: int = 40, seed: int = 0) -> dict:
             "filtered": {"too-short": 1}, "duplicate": {"exact": 1, "near": 1}}
 
 
+@pytest.fixture
+def priced(tmp_path):
+    """Runs priced at 3.6 per hour on the local node (STRATA_PRICES), so their cost is their node-seconds
+    / 1000 and every run has one of its own."""
+    import yaml
+
+    path = tmp_path / "prices.yaml"
+    path.write_text(yaml.safe_dump({"currency": "EUR", "as_of": "test",
+                                    "node_types": {"local": {"instance": "test box", "on_demand": 3.6}}}))
+    os.environ["STRATA_PRICES"] = str(path)
+    yield str(path)
+    os.environ.pop("STRATA_PRICES", None)
+
+
 @pytest.fixture(scope="session")
 def storage_root(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("storage"))

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 from conftest import REPO
 
 from strata import tiers
@@ -29,17 +28,6 @@ def test_prices_cover_every_node_type_of_cluster_yaml():
     assert node_type(tiers.local_node_labels()) == "local"
     assert [node_type(tiers.node_labels(t)) for t in tiers.Tier] == ["cpu", "gpu-1x", "spot"]
     assert node_type({}) == "head"
-
-
-@pytest.fixture
-def priced(tmp_path):
-    """Runs priced at 3.6 per hour on the local node, so their cost is their node-seconds / 1000."""
-    path = tmp_path / "prices.yaml"
-    path.write_text(yaml.safe_dump({"currency": "EUR", "as_of": "test",
-                                    "node_types": {"local": {"instance": "test box", "on_demand": 3.6}}}))
-    os.environ["STRATA_PRICES"] = str(path)
-    yield str(path)
-    os.environ.pop("STRATA_PRICES", None)
 
 
 def _check_record(record: dict, kind: str):

@@ -8,21 +8,9 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 from conftest import REPO
 
 from strata.storage import Storage, join, list_files, read_bytes, write_bytes_atomic
-
-
-@pytest.fixture
-def priced(tmp_path):
-    """The local node at 3.6 per hour: every run has a cost of its own."""
-    path = tmp_path / "prices.yaml"
-    path.write_text(yaml.safe_dump({"currency": "EUR", "as_of": "test",
-                                    "node_types": {"local": {"instance": "test box", "on_demand": 3.6}}}))
-    os.environ["STRATA_PRICES"] = str(path)
-    yield str(path)
-    os.environ.pop("STRATA_PRICES", None)
 
 
 def _ledger(root: str, *args: str) -> dict:
@@ -56,22 +44,19 @@ def test_a_models_ledger_is_the_sum_of_the_records_it_names(local_ray, corpus, p
     monkeypatch.setattr("train.__main__.finish", lambda summary, as_json: summary)  # keep the session's Ray up
     root = str(tmp_path / "root")
     storage = Storage(root)
-    os.environ["STRATA_STORAGE"] = root
-    try:
-        more = tmp_path / "more"
-        shutil.copytree(corpus["path"], more)
-        cfg = debug("books", read={"inputs": (corpus["path"],)}, pack={"validation_fraction": 0.3})
-        preprocess(cfg, storage)
-        with open(more / "extra.jsonl", "w") as f:  # a second version: new input
-            f.writelines(json.dumps({"text": f"an extra document number {i} " * 20}) + "\n" for i in range(30))
-        preprocess(debug("books", read={"inputs": (str(more),)}, pack={"validation_fraction": 0.3}), storage)
-        sweep(SweepConfig(num_samples=2, steps=4, report_every=2, max_rows=32, eval_rows=8, scheduler="fifo"),
-              dataset="books", model_preset="debug", sweep_name="books-sweep", storage=storage, progress=False)
-        first = train_main(["--from-sweep", "books-sweep", "--run", "m", "--max-steps", "3", "--no-use-gpu"])
-        second = train_main(["--from-sweep", "books-sweep", "--run", "m", "--max-steps", "6", "--no-use-gpu"])
-        scored = score("m", [corpus["path"]], ScoreConfig(actors=1, docs_per_batch=16), storage, "m-scores")
-    finally:
-        os.environ.pop("STRATA_STORAGE", None)
+    monkeypatch.setenv("STRATA_STORAGE", root)  # train's root here; the session's comes back at teardown
+    more = tmp_path / "more"
+    shutil.copytree(corpus["path"], more)
+    cfg = debug("books", read={"inputs": (corpus["path"],)}, pack={"validation_fraction": 0.3})
+    preprocess(cfg, storage)
+    with open(more / "extra.jsonl", "w") as f:  # a second version: new input
+        f.writelines(json.dumps({"text": f"an extra document number {i} " * 20}) + "\n" for i in range(30))
+    preprocess(debug("books", read={"inputs": (str(more),)}, pack={"validation_fraction": 0.3}), storage)
+    sweep(SweepConfig(num_samples=2, steps=4, report_every=2, max_rows=32, eval_rows=8, scheduler="fifo"),
+          dataset="books", model_preset="debug", sweep_name="books-sweep", storage=storage, progress=False)
+    first = train_main(["--from-sweep", "books-sweep", "--run", "m", "--max-steps", "3", "--no-use-gpu"])
+    second = train_main(["--from-sweep", "books-sweep", "--run", "m", "--max-steps", "6", "--no-use-gpu"])
+    scored = score("m", [corpus["path"]], ScoreConfig(actors=1, docs_per_batch=16), storage, "m-scores")
     assert second["steps"] == 3 and scored["tokens"] > 0
 
     records = list_records(storage)

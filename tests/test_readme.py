@@ -13,7 +13,7 @@ import sys
 from conftest import REPO, readme_blocks
 
 # How a command line names a strata command, and the `--help` that lists its flags.
-STRATA_COMMANDS = {"demo", "submit", "head", "runs", "report", "plan", "migrate"}
+STRATA_COMMANDS = {"demo", "submit", "head", "runs", "report", "ledger", "lineage", "plan", "migrate"}
 SUBCOMMANDS = {"pipelines.datasets": {"list", "show", "delete"}}
 
 

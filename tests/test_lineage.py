@@ -1,0 +1,77 @@
+"""Lineage: which rows a training step learned from (train/lineage.py)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import REPO, train_run
+
+from strata.dataset import read_rows
+from strata.runlog import read_log
+from strata.storage import Storage
+
+
+def _logged_losses(run_dir: str) -> dict[int, float]:
+    """Each step's loss as the loop logged it (averaged over the workers), the newest launch's."""
+    out = {}
+    for row in read_log(run_dir).steps:
+        for i, loss in enumerate(reversed(row.get("step_losses") or [])):
+            out[row["step"] - i] = loss
+    return out
+
+
+@pytest.mark.slow
+def test_a_steps_rows_are_the_ones_the_loop_trained_on_across_a_resume(local_ray, dataset, storage_root):
+    """Two workers, 4 steps, then continued to 8 (a resume). For a step of each launch, the rows lineage
+    names, under the checkpoint saved just before the step, give the very loss the loop logged for it:
+    they are the rows it trained on, each worker's."""
+    import torch
+
+    from train.checkpoint import committed_checkpoints, read_meta
+    from train.config import TrainConfig
+    from train.lineage import step_rows
+    from train.model import preset
+    from train.sample import load
+    from train.step import to_xy
+
+    storage = Storage.from_env()
+    model = preset("debug", n_layer=2, n_embd=64, n_head=4)
+
+    def cfg(steps):
+        return TrainConfig(max_steps=steps, batch_size=4, warmup_steps=1, log_every=1, eval_every=100,
+                           eval_batches=1, checkpoint_every=2, checkpoint_every_s=0, keep_checkpoints=10)
+
+    for steps in (4, 8):
+        out = train_run(model, cfg(steps), dataset=dataset["ref"], run_name="lineage", storage=storage, workers=2,
+                        use_gpu=False)
+    run_dir = out["path"]
+    logged = _logged_losses(run_dir)
+    checkpoints = {read_meta(c)["step"]: c for c in committed_checkpoints(run_dir)}
+    for step in (3, 7):  # one of each launch
+        rows = step_rows(storage, "lineage", step)
+        assert rows["world_size"] == 2 and rows["micro_batch"] == 4 and rows["grad_accum"] == 1
+        net = load(checkpoints[step - 1])[0]
+        losses = []
+        with torch.no_grad():
+            for rank in rows["ranks"]:
+                assert len(rank["rows"]) == 4
+                batch = np.concatenate([read_rows(r["shard"], r["row"], r["row"] + 1) for r in rank["rows"]])
+                x, y = to_xy(batch, torch.device("cpu"))
+                losses.append(net(x, y)[1].item())
+        assert np.mean(losses) == pytest.approx(logged[step], rel=1e-4), (step, losses, logged[step])
+    assert step_rows(storage, "lineage", 3)["ranks"] != step_rows(storage, "lineage", 7)["ranks"]
+
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    cli = subprocess.run([sys.executable, "-m", "strata", "lineage", "step", "lineage", "7", "--json"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout) == step_rows(storage, "lineage", 7)
+    past = subprocess.run([sys.executable, "-m", "strata", "lineage", "step", "lineage", "9"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert past.returncode == 1 and "run lineage has trained steps 1 to 8: no step 9" in past.stderr
+    missing = subprocess.run([sys.executable, "-m", "strata", "lineage", "step", "no-such-run", "1"], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 1 and "no training run named 'no-such-run'" in missing.stderr
