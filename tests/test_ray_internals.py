@@ -23,6 +23,7 @@ USES = {
     "train.placement.max_gpus": "ray._private.state.state.get_max_resources_from_cluster_config()",
     "tune.trust._newest_staging": "ray.train._internal.storage._get_ray_train_session_dir()",
     "train.checkpoint.registered_checkpoints / forget_missing": "Ray Train's checkpoint_manager_snapshot.json",
+    "strata.cost.detection_bound_s": "ray._raylet.Config: gRPC keepalive and the GCS's health-check settings",
 }
 
 
@@ -39,6 +40,7 @@ def test_ray_is_the_series_these_internals_were_checked_against():
     ("ray._private.worker", "_global_node"),
     ("ray._private.state", "state"),
     ("ray.train._internal.storage", "_get_ray_train_session_dir"),
+    ("ray._raylet", "Config"),
 ])
 def test_each_private_name_strata_uses_is_still_there(module, attribute):
     assert hasattr(importlib.import_module(module), attribute), f"{module}.{attribute} is gone"
@@ -52,6 +54,9 @@ def test_the_shapes_strata_calls_are_unchanged():
     assert "all_processes" in inspect.getsource(Node.__init__)
     assert list(inspect.signature(GlobalState.get_max_resources_from_cluster_config).parameters) == ["self"]
     assert list(inspect.signature(_get_ray_train_session_dir).parameters) == []
+    from strata.cost import detection_bound_s
+
+    assert detection_bound_s() == pytest.approx(435.0)  # Ray's defaults: 300 + 120 s keepalive, 5 x 3 s checks
 
 
 def test_ray_trains_checkpoint_record_has_the_fields_strata_reads_and_rewrites():
