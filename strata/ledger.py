@@ -127,10 +127,11 @@ def _read_by_dataset(launches: list[dict], datasets: list[tuple[str, int]]) -> d
             for name, _ in datasets}
 
 
-def model_ledger(run: str, records: list[dict] | None = None, storage=None) -> dict:
-    """The ledger of training run `run`: its parts, totals and unit costs (see the module's doc)."""
+def model_ledger(run: str, records: list[dict] | None = None, storage=None, types: dict | None = None) -> dict:
+    """The ledger of training run `run`: its parts, totals and unit costs (see the module's doc), from
+    `records` (else those under `storage`) and cluster.yaml's node types (`types`, else read)."""
     records = records if records is not None else list_records(storage)
-    types = cluster_types()
+    types = types if types is not None else cluster_types()
     launches = [r for r in records if r["kind"] == "train" and r["name"] == run]
     if not launches:
         known = sorted({r["name"] for r in records if r["kind"] == "train"})
@@ -191,7 +192,7 @@ def dataset_ledger(name: str, records: list[dict] | None = None, storage=None) -
     out["unit_costs"] = {"per_kept_token": None if out["cost"] is None or not kept else out["cost"] / kept}
     readers = []
     for run in dict.fromkeys(r["name"] for r in records if r["kind"] == "train"):
-        mine = [p for p in model_ledger(run, records)["parts"] if p["part"] == "data" and
+        mine = [p for p in model_ledger(run, records, types=types)["parts"] if p["part"] == "data" and
                 p["what"].startswith(f"dataset {name}@")]
         if mine:
             readers.append({"run": run, "cost": totals(mine)["cost"], "node_hours": totals(mine)["node_hours"],

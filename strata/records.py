@@ -92,10 +92,10 @@ def list_records(storage: Storage, errors: bool = False) -> list[dict]:
     return records + ([r for r in read if "error" in r] if errors else [])
 
 
-def find_record(storage: Storage, ref: str) -> dict:
-    """The latest record named `ref` (or `kind/name`)."""
+def find_record(storage: Storage, ref: str, records: list[dict] | None = None) -> dict:
+    """The latest record named `ref` (or `kind/name`), among `records` when the caller has listed them."""
     kind, _, name = ref.rpartition("/")
-    records = list_records(storage)
+    records = list_records(storage) if records is None else records
     matches = [r for r in records if r["name"] == name and (not kind or r["kind"] == kind)]
     if not matches:
         known = sorted({f"{r['kind']}/{r['name']}" for r in records})

@@ -190,14 +190,15 @@ def report(ref: str, storage: Storage, out: str | None = None) -> tuple[str, str
     """(terminal summary, path of the HTML page written): `out`, else beside the run's outputs when they
     lie under the storage root (a record is data read back from storage: where it says the outputs are
     is not trusted), else in the root's reports/."""
-    r = find_record(storage, ref)
+    records = list_records(storage)  # read once: the ledger below adds up the same records
+    r = find_record(storage, ref, records)
     name = f"report-{r['kind']}-{r['name']}.html"
     path = out or (join(r["outputs"], name) if under(r["outputs"], storage.root, strict=True) else join(storage.root, "reports", name))
     said = summary(r)
     if r["kind"] == "train":  # the model's whole cost: its data's share, its sweep, its scoring and evaluations
         from strata import ledger
 
-        said += "\n" + ledger.text(ledger.model_ledger(r["name"], storage=storage), r.get("currency") or "USD")
+        said += "\n" + ledger.text(ledger.model_ledger(r["name"], records), r.get("currency") or "USD")
     write_bytes_atomic(path, html_page(r, plots(r, storage), said).encode())
     return said, path
 
@@ -238,8 +239,9 @@ def _main(cmd: Command) -> int:
 
         if bool(a.run) == bool(a.dataset):
             p.error("ledger takes a training run's name, or --dataset NAME")
-        book = ledger.dataset_ledger(a.dataset, storage=storage) if a.dataset else ledger.model_ledger(a.run, storage=storage)
-        currency = next((r.get("currency") for r in list_records(storage) if r.get("currency")), None) or "USD"
+        records = list_records(storage)
+        book = ledger.dataset_ledger(a.dataset, records) if a.dataset else ledger.model_ledger(a.run, records)
+        currency = next((r.get("currency") for r in records if r.get("currency")), None) or "USD"
         print(json.dumps(book) if a.json else ledger.text(book, currency))
         return 0
     if a.out:

@@ -51,10 +51,15 @@ def step_rows(storage: Storage, run: str, step: int) -> dict:
     from train.data import Source, open_batches
 
     run_dir = storage.run(run)
-    launch, start, _ = _settings(run_dir, run, step)
-    spec = launch["config"]["dataset"]
-    seed = launch["config"]["train"]["seed"]
-    micro, accum, world = start["micro_batch"], start["grad_accum"], start["world_size"]
+    try:  # the run's own files, read back from storage: a field missing or of the wrong type is one line
+        launch, start, _ = _settings(run_dir, run, step)
+        spec, seed = str(launch["config"]["dataset"]), int(launch["config"]["train"]["seed"])
+        micro, accum, world = (int(start[k]) for k in ("micro_batch", "grad_accum", "world_size"))
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise LineageError(f"run {run}: its log ({join(run_dir, LOG)}) or launch records ({join(run_dir, 'launches')}) "
+                           f"do not say how it read its data ({type(e).__name__}: {e})") from None
+    if min(micro, accum, world) < 1:
+        raise LineageError(f"run {run}: its log says micro-batch {micro}, accumulation {accum}, world {world}")
     versions = mixture.resolve_all(storage, spec)
     sources = [Source.of(v, w) for v, w in versions]
     # (dataset ref, shard, its path in the dataset) of every training shard, in the sources' order
