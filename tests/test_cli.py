@@ -339,6 +339,7 @@ def test_a_mistyped_flag_gets_a_did_you_mean():
 
 
 _LOST = """
+import os
 import sys
 import tempfile
 import ray
@@ -353,10 +354,12 @@ def body(cmd):
         def ping(self):
             return 1
 
+        def crash(self):
+            os._exit(1)  # as a node lost under it would: the peer is gone mid-call
+
     peer = Peer.remote()
     ray.get(peer.ping.remote())
-    ray.kill(peer)  # as a node lost under it would: the peer is gone
-    return ray.get(peer.ping.remote())
+    return ray.get(peer.crash.remote())  # not ray.kill: a call right after it could still be answered
 
 Command("python -m lost").run(body)
 """
