@@ -169,6 +169,7 @@ class Preprocess:
         self.cpus, self.total_bytes, self.pass2_utilization = 0.0, 0, 0.0
         self.done: dict[str, Output] = {}  # what a killed run of the same work finished, by record name
         self.reused: dict[str, int] = {}
+        self.lineage: dict = {}  # the version's lineage file's figures (documents, spans, bytes)
 
     def run(self, files: list[dict]) -> dict:
         if self.run_id and (done := slot_version(self.storage, self.cfg.dataset, self.run_id, self.head)):
@@ -256,7 +257,8 @@ class Preprocess:
         self.staging = self.storage.run_files(self.cfg.dataset, self.tag)
         self.shard_dir = self.storage.run_shards(self.cfg.dataset, self.tag)
         self.work = join(self.staging, "_work")
-        make_dirs(*(join(self.work, d) for d in ("docs", "packed", "tails", "done")), join(self.staging, "dedup"),
+        make_dirs(*(join(self.work, d) for d in ("docs", "packed", "tails", "done", "lineage", "places")),
+                  join(self.staging, "dedup"),
                   join(self.staging, REMOVED_DIR))
         self.done = {name: Output.from_json(read_json(join(self.work, "done", name)))
                      for name, is_dir in list_dir(join(self.work, "done")) if not is_dir}
@@ -522,6 +524,8 @@ class Preprocess:
 
         _say("pass 3/3: shuffle rows into shards")
         delete_dir(self.shard_dir)  # a killed run's shards (a rerun writes the same ones)
+        delete_dir(join(self.work, "places"))  # and where their rows went
+        make_dirs(join(self.work, "places"))
         row_bytes = (self.cfg.pack.seq_len + 1) * {"uint8": 1, "uint16": 2, "uint32": 4}[token_dtype(self.tok.vocab_size)]
         per_shard = max(1, self.cfg.pack.shard_bytes // row_bytes)
         rows = self.tally.rows
@@ -531,13 +535,29 @@ class Preprocess:
         if plan.counts and packed:
             self.shards = outputs(shuffle(packed, plan).map_batches(
                 write_shards, batch_format="pyarrow", batch_size=None,
-                fn_kwargs={"directory": self.shard_dir, "plan": plan,
+                fn_kwargs={"directory": self.shard_dir, "plan": plan, "work_dir": self.work,
                            "dtype": token_dtype(self.tok.vocab_size)}).take_all())
             self.tally += Tally.total(o.tally for o in self.shards)
         written = {split: sum(o.shard[2] for o in self.shards if o.shard[1] == split) for split in rows}
         if written != {split: n for split, n in rows.items()}:
             raise RuntimeError(f"pass 3 wrote {written} rows by split, pass 2 packed {dict(rows)}: nothing committed")
         self.step("pass 3: shuffle, write shards")
+        if self.shards:
+            self.build_lineage()
+
+    def build_lineage(self) -> None:
+        """Which documents each row holds (pipelines/lineage.py), one file beside the version, in a cpu-tier
+        task: pass 2's spans joined with pass 3's places."""
+        import ray
+
+        from pipelines import lineage
+
+        task = ray.remote(lineage.build).options(label_selector=tiers.selector(tiers.Tier.CPU))
+        self.lineage = ray.get(task.remote(self.work, f"data/{self.tag}", join(self.staging, lineage.FILE)))
+        if self.lineage["unplaced"]:
+            raise RuntimeError(f"lineage: {self.lineage['unplaced']} spans name a row pass 3 did not write: nothing "
+                               "committed")
+        self.step("lineage")
 
     def dedup_audit(self) -> dict:
         """What dedup removed, to check before trusting it: removal rates per source, a histogram of
@@ -594,6 +614,8 @@ class Preprocess:
                              quality=self.quality.figures if self.quality else {})
 
     def commit(self, files: list[dict]):
+        from pipelines import lineage
+
         docs = accounting(self.tally)
         shards = sorted((Shard(path=p, split=split, rows=rows, tokens=tokens, bytes=size)
                          for p, split, rows, tokens, size in (o.shard for o in self.shards)), key=lambda s: s.path)
@@ -623,7 +645,7 @@ class Preprocess:
             tokenizer=self.tok.info(), seq_len=self.cfg.pack.seq_len, dtype=token_dtype(self.tok.vocab_size),
             shards=shards, documents=docs, tokens=table["tokens"], inputs=files, run=record, stats=table,
             rejects="rejects.json", run_id=self.run_id, tails=tails, dedup=dedup, consumed=consumed,
-            quality=quality),
+            quality=quality, lineage={**self.lineage, "file": lineage.FILE} if self.lineage else {}),
             lease=self.job.lease, built_on=self.parent.manifest.version if self.parent else None, head=self.head)
 
     def window_record(self) -> dict:

@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 
 from pipelines.clean import CleanConfig, QualityFilter, normalize
 from pipelines.dedup import DedupConfig, MinHasher, exact_key, hash64, key_range, shard_of
+from pipelines.lineage import DocRuns, write_places, write_spans
 from pipelines.stats import SAMPLES_PER_REASON, Output, Tally, audit_sample
 from strata.connect import fetch_once
 from strata.dataset import arrow_schema, shard_schema, token_dtype
@@ -342,6 +343,7 @@ class DedupTokenizePack:
         removed_rows = {"doc_id": [], "kind": [], "kept": [], "earlier": []}
         pairs: tuple = ()
         carry = {s: np.zeros(0, dtype=np.uint32) for s in SPLIT_IDS}
+        runs, spans = {s: DocRuns() for s in SPLIT_IDS}, []  # which document each carried token is of
         row_index = Counter()
         eot = np.array([self.tok.eot_id], dtype=np.uint32)
         tables, clock = [], StageClock()
@@ -378,10 +380,13 @@ class DedupTokenizePack:
             encoded = self.tok.encode_batch([texts[i] for i in keep])
             stats["tokenizer_checked"] += getattr(self.tok, "checked", 0) - checked
             clock.lap("tokenize")
+            exact_keys = dup.get("key") if self.dedup.exact_dedup else None
             for i, tokens in zip(keep, encoded, strict=True):
                 split = "validation" if validation_split(ids[i], self.split_seed, self.fraction) else "train"
                 streams[split] += [tokens, eot]
                 split_tokens[split] += len(tokens) + 1
+                runs[split].add(ids[i], int(exact_keys[i]) if exact_keys is not None else exact_key(texts[i]),
+                                len(tokens) + 1)
             for split, parts in streams.items():
                 flat = np.concatenate(parts)
                 n = len(flat) // self.row_len
@@ -389,11 +394,13 @@ class DedupTokenizePack:
                 if n:
                     tables.append(packed_rows(self.schema, self.seed, out_name, split, row_index[split],
                                               flat[: n * self.row_len]))
+                    spans.append(runs[split].cut(tables[-1]["key"].to_numpy(), self.row_len))
                     row_index[split] += n
                     split_rows[split] += n
             clock.lap("pack")
         # What is left of each split is shorter than a row: it is packed with the other units' in `pack_tails`.
-        write_tails(join(self.work_dir, "tails", out_name), carry)
+        write_tails(join(self.work_dir, "tails", out_name), carry, runs)
+        write_spans(self.work_dir, out_name, spans)
         table = pa.concat_tables(tables) if tables else self.schema.empty_table()
         pq.write_table(table, out_path, filesystem=fs)  # pass 3's shuffle reads it once, whole
         if removed_rows["doc_id"] and self.removed_dir:  # every removed document, for whoever audits dedup
@@ -423,17 +430,20 @@ def packed_rows(schema: pa.Schema, seed: int, name: str, split: str, first: int,
                                 schema=schema)
 
 
-TAILS_SCHEMA = pa.schema([("split", pa.int8()), ("tokens", pa.list_(pa.uint32()))])
+TAILS_SCHEMA = pa.schema([("split", pa.int8()), ("tokens", pa.list_(pa.uint32())),
+                          ("docs", pa.list_(pa.string())), ("exact", pa.list_(pa.uint64())),
+                          ("lengths", pa.list_(pa.int64()))])
 TAILS_FILE = "packed-tails.parquet"
 
 
-def write_tails(path: str, carry: dict[str, np.ndarray]) -> None:
-    """A unit's tails: per split, the tokens after its last full row."""
+def write_tails(path: str, carry: dict[str, np.ndarray], runs: dict[str, DocRuns]) -> None:
+    """A unit's tails: per split, the tokens after its last full row, and the documents they are of."""
     splits = [s for s in SPLIT_IDS if len(carry[s])]
     fs, p = filesystem(path)
-    pq.write_table(pa.Table.from_pydict({"split": [SPLIT_IDS[s] for s in splits],
-                                         "tokens": [carry[s] for s in splits]}, schema=TAILS_SCHEMA), p,
-                   filesystem=fs)
+    cols = {"split": [SPLIT_IDS[s] for s in splits], "tokens": [carry[s] for s in splits]}
+    for k in ("docs", "exact", "lengths"):
+        cols[k] = [runs[s].to_columns()[k] for s in splits]
+    pq.write_table(pa.Table.from_pydict(cols, schema=TAILS_SCHEMA), p, filesystem=fs)
 
 
 def pack_tails(work_dir: str, names: list[str], *, seq_len: int, dtype: str, seed: int, eot_id: int,
@@ -452,11 +462,13 @@ def pack_tails(work_dir: str, names: list[str], *, seq_len: int, dtype: str, see
     cpu0 = time.process_time()
     schema, row_len = packed_schema(seq_len, dtype), seq_len + 1
     streams = {s: [np.zeros(0, dtype=np.uint32)] for s in SPLIT_IDS}
+    runs, spans = {s: DocRuns() for s in SPLIT_IDS}, []
     out, tables = defaultdict(Counter), []  # Tally's fields: by split, or "" for documents
     for path, first in ([(carried, True)] if carried else []) + [(join(work_dir, "tails", n), False)
                                                                 for n in sorted(names)]:
-        for split, tokens in read_tails(path).items():
+        for split, (tokens, docs) in read_tails(path).items():
             streams[split].append(tokens)
+            runs[split].extend(docs)
             if first:
                 out["carried_in_tokens"][split] += len(tokens)
                 out["carried_in_documents"][""] += int((tokens == eot_id).sum())
@@ -471,8 +483,10 @@ def pack_tails(work_dir: str, names: list[str], *, seq_len: int, dtype: str, see
             pad = np.full(row_len - len(left[split]), pad_value(dtype), dtype=np.uint32)
             out["padding_tokens"][split] = len(pad)
             flat, n, left[split] = np.concatenate([flat, pad]), n + 1, flat[:0]
+            runs[split].add("", 0, len(pad))
         if n:
             tables.append(packed_rows(schema, seed, TAILS_FILE, split, 0, flat[: n * row_len]))
+            spans.append(runs[split].cut(tables[-1]["key"].to_numpy(), row_len))
         out["rows"][split] = n
         out["unpacked_tokens"][split] = len(left[split])
         # Each document ends with an end-of-text id; one whose text is all in the rows may leave just its id.
@@ -481,9 +495,10 @@ def pack_tails(work_dir: str, names: list[str], *, seq_len: int, dtype: str, see
             out["unpacked_documents"][""] += int((ours == eot_id).sum()) - int(len(ours) == len(rest) and ours[0] == eot_id)
             out["carried_on_documents"][""] += int((rest == eot_id).sum()) - int(rest[0] == eot_id)
     if tails_out and any(len(t) for t in left.values()):
-        write_tails(tails_out, left)
+        write_tails(tails_out, left, runs)
     packed_file = ""
     if tables:
+        write_spans(work_dir, TAILS_FILE, spans)
         fs, p = filesystem(join(work_dir, "packed", TAILS_FILE))
         pq.write_table(pa.concat_tables(tables), p, filesystem=fs)
         packed_file = TAILS_FILE
@@ -491,13 +506,20 @@ def pack_tails(work_dir: str, names: list[str], *, seq_len: int, dtype: str, see
     return Output(tally=Tally(**figures, cpu_s={"pack": time.process_time() - cpu0}), packed_file=packed_file)
 
 
-def read_tails(path: str) -> dict[str, np.ndarray]:
-    """A tails file's tokens by split."""
+def read_tails(path: str) -> dict[str, tuple[np.ndarray, DocRuns]]:
+    """A tails file's tokens by split, with the documents they are of (a file made before lineage has
+    none: its tokens are of documents unknown, "")."""
     ids = {v: k for k, v in SPLIT_IDS.items()}
     fs, p = filesystem(path)
     t = pq.read_table(p, filesystem=fs)
-    return {ids[split]: np.asarray(tokens, dtype=np.uint32)
-            for split, tokens in zip(t["split"].to_pylist(), t["tokens"].to_numpy(zero_copy_only=False), strict=True)}
+    out = {}
+    for i, (split, tokens) in enumerate(zip(t["split"].to_pylist(), t["tokens"].to_numpy(zero_copy_only=False),
+                                            strict=True)):
+        tokens = np.asarray(tokens, dtype=np.uint32)
+        docs = DocRuns(t["docs"][i].as_py(), t["exact"][i].as_py(), t["lengths"][i].as_py()) \
+            if "docs" in t.column_names else DocRuns([""], [0], [len(tokens)])
+        out[ids[split]] = (tokens, docs)
+    return out
 
 
 # ---------------------------------------------------------------- pass 3
@@ -561,11 +583,12 @@ def shuffle(packed: list[str], plan: ShardPlan):
 
 
 @profiled
-def write_shards(batch: pa.Table, *, directory: str, plan: ShardPlan, dtype: str) -> dict:
+def write_shards(batch: pa.Table, *, directory: str, plan: ShardPlan, dtype: str, work_dir: str) -> dict:
     """Pass 3's writer: the shards' rows of one sorted block (each shard's rows in key order) to a file per
     shard, in the table's schema (strata.dataset.shard_schema). A shard the shuffle cut into several
     blocks becomes several files, each named by its shard and its first key, so a rerun writes the same
-    names. Each output says (name, split, rows, tokens, bytes)."""
+    names; beside each, in `work_dir`, its rows' keys (for lineage). Each output says (name, split, rows,
+    tokens, bytes)."""
     cpu0 = time.process_time()
     shard, out = batch["shard"].to_numpy(), []
     cuts = np.flatnonzero(np.diff(shard)) + 1
@@ -584,6 +607,7 @@ def write_shards(batch: pa.Table, *, directory: str, plan: ShardPlan, dtype: str
         with fs.open_output_stream(path) as f:
             pq.write_table(table, f, row_group_size=ROW_GROUP_ROWS)
             size = f.tell()
+        write_places(work_dir, name, part["key"].combine_chunks())
         out.append(Output(tally=Tally(), shard=(name, split, part.num_rows, part.num_rows * row_len, size)))
     if out:
         out[0] = Output(tally=Tally(nodes=frozenset([_node()]), cpu_s={"shuffle-write": time.process_time() - cpu0}),

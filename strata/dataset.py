@@ -206,6 +206,10 @@ class Manifest:
     """With --quality-model: the model (`model`, `model_id`: a digest of its weights) and its score cache as of
     this version (`scores`: sorted parquet files of exact key, tokens, loss, bpb, relative to the dataset
     directory), which the next version under the same model reuses (pipelines/quality.py)."""
+    lineage: dict = field(default_factory=dict)
+    """Which documents each row this version added holds (pipelines/lineage.py): `file`, relative to the
+    dataset directory, sorted by document key, and its figures (`documents`, `spans`, `bytes`). Empty in
+    versions made before it."""
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict:
@@ -659,6 +663,8 @@ def commit(storage: Storage, name: str, tag: str, manifest_fields: dict, *, leas
     for key in ("audit", "removed"):
         if fields.get("dedup", {}).get(key):
             fields["dedup"] = {**fields["dedup"], key: f"{rel}/{fields['dedup'][key]}"}
+    if fields.get("lineage", {}).get("file"):
+        fields["lineage"] = {**fields["lineage"], "file": f"{rel}/{fields['lineage']['file']}"}
     if fields.get("dedup", {}).get("files"):
         fields["dedup"] = {**fields["dedup"], "files": {t: [f"{rel}/{p}" for p in ps]
                                                        for t, ps in fields["dedup"]["files"].items()}}

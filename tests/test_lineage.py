@@ -75,3 +75,49 @@ def test_a_steps_rows_are_the_ones_the_loop_trained_on_across_a_resume(local_ray
     missing = subprocess.run([sys.executable, "-m", "strata", "lineage", "step", "no-such-run", "1"], cwd=REPO, env=env,
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 1 and "no training run named 'no-such-run'" in missing.stderr
+
+
+def _source_text(source: str, position: int) -> str:
+    """A record's text read straight from its input file (the test's own reader): a .jsonl line at a byte
+    offset, or a whole text file."""
+    if source.endswith(".jsonl"):
+        with open(source, "rb") as f:
+            f.seek(position)
+            return json.loads(f.readline())["text"]
+    with open(source) as f:
+        return f.read()
+
+
+def test_each_row_names_the_documents_it_holds_and_their_places_in_the_inputs(dataset):
+    """Every token of every row of a version is one document's, by lineage; the span's tokens are that
+    document's text, read back from the input file and offset lineage names; and a document's spans add up
+    to its tokens."""
+    import pyarrow.parquet as pq
+
+    from strata.dataset import resolve
+
+    v = resolve(Storage.from_env(), dataset["ref"])
+    info = v.manifest.lineage
+    table = pq.read_table(v.file(info["file"])).to_pylist()
+    assert info["spans"] == len(table) and info["documents"] == len({r["doc"] for r in table}) > 0
+    docs = [r["doc"] for r in table]
+    assert docs == sorted(docs)  # sorted by key: a lookup reads the row groups that may hold one
+    row_len = v.manifest.seq_len + 1
+    covered = {s.path: np.zeros((s.rows, row_len), np.int32) for s in v.shards}
+    by_doc: dict[int, int] = {}
+    for r in table:
+        tokens = read_rows(v.file(r["shard"]), r["row"], r["row"] + 1)[0][r["start"]: r["start"] + r["length"]]
+        covered[r["shard"]][r["row"], r["start"]: r["start"] + r["length"]] += 1
+        text = _source_text(r["source"], r["position"])
+        part = bytes(t for t in tokens.tolist() if t < 256).decode("utf-8", "replace")
+        assert part and part in " ".join(text.split()), (r, part[:60])
+        by_doc[(r["source"], r["position"])] = by_doc.get((r["source"], r["position"]), 0) + r["length"]
+    whole = {k: len(" ".join(_source_text(*k).split()).encode()) + 1 for k in by_doc}
+    # Documents cut at the version's end go on into the next version's rows (tails): never more than whole.
+    assert all(n <= whole[k] for k, n in by_doc.items())
+    assert sum(n == whole[k] for k, n in by_doc.items()) >= len(by_doc) - 2
+    padding = v.manifest.stats.get("padding_tokens", {})
+    for path, c in covered.items():
+        assert c.max() == 1, path  # no token is two documents'
+    assert sum(int(c.sum()) for c in covered.values()) == sum(s.rows for s in v.shards) * row_len - sum(
+        padding.values() if isinstance(padding, dict) else [0])

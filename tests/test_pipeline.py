@@ -265,22 +265,25 @@ def test_tails_pack_together_and_the_leftover_is_counted(tmp_path):
     """pack_tails on tails that cut documents anywhere: the rows are the tails' stream in order, and
     the documents counted unpacked are those with text in what is left."""
     from pipelines.dedup import hash64
+    from pipelines.lineage import DocRuns
     from pipelines.pack import TAILS_FILE, mix64, pack_tails, write_tails
 
     eot, row_len, rng = 0, 17, np.random.default_rng(5)
-    (tmp_path / "tails").mkdir()
-    (tmp_path / "packed").mkdir()
-    stream, doc_ends = [], []  # the train stream, and where each document's text ends in it
+    for d in ("tails", "packed", "lineage"):
+        (tmp_path / d).mkdir()
+    stream, doc_ends, owner = [], [], []  # the train stream, where each document's text ends, whose each token is
     for unit in range(5):
         parts = [rng.integers(1, 9, rng.integers(1, 12)) for _ in range(rng.integers(1, 4))]
-        tail = np.concatenate([np.append(p, eot) for p in parts]).astype(np.uint32)
         if unit % 2:  # an odd unit's tail opens with the rest of a document begun in its rows
-            tail = np.concatenate([rng.integers(1, 9, 3).astype(np.uint32), [eot], tail])
+            parts.insert(0, rng.integers(1, 9, 3))
+        tail = np.concatenate([np.append(p, eot) for p in parts]).astype(np.uint32)
+        runs = DocRuns([f"u{unit}:{i}" for i in range(len(parts))], range(len(parts)), [len(p) + 1 for p in parts])
+        owner += [f"u{unit}:{i}" for i, p in enumerate(parts) for _ in range(len(p) + 1)]
         for i in np.flatnonzero(tail == eot):
             doc_ends.append(len(stream) + i)
         stream.extend(tail.tolist())
         write_tails(str(tmp_path / "tails" / f"packed-{unit}.parquet"),
-                    {"train": tail, "validation": np.zeros(0, np.uint32)})
+                    {"train": tail, "validation": np.zeros(0, np.uint32)}, {"train": runs, "validation": DocRuns()})
     out = pack_tails(str(tmp_path), [f"packed-{u}.parquet" for u in range(5)], seq_len=row_len - 1,
                      dtype="uint16", seed=0, eot_id=eot)
     n = len(stream) // row_len
@@ -293,6 +296,13 @@ def test_tails_pack_together_and_the_leftover_is_counted(tmp_path):
                                                    np.arange(n, dtype=np.uint64)))}
     rows = sorted(zip(table["key"].to_pylist(), table["tokens"].to_pylist(), strict=True), key=lambda r: order[r[0]])
     assert np.concatenate([r[1] for r in rows]).tolist() == stream[: n * row_len]
+    # Lineage: the spans name, token by token, the document each packed token is of.
+    spans = pq.read_table(tmp_path / "lineage" / TAILS_FILE).to_pylist()
+    named = [None] * (n * row_len)
+    for sp in spans:
+        at = order[sp["key"]] * row_len + sp["start"]
+        named[at: at + sp["length"]] = [sp["doc_id"]] * sp["length"]
+    assert named == owner[: n * row_len]
 
 
 def _shingle_jaccard(a: str, b: str, k: int = 5) -> float:

@@ -1,0 +1,137 @@
+"""Row provenance: which documents each packed row holds, and where each came from.
+
+Pass 2 knows, as it packs, which document each token of a split's stream belongs to (`DocRuns`); when it
+cuts rows it writes their spans, keyed by each row's random sort key, to a work file. Pass 3 knows where
+each key landed (a shard file and a row in it) and writes that beside the shard. `build` joins the two
+into one parquet file per version, `lineage.parquet` in the run's own directory, named by the version's
+Delta commit: one row per (document, packed row) it touches, sorted by the document's key, in row groups
+of LOOKUP_ROWS, so a lookup reads the footer and the row groups whose key range holds the key.
+
+Columns: `doc` (hash64 of the record id), `exact` (its exact-dedup key: what a forget list holds, so a new
+copy of a forgotten file is known), `source` (the input file), `position` (the record's place in it: a
+line's byte offset, a parquet row or a JSON array index), `shard` (the file's path in the dataset), `row`,
+`start` and `length` (the tokens of the row that are the document's, its end-of-text id included).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from strata.storage import filesystem, join, list_dir
+
+FILE = "lineage.parquet"
+LOOKUP_ROWS = 8192  # rows per row group: a lookup reads one group per version (measured: bench/scale)
+SPANS_DIR, PLACES_DIR = "lineage", "places"  # under a run's _work
+
+SPANS = pa.schema([("key", pa.uint64()), ("doc_id", pa.string()), ("exact", pa.uint64()),
+                   ("start", pa.int32()), ("length", pa.int32())])
+SCHEMA = pa.schema([("doc", pa.uint64()), ("exact", pa.uint64()), ("source", pa.string()),
+                    ("position", pa.int64()), ("shard", pa.string()), ("row", pa.int32()),
+                    ("start", pa.int32()), ("length", pa.int32())])
+
+
+class DocRuns:
+    """The documents of one split's token stream that are not yet in a row, in stream order: (record id,
+    exact key, tokens). Tokens that belong to no document (a version made before lineage carried them in)
+    have the id ""."""
+
+    def __init__(self, ids=(), exact=(), lengths=()):
+        self.ids, self.exact, self.lengths = list(ids), list(exact), list(lengths)
+
+    def add(self, doc_id: str, exact: int, tokens: int) -> None:
+        self.ids.append(doc_id)
+        self.exact.append(exact)
+        self.lengths.append(tokens)
+
+    def extend(self, other: DocRuns) -> None:
+        self.ids += other.ids
+        self.exact += other.exact
+        self.lengths += other.lengths
+
+    def cut(self, keys: np.ndarray, row_len: int) -> pa.Table:
+        """The spans of the first len(keys) rows of the stream (row i has key keys[i]); what the rows do not
+        hold stays, the part of a document cut in two included."""
+        n, total = len(keys), len(keys) * row_len
+        lengths = np.asarray(self.lengths, dtype=np.int64)
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
+        inside = np.flatnonzero((starts < total) & (lengths > 0))
+        first = starts[inside] // row_len
+        last = (np.minimum(ends[inside], total) - 1) // row_len
+        count = last - first + 1
+        doc = np.repeat(inside, count)
+        row = np.repeat(first, count) + (np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count))
+        lo = np.maximum(starts[doc], row * row_len)
+        hi = np.minimum(np.minimum(ends[doc], (row + 1) * row_len), total)
+        ids = pa.array(self.ids, pa.string()).take(pa.array(doc)) if len(doc) else pa.array([], pa.string())
+        table = pa.Table.from_arrays(
+            [pa.array(np.asarray(keys, dtype=np.uint64)[row] if n else np.zeros(0, np.uint64)), ids,
+             pa.array(np.asarray(self.exact, dtype=np.uint64)[doc] if len(doc) else np.zeros(0, np.uint64)),
+             pa.array((lo - row * row_len).astype(np.int32)), pa.array((hi - lo).astype(np.int32))], schema=SPANS)
+        # What stays: the documents that end after the rows, the first of them shortened to its rest.
+        rest = np.flatnonzero(ends > total)
+        kept_lengths = (ends[rest] - np.maximum(starts[rest], total)).tolist()
+        self.ids = [self.ids[i] for i in rest]
+        self.exact = [self.exact[i] for i in rest]
+        self.lengths = kept_lengths
+        return table.filter(pc.not_equal(table["doc_id"], "")) if table.num_rows else table
+
+    def to_columns(self) -> dict:
+        return {"docs": self.ids, "exact": self.exact, "lengths": self.lengths}
+
+
+def write_spans(work_dir: str, name: str, tables: list[pa.Table]) -> None:
+    """A packed work file's spans (`DocRuns.cut`'s tables), as `_work/lineage/<name>`."""
+    fs, path = filesystem(join(work_dir, SPANS_DIR, name))
+    pq.write_table(pa.concat_tables(tables) if tables else SPANS.empty_table(), path, filesystem=fs)
+
+
+def write_places(work_dir: str, shard: str, keys: pa.Array) -> None:
+    """Where pass 3 put each key: row i of shard file `shard` (its name in the run's directory)."""
+    fs, path = filesystem(join(work_dir, PLACES_DIR, shard))
+    pq.write_table(pa.table({"key": keys, "row": pa.array(np.arange(len(keys), dtype=np.int32))}), path,
+                   filesystem=fs)
+
+
+def _read_all(directory: str, name_column: str | None = None) -> pa.Table | None:
+    parts = []
+    for name, is_dir in sorted(list_dir(directory)):
+        if is_dir:
+            continue
+        fs, path = filesystem(join(directory, name))
+        t = pq.read_table(fs.open_input_file(path))
+        if name_column:
+            t = t.append_column(name_column, pa.array([name] * t.num_rows, pa.string()))
+        parts.append(t)
+    return pa.concat_tables(parts) if parts else None
+
+
+def build(work_dir: str, shard_prefix: str, out: str) -> dict:
+    """The version's lineage file (a cpu-tier task): pass 2's spans joined with pass 3's places on the row
+    key, sorted by document key. `shard_prefix` is the shard directory's path in the dataset. Returns its
+    figures: documents, spans, bytes, and the spans no place was found for (none, or a bug)."""
+    from pipelines.dedup import hash64
+
+    spans = _read_all(join(work_dir, SPANS_DIR))
+    places = _read_all(join(work_dir, PLACES_DIR), "shard")
+    if spans is None or places is None:
+        spans, places = SPANS.empty_table(), pa.table({"key": pa.array([], pa.uint64()), "row": pa.array([], pa.int32()),
+                                                       "shard": pa.array([], pa.string())})
+    joined = spans.join(places, "key", join_type="inner")
+    ids = joined["doc_id"].to_pylist()
+    source, _, position = zip(*(i.rpartition(":") for i in ids)) if ids else ((), (), ())
+    table = pa.Table.from_arrays([
+        pa.array([hash64(i) for i in ids], pa.uint64()), joined["exact"], pa.array(source, pa.string()),
+        pa.array([int(p) if p.isdigit() else -1 for p in position], pa.int64()),
+        pc.binary_join_element_wise(pa.scalar(shard_prefix), joined["shard"], "/") if ids else pa.array([], pa.string()),
+        joined["row"], joined["start"], joined["length"]], schema=SCHEMA)
+    table = table.sort_by([("doc", "ascending"), ("shard", "ascending"), ("row", "ascending")])
+    fs, path = filesystem(out)
+    with fs.open_output_stream(path) as f:
+        pq.write_table(table, f, row_group_size=LOOKUP_ROWS, compression="zstd")
+        size = f.tell()
+    return {"documents": len(set(table["doc"].to_numpy().tolist())) if table.num_rows else 0,
+            "spans": table.num_rows, "bytes": size, "unplaced": spans.num_rows - joined.num_rows}
