@@ -122,7 +122,7 @@ def build(work_dir: str, shard_prefix: str, out: str) -> dict:
                                                        "shard": pa.array([], pa.string())})
     joined = spans.join(places, "key", join_type="inner")
     ids = joined["doc_id"].to_pylist()
-    source, _, position = zip(*(i.rpartition(":") for i in ids)) if ids else ((), (), ())
+    source, _, position = zip(*(i.rpartition(":") for i in ids), strict=True) if ids else ((), (), ())
     table = pa.Table.from_arrays([
         pa.array([hash64(i) for i in ids], pa.uint64()), joined["exact"], pa.array(source, pa.string()),
         pa.array([int(p) if p.isdigit() else -1 for p in position], pa.int64()),
@@ -135,3 +135,32 @@ def build(work_dir: str, shard_prefix: str, out: str) -> dict:
         size = f.tell()
     return {"documents": len(set(table["doc"].to_numpy().tolist())) if table.num_rows else 0,
             "spans": table.num_rows, "bytes": size, "unplaced": spans.num_rows - joined.num_rows}
+
+
+def lookup(path: str, keys: list[int] | None = None, source: str | None = None) -> tuple[pa.Table, int]:
+    """The rows of lineage file `path` of documents `keys` (hash64 of their ids), or of input files matching
+    the glob `source`, and how many row groups were read: by key, only those whose key range holds one
+    (the footer's statistics say); by source, every group's `source` column, then the matching groups."""
+    import fnmatch
+
+    fs, p = filesystem(path)
+    f = pq.ParquetFile(fs.open_input_file(p))
+    meta, groups = f.metadata, []
+    if keys is not None:
+        wanted = np.array(sorted(set(keys)), dtype=np.uint64)
+        for g in range(meta.num_row_groups):
+            st = meta.row_group(g).column(0).statistics
+            if st is None or not st.has_min_max:
+                groups.append(g)
+                continue
+            lo, hi = np.searchsorted(wanted, [np.uint64(st.min), np.uint64(st.max)], side="left")[0], \
+                np.searchsorted(wanted, np.uint64(st.max), side="right")
+            if hi > lo:
+                groups.append(g)
+        read = len(groups)
+        table = f.read_row_groups(groups) if groups else SCHEMA.empty_table()
+        return table.filter(pc.is_in(table["doc"], pa.array(wanted))), read
+    names = f.read(columns=["source"])["source"]
+    match = pa.array([fnmatch.fnmatchcase(s, source) for s in names.to_pylist()])
+    table = f.read().filter(match) if pc.any(match).as_py() else SCHEMA.empty_table()
+    return table, meta.num_row_groups

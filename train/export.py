@@ -23,6 +23,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import asdict
 
 import torch
@@ -110,7 +111,30 @@ def export(checkpoint: str, out: str) -> dict:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _record(checkpoint, step, out)
     return {"checkpoint": checkpoint, "step": step, "out": out, "files": files}
+
+
+EXPORTS = "exports"  # in a run's directory: a record per export made of its checkpoints (lineage lists them)
+
+
+def _record(checkpoint: str, step: int, out: str) -> None:
+    """Beside the run whose checkpoint this is (a checkpoint lives in its run's directory), a record of the
+    export: a takedown finds every model that learned from a document, the exported ones too."""
+    from strata.storage import exists, join, write_json_atomic
+
+    run_dir = checkpoint.rstrip("/").rpartition("/")[0]
+    if run_dir and exists(join(run_dir, "launches")):
+        write_json_atomic(join(run_dir, EXPORTS, f"{time.time_ns()}.json"),
+                          {"checkpoint": checkpoint, "step": step, "path": os.path.abspath(out), "at": time.time()})
+
+
+def exports(run_dir: str) -> list[dict]:
+    """The exports made of a run's checkpoints, oldest first."""
+    from strata.storage import join, list_dir, read_json
+
+    return [read_json(join(run_dir, EXPORTS, n)) for n, d in sorted(list_dir(join(run_dir, EXPORTS)))
+            if not d and n.endswith(".json")]
 
 
 def main(argv: list[str] | None = None) -> dict:

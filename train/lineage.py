@@ -43,45 +43,187 @@ def _settings(run_dir: str, run: str, step: int) -> tuple[dict, dict, int]:
     return launch, start, last
 
 
+class _Order:
+    """One launch's data order, run with a reader of row places: `places[i]` is (dataset ref, shard ref, its
+    path in the dataset) of training shard i, in the sources' order; `stream(rank)` is that rank's stream of
+    micro-batches of (shard index, row)."""
+
+    def __init__(self, storage: Storage, run: str, run_dir: str, launch: dict, start: dict):
+        from train import mixture
+        from train.data import Source
+
+        try:  # the run's own files, read back from storage: a field missing or of the wrong type is one line
+            self.spec, self.seed = str(launch["config"]["dataset"]), int(launch["config"]["train"]["seed"])
+            self.micro, self.accum, self.world = (int(start[k]) for k in ("micro_batch", "grad_accum", "world_size"))
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise _bad_record(run, run_dir, e) from None
+        if min(self.micro, self.accum, self.world) < 1:
+            raise LineageError(f"run {run}: its log says micro-batch {self.micro}, accumulation {self.accum}, "
+                               f"world {self.world}")
+        versions = mixture.resolve_all(storage, self.spec)
+        self.sources = [Source.of(v, w) for v, w in versions]
+        self.places = [(v.ref, ref, s.path) for (v, _), src in zip(versions, self.sources, strict=True)
+                       for ref, s in zip(src.shards, [s for s in v.shards if s.split == "train"], strict=True)]
+        self.index = {shard.path: i for i, (_, shard, _) in enumerate(self.places)}
+
+    def where(self, path: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """In place of a shard's rows: (shard index, row) of each, as the stream reads them."""
+        i = self.index[path]
+        rows = np.arange(start, self.places[i][1].rows if stop is None else stop, dtype=np.int64)
+        return np.stack([np.full(len(rows), i, dtype=np.int64), rows], axis=1)
+
+    def stream(self, rank: int, micro_step: int):
+        from train.data import open_batches
+
+        return open_batches(self.sources, batch_size=self.micro, rank=rank, world_size=self.world, seed=self.seed,
+                            read=self.where).from_step(micro_step)
+
+
+def _bad_record(run: str, run_dir: str, e: Exception) -> LineageError:
+    return LineageError(f"run {run}: its log ({join(run_dir, LOG)}) or launch records ({join(run_dir, 'launches')}) "
+                        f"do not say how it read its data ({type(e).__name__}: {e})")
+
+
 def step_rows(storage: Storage, run: str, step: int) -> dict:
     """Every rank's rows of optimizer step `step` (1 = the first), in the order the loop took them:
     {"ranks": [{"rank", "rows": [{"dataset", "shard", "file", "row"}, ...]}], and the settings used}. `shard`
     is the file's full path, `file` its path in the dataset."""
-    from train import mixture
-    from train.data import Source, open_batches
-
     run_dir = storage.run(run)
-    try:  # the run's own files, read back from storage: a field missing or of the wrong type is one line
+    try:
         launch, start, _ = _settings(run_dir, run, step)
-        spec, seed = str(launch["config"]["dataset"]), int(launch["config"]["train"]["seed"])
-        micro, accum, world = (int(start[k]) for k in ("micro_batch", "grad_accum", "world_size"))
     except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise LineageError(f"run {run}: its log ({join(run_dir, LOG)}) or launch records ({join(run_dir, 'launches')}) "
-                           f"do not say how it read its data ({type(e).__name__}: {e})") from None
-    if min(micro, accum, world) < 1:
-        raise LineageError(f"run {run}: its log says micro-batch {micro}, accumulation {accum}, world {world}")
-    versions = mixture.resolve_all(storage, spec)
-    sources = [Source.of(v, w) for v, w in versions]
-    # (dataset ref, shard, its path in the dataset) of every training shard, in the sources' order
-    places = [(v.ref, ref, s.path) for (v, _), src in zip(versions, sources, strict=True)
-              for ref, s in zip(src.shards, [s for s in v.shards if s.split == "train"], strict=True)]
-    index = {shard.path: i for i, (_, shard, _) in enumerate(places)}
-
-    def where(path: str, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """In place of a shard's rows: (shard index, row) of each, as the stream reads them."""
-        i = index[path]
-        rows = np.arange(start, places[i][1].rows if stop is None else stop, dtype=np.int64)
-        return np.stack([np.full(len(rows), i, dtype=np.int64), rows], axis=1)
-
+        raise _bad_record(run, run_dir, e) from None
+    o = _Order(storage, run, run_dir, launch, start)
     ranks = []
-    for rank in range(world):
-        stream = open_batches(sources, batch_size=micro, rank=rank, world_size=world, seed=seed, read=where)
-        batches = stream.from_step((step - 1) * accum)
-        rows = np.concatenate([next(batches) for _ in range(accum)])
-        ranks.append({"rank": rank, "rows": [{"dataset": places[i][0], "shard": places[i][1].path, "file": places[i][2],
-                                              "row": int(r)} for i, r in rows.tolist()]})
-    return {"run": run, "step": step, "dataset": spec, "seed": seed, "micro_batch": micro, "grad_accum": accum,
-            "world_size": world, "ranks": ranks}
+    for rank in range(o.world):
+        batches = o.stream(rank, (step - 1) * o.accum)
+        rows = np.concatenate([next(batches) for _ in range(o.accum)])
+        ranks.append({"rank": rank, "rows": [{"dataset": o.places[i][0], "shard": o.places[i][1].path,
+                                              "file": o.places[i][2], "row": int(r)} for i, r in rows.tolist()]})
+    return {"run": run, "step": step, "dataset": o.spec, "seed": o.seed, "micro_batch": o.micro,
+            "grad_accum": o.accum, "world_size": o.world, "ranks": ranks}
+
+
+def first_steps(storage: Storage, run: str, wanted: set[tuple[str, str, int]]) -> dict[tuple[str, str, int], int]:
+    """The first optimizer step at which run `run` trained on each of the rows `wanted` ((dataset ref, path in
+    the dataset, row)) it did train on: its data order run forward launch by launch (each launch's own
+    settings, from the step it started at), every worker's, until each row is found or the run's last step."""
+    run_dir = storage.run(run)
+    log = read_log(run_dir)
+    starts, launches = log.events("start"), read_launches(run_dir)
+    last = max((r["step"] for r in log.steps), default=0)
+    found: dict[tuple[str, str, int], int] = {}
+    for i, start in enumerate(starts):
+        begin = int(start.get("start_step", 0))
+        end = min(int(starts[i + 1].get("start_step", 0)), last) if i + 1 < len(starts) else last
+        mine = [x for x in launches if x["started_at"] <= start["time"]]
+        if end <= begin or not mine:
+            continue
+        o = _Order(storage, run, run_dir, mine[-1], start)
+        place = {(ref, path): j for j, (ref, _, path) in enumerate(o.places)}
+        codes = {place[key[:2]] << 32 | key[2]: key for key in wanted - found.keys() if key[:2] in place}
+        if not codes:
+            continue
+        targets = np.array(sorted(codes), dtype=np.int64)
+        for rank in range(o.world):
+            batches = o.stream(rank, begin * o.accum)
+            for m in range((end - begin) * o.accum):
+                rows = next(batches)
+                hit = rows[:, 0] << 32 | rows[:, 1]
+                for code in hit[np.isin(hit, targets)].tolist():
+                    step = begin + m // o.accum + 1
+                    key = codes[code]
+                    if key not in found or step < found[key]:
+                        found[key] = step
+    return found
+
+
+def documents(storage: Storage, doc_ids: list[str] | None = None, source: str | None = None,
+              dataset: str | None = None) -> dict:
+    """Where documents went (`python -m strata lineage doc`): by record id (`PATH:POSITION`, as tier 1 names
+    them) or by input-file glob, in every dataset (or `dataset`). Lists each document's place in its input,
+    every version whose snapshot holds one of its rows, and for each training run that read such a version
+    the first step it trained on each row, the checkpoints and exports made from then on, and what used the
+    run since (scoring, evaluation, generation); and the sweeps that read such a version."""
+    from pipelines.datasets import datasets as all_datasets
+    from pipelines.dedup import hash64
+    from pipelines.lineage import lookup
+    from strata.dataset import history
+    from strata.ledger import USES, pinned
+    from strata.records import list_records
+
+    if (doc_ids is None) == (source is None):
+        raise LineageError("name the documents: --doc-id ID (repeat it for more) or --source GLOB")
+    keys = [hash64(d) for d in doc_ids] if doc_ids is not None else None
+    names = [dataset] if dataset else [n for n, _ in all_datasets(storage)]
+    docs, holders, row_groups, missing = {}, [], 0, []
+    for name in names:
+        versions = history(storage, name)
+        found = []  # (added in, lineage rows)
+        for v in versions:
+            if not v.manifest.lineage.get("file"):
+                missing.append(v.ref)
+                continue
+            table, groups = lookup(v.file(v.manifest.lineage["file"]), keys, source)
+            row_groups += groups
+            inputs = {f["path"]: f for f in v.manifest.inputs}
+            for r in table.to_pylist():
+                doc_id = f"{r['source']}:{r['position']}"
+                f = inputs.get(r["source"], {})
+                docs.setdefault(doc_id, {"doc_id": doc_id, "source": r["source"], "position": r["position"],
+                                         "exact": r["exact"], "file": {k: f.get(k) for k in ("size", "mtime_ns")},
+                                         "added_in": v.ref})
+                found.append({**r, "doc_id": doc_id})
+        if not found:
+            continue
+        for v in versions:
+            shards = {sh.path: sh.split for sh in v.shards}
+            rows = [{k: r[k] for k in ("doc_id", "shard", "row", "start", "length")} | {"split": shards[r["shard"]]}
+                    for r in found if r["shard"] in shards]
+            if rows:
+                holders.append({"dataset": name, "version": v.manifest.version, "ref": v.ref, "rows": rows})
+    held = {(h["ref"]) for h in holders}
+    records = list_records(storage)
+    runs, sweeps = [], []
+    for run in dict.fromkeys(r["name"] for r in records if r["kind"] == "train"):
+        launches = [r for r in records if r["kind"] == "train" and r["name"] == run]
+        refs = [f"{n}@v{v:04d}" for n, v in pinned(str((launches[-1].get("config") or {}).get("dataset") or ""))]
+        wanted = {(h["ref"], r["shard"], r["row"]): r["doc_id"] for h in holders if h["ref"] in refs
+                  for r in h["rows"] if r["split"] == "train"}
+        if not wanted:
+            continue
+        steps = first_steps(storage, run, set(wanted))
+        first: dict[str, int] = {}
+        for key, step in steps.items():
+            first[wanted[key]] = min(step, first.get(wanted[key], step))
+        entry = {"run": run, "datasets": [r for r in refs if r in held], "rows": len(wanted),
+                 "first_step": min(first.values()) if first else None, "first_step_by_document": first,
+                 "checkpoints": [], "exports": [], "used_by": []}
+        if first:
+            entry["checkpoints"], entry["exports"] = _made_after(storage.run(run), entry["first_step"])
+            entry["used_by"] = [{"kind": r["kind"], "name": r["name"], "model": (r.get("config") or {}).get("model")}
+                                for r in records if r["kind"] in USES
+                                and str((r.get("config") or {}).get("model") or "").partition("@")[0] == run]
+        runs.append(entry)
+    for r in records:
+        if r["kind"] == "sweep" and (read := [f"{n}@v{v:04d}" for n, v in
+                                              pinned(str((r.get("config") or {}).get("dataset") or "")) if
+                                              f"{n}@v{v:04d}" in held]):
+            sweeps.append({"sweep": r["name"], "datasets": read})
+    return {"documents": sorted(docs.values(), key=lambda d: d["doc_id"]), "versions": holders, "runs": runs,
+            "sweeps": sweeps, "row_groups_read": row_groups, "without_lineage": missing}
+
+
+def _made_after(run_dir: str, step: int) -> tuple[list[dict], list[dict]]:
+    """The run's checkpoints of step `step` or later, and the exports made of them."""
+    from train.checkpoint import committed_checkpoints, read_meta
+    from train.export import exports
+
+    checkpoints = []
+    for c in committed_checkpoints(run_dir):
+        if (at := int(read_meta(c).get("step", 0))) >= step:
+            checkpoints.append({"path": c, "step": at})
+    return checkpoints, [e for e in exports(run_dir) if int(e.get("step", 0)) >= step]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +238,17 @@ def _main(cmd: Command) -> int:
     sp.add_argument("step", type=int, help="the optimizer step (1 = the first)")
     sp.add_argument("--storage", help="storage root (default: $STRATA_STORAGE or ~/strata-data)")
     sp.add_argument("--json", action="store_true", help="print JSON instead")
+    dp = sub.add_parser("doc", help="where documents went: every version, training run, checkpoint and export")
+    dp.add_argument("--doc-id", action="append", help="a record id, PATH:POSITION as tier 1 names it (repeat it)")
+    dp.add_argument("--source", help="every document of the input files matching this glob")
+    dp.add_argument("--dataset", help="look in this dataset only (default: every one)")
+    dp.add_argument("--storage", help="storage root (default: $STRATA_STORAGE or ~/strata-data)")
+    dp.add_argument("--json", action="store_true", help="print JSON instead")
     a = p.parse_args(cmd.argv)
+    if a.what == "doc":
+        out = documents(Storage.from_env(a.storage), a.doc_id, a.source, a.dataset)
+        print(json.dumps(out) if a.json else doc_text(out))
+        return 0
     out = step_rows(Storage.from_env(a.storage), a.run, a.step)
     if a.json:
         print(json.dumps(out))
@@ -108,6 +260,28 @@ def _main(cmd: Command) -> int:
         for row in r["rows"]:
             print(f"    {row['dataset']}  {row['file']}  row {row['row']}")
     return 0
+
+
+def doc_text(out: dict) -> str:
+    """`documents`' answer, for people."""
+    lines = [f"{len(out['documents'])} document(s):"]
+    for d in out["documents"]:
+        f = d["file"]
+        lines.append(f"  {d['doc_id']}  (file {f.get('size')} bytes, mtime_ns {f.get('mtime_ns')}; added in {d['added_in']})")
+    for h in out["versions"]:
+        lines.append(f"{h['ref']} holds {len(h['rows'])} row span(s):")
+        lines += [f"    {r['shard']}  row {r['row']}  tokens {r['start']}-{r['start'] + r['length']}  {r['doc_id']}"
+                  for r in h["rows"][:20]] + ([f"    ... {len(h['rows']) - 20} more"] if len(h["rows"]) > 20 else [])
+    for r in out["runs"]:
+        lines.append(f"run {r['run']} read {', '.join(r['datasets'])}: first trained on them at step {r['first_step']}"
+                     if r["first_step"] else f"run {r['run']} read {', '.join(r['datasets'])} but has not reached their rows")
+        lines += [f"    checkpoint step {c['step']}  {c['path']}" for c in r["checkpoints"]]
+        lines += [f"    export of step {e['step']}  {e['path']}" for e in r["exports"]]
+        lines += [f"    used by {u['kind']} {u['name']} ({u['model']})" for u in r["used_by"]]
+    lines += [f"sweep {s['sweep']} read {', '.join(s['datasets'])}" for s in out["sweeps"]]
+    if out["without_lineage"]:
+        lines.append(f"not searched (made before lineage): {', '.join(out['without_lineage'])}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
