@@ -13,7 +13,7 @@ def main() -> None:
                 "runs": "list every recorded run with its cost and key figures",
                 "report": "summarise one run and write an HTML report with plots: report RUN",
                 "ledger": "a model's whole cost, from its data to its evaluations: ledger RUN (or --dataset NAME)",
-                "lineage": "which rows a training step learned from: lineage step RUN STEP",
+                "lineage": "where documents went and what a step learned from: lineage doc --doc-id ID | lineage step RUN STEP",
                 "plan": "estimate wall time and cost of a workload on each node type",
                 "migrate": "convert a dataset of the format before Delta Lake: migrate NAME"}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:

@@ -24,7 +24,7 @@ def _logged_losses(run_dir: str) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_a_steps_rows_are_the_ones_the_loop_trained_on_across_a_resume(local_ray, dataset, storage_root):
+def test_a_steps_rows_are_the_ones_the_loop_trained_on_across_a_resume(local_ray, dataset, storage_root, tmp_path):
     """Two workers, 4 steps, then continued to 8 (a resume). For a step of each launch, the rows lineage
     names, under the checkpoint saved just before the step, give the very loss the loop logged for it:
     they are the rows it trained on, each worker's."""
@@ -75,6 +75,36 @@ def test_a_steps_rows_are_the_ones_the_loop_trained_on_across_a_resume(local_ray
     missing = subprocess.run([sys.executable, "-m", "strata", "lineage", "step", "no-such-run", "1"], cwd=REPO, env=env,
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 1 and "no training run named 'no-such-run'" in missing.stderr
+
+    # lineage doc: a document of step 7's batch. The first step the run trained on it is the first step whose
+    # rows (step_rows, checked against the losses above) hold one of its rows; checkpoints from then on, and
+    # an export of the last, are listed, the earlier ones not.
+    import pyarrow.parquet as pq
+
+    from strata.dataset import resolve
+    from train.export import export
+
+    v = resolve(storage, dataset["ref"])
+    spans = pq.read_table(v.file(v.manifest.lineage["file"])).to_pylist()
+    picked = step_rows(storage, "lineage", 7)["ranks"][1]["rows"][2]
+    doc = next(f"{r['source']}:{r['position']}" for r in spans if (r["shard"], r["row"]) == (picked["file"], picked["row"]))
+    mine = {(r["shard"], r["row"]) for r in spans if f"{r['source']}:{r['position']}" == doc}
+    expected = next(s for s in range(1, 9) if any((row["file"], row["row"]) in mine
+                                                  for rank in step_rows(storage, "lineage", s)["ranks"] for row in rank["rows"]))
+    export(checkpoints[8], str(tmp_path / "exported"))
+    cli = subprocess.run([sys.executable, "-m", "strata", "lineage", "doc", "--doc-id", doc, "--json"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    out = json.loads(cli.stdout)
+    assert [d["doc_id"] for d in out["documents"]] == [doc]
+    assert {(r["shard"], r["row"]) for h in out["versions"] if h["ref"] == v.ref for r in h["rows"]} == mine
+    run = next(r for r in out["runs"] if r["run"] == "lineage")
+    assert run["first_step"] == expected <= 7 and run["first_step_by_document"] == {doc: expected}
+    assert [c["step"] for c in run["checkpoints"]] == [s for s in sorted(checkpoints) if s >= expected]
+    assert [e["step"] for e in run["exports"]] == [8] and run["exports"][0]["path"] == str(tmp_path / "exported")
+    text = subprocess.run([sys.executable, "-m", "strata", "lineage", "doc", "--doc-id", doc], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert f"run lineage read {v.ref}: first trained on them at step {expected}" in text.stdout, text.stdout
 
 
 def _source_text(source: str, position: int) -> str:
