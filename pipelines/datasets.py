@@ -3,6 +3,7 @@
     python -m pipelines.datasets list [NAME]
     python -m pipelines.datasets show NAME[@VERSION] [--json]
     python -m pipelines.datasets delete NAME@VERSION
+    python -m pipelines.datasets forget NAME (--doc-ids FILE | --source GLOB) --reason TEXT [--purge] [--json]
 
 A dataset is a Delta Lake table; a version is one of its commits, a snapshot:
 every shard of the versions before it plus what its own run added. `show` says
@@ -10,7 +11,9 @@ which version added which shards. Only the newest version can be deleted (every
 later snapshot references the earlier shards): a Delta commit removes the files
 its run added, then they are deleted, and the input files it consumed count as
 new again. A dataset of the format before Delta Lake is listed as such:
-convert it with `python -m strata migrate NAME`.
+convert it with `python -m strata migrate NAME`. `forget` is a takedown: it
+removes documents from the newest version in one commit and keeps them from
+ever being ingested again (pipelines/forget.py).
 """
 
 from __future__ import annotations
@@ -59,6 +62,41 @@ def dedup_scope(dedup: dict) -> str:
     return "deduplicated against " + " and ".join(parts) if parts else ""
 
 
+def _forget(storage: Storage, args) -> None:
+    from pipelines.forget import forget
+
+    ids = None
+    if args.doc_ids:
+        try:
+            with open(args.doc_ids) as f:
+                ids = [line.strip() for line in f if line.strip()]
+        except OSError as e:
+            raise DatasetError(f"--doc-ids {args.doc_ids}: {e.strerror}") from None
+    out = forget(storage, args.name, doc_ids=ids, source=args.source, reason=args.reason, purge=args.purge)
+    if args.json:
+        print(json.dumps(out))
+        return
+    print(f"{out['ref']}: forgot {len(out['documents'])} document(s) ({out['reason']}): {out['rows_removed']} row(s) "
+          f"removed from {out['shards_rewritten']} shard(s); the forget list keeps them out of every later run")
+    for d in out["documents"]:
+        print(f"  {d}")
+    if out["not_in_any_version"]:
+        print(f"in no version (added to the forget list only): {', '.join(out['not_in_any_version'])}")
+    if out["co_packed"]:
+        print(f"{len(out['co_packed'])} other document(s) shared those rows and lost "
+              f"{sum(c['tokens_lost'] for c in out['co_packed']):,} tokens (listed in the commit)")
+    for r in out["runs"]:
+        steps = f"from step {r['first_step']}" if r["first_step"] else "(not reached yet)"
+        print(f"learned from them: run {r['run']} {steps}; checkpoints "
+              f"{', '.join(str(c['step']) for c in r['checkpoints']) or 'none'}; exports "
+              f"{', '.join(e['path'] for e in r['exports']) or 'none'}"
+              + "".join(f"; used by {u['kind']} {u['name']}" for u in r["used_by"]))
+    for s in out["sweeps"]:
+        print(f"read them: sweep {s['sweep']} ({', '.join(s['datasets'])})")
+    if out["purged"]:
+        print(f"purged {len(out['purged'])} file(s): earlier versions holding them can no longer be read")
+
+
 def main(argv: list[str] | None = None) -> None:
     Command("python -m pipelines.datasets", argv).run(_main)
 
@@ -73,9 +111,21 @@ def _main(cmd: Command) -> None:
     show.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
     rm = sub.add_parser("delete", help="delete the newest version (a Delta commit removes its files, then they go)")
     rm.add_argument("ref", help="NAME@VERSION")
+    fg = sub.add_parser("forget", help="remove documents from the newest version for good (a takedown)")
+    fg.add_argument("name", help="the dataset")
+    which = fg.add_mutually_exclusive_group(required=True)
+    which.add_argument("--doc-ids", help="a file of record ids (PATH:POSITION, as lineage names them), one a line")
+    which.add_argument("--source", help="every document of the input files matching this glob")
+    fg.add_argument("--reason", required=True, help="why (a claim, an erasure request): the commit records it")
+    fg.add_argument("--purge", action="store_true",
+                    help="also delete the old files of the rewritten shards: earlier versions then cannot be read")
+    fg.add_argument("--json", action="store_true", help="print what was done as JSON")
     args = parser.parse_args(cmd.argv)
     storage = Storage.from_env(args.storage)
     try:
+        if args.command == "forget":
+            _forget(storage, args)
+            return
         if args.command == "list" and not args.name:
             for name, what in datasets(storage):
                 print(f"{name:<24} {what}")
@@ -123,7 +173,7 @@ def _main(cmd: Command) -> None:
 
                 print(format_table(m.stats))
     except LeaseBusy as e:  # a run is building on the dataset: deleting under it would lose its documents
-        print(f"error: {e}: delete once that run has ended", file=sys.stderr)
+        print(f"error: {e}: {args.command} once that run has ended", file=sys.stderr)
         sys.exit(EXIT_BUSY)
 
 

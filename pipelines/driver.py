@@ -166,6 +166,7 @@ class Preprocess:
         self.against, self.against_index = against or ({}, {})
         self.definition, self.tok, self.audit = None, None, {}
         self.evaluation, self.tag, self.staging, self.shard_dir, self.units = None, None, None, None, []
+        self.forget: dict | None = None  # the forget list in the object store
         self.cpus, self.total_bytes, self.pass2_utilization = 0.0, 0, 0.0
         self.done: dict[str, Output] = {}  # what a killed run of the same work finished, by record name
         self.reused: dict[str, int] = {}
@@ -264,6 +265,20 @@ class Preprocess:
                      for name, is_dir in list_dir(join(self.work, "done")) if not is_dir}
         write_json_atomic(join(self.staging, "run.json"), self.job.begin({**asdict(self.cfg), "run_id": self.run_id}))
         self.contamination = {"ref": ray.put(self.evaluation)} if self.evaluation else None  # one copy per node
+        self.forget = self.forget_list()
+
+    def forget_list(self) -> dict | None:
+        """The dataset's forget list (pipelines/forget.py) in the object store, for pass 1; None without one."""
+        import ray
+
+        from pipelines.forget import read_list
+
+        listed = self.parent.manifest.forgotten.get("list") if self.parent else None
+        if not listed:
+            return None
+        keys = read_list(self.parent.file(listed))
+        _say(f"forget list: {len(keys):,} keys of documents taken down; pass 1 drops them")
+        return {"ref": ray.put(keys)}
 
     def run_tag(self, files: list[dict]) -> str:
         """This run's name (`g<lease generation>-<work>`; its shards go to `data/<tag>`, its own files to
@@ -346,7 +361,7 @@ class Preprocess:
         self.p1, self.deferred = without_deferred(self.map_units(
             read_clean_sign, [{"unit": json.dumps(u)} for u in self.units], "pass1", lambda i: docs_name(json.loads(i["unit"])),
             fn_kwargs=dict(read=c.read, clean=c.clean, dedup=c.dedup, work_dir=self.work,
-                           contamination=self.contamination)))
+                           contamination=self.contamination, forget=self.forget)))
         self.tally += Tally.total(o.tally for o in self.p1)
         self.step("pass 1: read, clean, sign")
 
@@ -464,7 +479,8 @@ class Preprocess:
                     validation_fraction=c.pack.validation_fraction, seed=c.pack.seed, split_seed=c.pack.split_seed,
                     dedup=c.dedup, work_dir=self.work, index=self.index, removed_dir=join(self.staging, REMOVED_DIR),
                     read=c.read if fused else None, clean=c.clean if fused else None,
-                    contamination=self.contamination, quality=self.quality_drop())
+                    contamination=self.contamination, quality=self.quality_drop(),
+                    forget=self.forget if fused else None)
 
     def quality_drop(self) -> dict | None:
         """The exact keys of the documents the quality scores drop, in the object store once, for pass 2."""
@@ -645,7 +661,7 @@ class Preprocess:
             tokenizer=self.tok.info(), seq_len=self.cfg.pack.seq_len, dtype=token_dtype(self.tok.vocab_size),
             shards=shards, documents=docs, tokens=table["tokens"], inputs=files, run=record, stats=table,
             rejects="rejects.json", run_id=self.run_id, tails=tails, dedup=dedup, consumed=consumed,
-            quality=quality, lineage={**self.lineage, "file": lineage.FILE} if self.lineage else {}),
+            quality=quality, forgotten=self.parent.manifest.forgotten if self.parent else {}, lineage={**self.lineage, "file": lineage.FILE} if self.lineage else {}),
             lease=self.job.lease, built_on=self.parent.manifest.version if self.parent else None, head=self.head)
 
     def window_record(self) -> dict:

@@ -124,16 +124,20 @@ class Outcomes:
 
 
 def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, seen: Outcomes, clock: StageClock,
-                  contamination: dict | None = None) -> Iterator[tuple[str, str]]:
-    """(doc_id, text) of the unit's kept documents; every other record is counted by reason in `seen`."""
+                  contamination: dict | None = None, forget: dict | None = None) -> Iterator[tuple[str, str]]:
+    """(doc_id, text) of the unit's kept documents; every other record is counted by reason in `seen`. A
+    document the dataset's forget list names (its record key, or its exact key: the same text in a new
+    copy) is filtered as `forgotten`."""
     quality = QualityFilter(ccfg, evaluation_index(contamination))
+    forgotten = fetch_once(forget["ref"]) if forget else None
     for f in unit:
         for rec in read_file(f, rcfg):
             clock.lap("read")
             status, reason = rec["status"], rec["reason"]
             if status == "ok":
                 text = normalize(rec["text"], ccfg)
-                reason = quality.reason(text)
+                reason = "forgotten" if forgotten is not None and _listed(forgotten, rec["doc_id"], text) \
+                    else quality.reason(text)
                 status = "filtered" if reason else "kept"
             clock.lap("clean")
             if status == "kept":
@@ -144,6 +148,15 @@ def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, seen: O
             if len(examples := seen.samples[f"{status}:{reason}"]) < SAMPLES_PER_REASON:
                 examples.append({"doc_id": rec["doc_id"], "sample": rec["sample"] or rec["text"][:120]})
     seen.tallies = quality.tallies()  # the language rule's and decontamination's, beside the statuses
+
+
+def _listed(keys: np.ndarray, doc_id: str, text: str) -> bool:
+    """Whether a sorted forget list holds the record's key or its text's exact key."""
+    for k in (hash64(doc_id), exact_key(text)):
+        i = np.searchsorted(keys, np.uint64(k))
+        if i < len(keys) and keys[i] == k:
+            return True
+    return False
 
 
 def evaluation_index(contamination: dict | None) -> dict | None:
@@ -179,16 +192,16 @@ def profiled(fn):
 
 @profiled
 def read_clean_sign(batch: dict, *, read: ReadConfig, clean: CleanConfig, dedup: DedupConfig, work_dir: str,
-                    contamination: dict | None = None) -> dict:
+                    contamination: dict | None = None, forget: dict | None = None) -> dict:
     """Pass 1 over one work unit (Ray Data `map_batches`, batch_size=1); the configs travel typed."""
     unit = json.loads(batch["unit"][0])
     name = docs_name(unit)
     return {"out": [with_deferral(unit, read, lambda files: _read_clean_sign(files, read, clean, dedup, work_dir,
-                                                                             name, contamination))]}
+                                                                             name, contamination, forget))]}
 
 
 def _read_clean_sign(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, dcfg: DedupConfig, work_dir: str,
-                     name: str, contamination: dict | None) -> Output:
+                     name: str, contamination: dict | None, forget: dict | None = None) -> Output:
     seen = Outcomes()
     fs, path = filesystem(join(work_dir, "docs", name))
     hasher = MinHasher(dcfg) if dcfg.near_dedup else None
@@ -208,7 +221,7 @@ def _read_clean_sign(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, dcfg
 
     clock = StageClock()
     with pq.ParquetWriter(path, schema, filesystem=fs) as writer:
-        for doc_id, text in clean_records(unit, rcfg, ccfg, seen, clock, contamination):
+        for doc_id, text in clean_records(unit, rcfg, ccfg, seen, clock, contamination, forget):
             pending["doc_id"].append(doc_id)
             pending["doc"].append(hash64(doc_id))
             pending["exact"].append(exact_key(text) if dcfg.exact_dedup else 0)
@@ -244,7 +257,7 @@ class DedupTokenizePack:
                  tokenizer_engine: str = "auto",
                  validation_fraction: float, seed: int, split_seed: int, dedup: DedupConfig, work_dir: str,
                  index: list, removed_dir: str = "", read: ReadConfig | None = None, clean: CleanConfig | None = None,
-                 contamination: dict | None = None, quality: dict | None = None):
+                 contamination: dict | None = None, quality: dict | None = None, forget: dict | None = None):
         import ray
 
         from strata.tokenizer import HFTokenizer, load_tokenizer
@@ -256,7 +269,7 @@ class DedupTokenizePack:
         self.removed_dir = removed_dir
         # Fused mode (no dedup, so no global decision between reading and packing): read units directly.
         self.read, self.clean = read, clean
-        self.contamination = contamination
+        self.contamination, self.forget = contamination, forget
         # With --quality-model: the exact keys (as int64) of the documents the scores drop (pipelines/quality.py).
         self.drop = ray.get(quality["ref"]) if quality else None
         self.schema = packed_schema(seq_len, token_dtype(self.tok.vocab_size))
@@ -301,7 +314,7 @@ class DedupTokenizePack:
         """(doc ids, texts, `_duplicates` of them) per chunk of up to 1024 documents."""
         if "unit" in batch:
             records = clean_records(json.loads(batch["unit"][0]), self.read, self.clean, seen, clock,
-                                    self.contamination)
+                                    self.contamination, self.forget)
             while chunk := list(islice(records, 1024)):
                 none = np.zeros(len(chunk), dtype=bool)
                 yield [c[0] for c in chunk], [c[1] for c in chunk], {"exact": none, "near": none}

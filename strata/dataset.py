@@ -210,6 +210,13 @@ class Manifest:
     """Which documents each row this version added holds (pipelines/lineage.py): `file`, relative to the
     dataset directory, sorted by document key, and its figures (`documents`, `spans`, `bytes`). Empty in
     versions made before it."""
+    forget: dict = field(default_factory=dict)
+    """A version made by `forget` (pipelines/forget.py): why (`reason`), which documents (`doc_ids`), the rows
+    it removed and the other documents packed in them (`co_packed`). Empty in every other version."""
+    forgotten: dict = field(default_factory=dict)
+    """Every takedown so far, carried on by each later version: `list`, the forget list (exact and record
+    keys pass 1 drops), relative to the dataset directory, and `forgets`: per takedown its `version`,
+    `reason`, the shard files it `removed` from the snapshot, and whether they were `purged`."""
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict:
@@ -503,11 +510,24 @@ def resolve(storage: Storage, ref: str) -> DatasetVersion:
     number = int(m.group(1)) if m else -1
     if 1 <= number <= head.table.version() and label(number) not in head.deleted:
         try:
-            return _load(path, number, name, head)
+            v = _load(path, number, name, head)
         except DatasetError:
             pass  # a deletion's commit, or another writer's
+        else:
+            _check_purged(_load(path, head.live, name, head), v)
+            return v
     raise DatasetError(f"dataset {name!r} has no version {version!r}; committed: "
                        f"{', '.join(list_versions(storage, name))}")
+
+
+def _check_purged(newest: DatasetVersion, v: DatasetVersion) -> None:
+    """An earlier version some of whose shards a takedown's --purge deleted cannot be read: say so."""
+    purged = [f for f in forgotten_since(newest, v) if f.get("purged")]
+    if purged:
+        f = purged[-1]
+        raise DatasetError(f"{v.ref} cannot be read: `forget --purge` at {v.manifest.dataset}@{f['version']} deleted "
+                           f"{len(f.get('removed') or [])} of its shard files (reason: {f.get('reason')}); "
+                           f"{v.manifest.dataset}@{f['version']} and later versions hold the rest")
 
 
 def history(storage: Storage, name: str) -> list[DatasetVersion]:
@@ -708,6 +728,39 @@ def commit(storage: Storage, name: str, tag: str, manifest_fields: dict, *, leas
     raise DatasetError(f"could not commit a version of dataset {name!r}: 1000 writers won the race first")
 
 
+def commit_rewrite(storage: Storage, name: str, tag: str, manifest_fields: dict, *, removed: list[Shard],
+                   added: list[Shard], lease, head: Head) -> DatasetVersion:
+    """One Delta commit that takes `removed` shard files out of the newest snapshot and puts `added` in (paths
+    relative to the dataset directory; the added ones in `data/<tag>`), as the next version, under `lease`.
+    `manifest_fields` are the Manifest's fields but `dataset`, `version`, `created_at`, `parent` and `files`.
+    Nothing else commits under the lease: a lost race is an error, not a retry."""
+    from deltalake.transaction import RemoveAction
+
+    path = storage.dataset(name)
+    parent = _load(path, head.live, name, head)
+    number = head.table.version() + 1
+    manifest = Manifest(dataset=name, version=label(number), created_at=time.time(), files=f"_strata/{tag}",
+                        parent=parent.manifest.version, **manifest_fields)
+    now_ms = int(time.time() * 1000)
+    actions = [RemoveAction(s.path, True, now_ms, s.bytes, {"split": s.split, "version": str(int(s.version[1:]))})
+               for s in removed] + add_actions(added, number)
+    done = DatasetVersion(path, manifest, tuple(replace(s, version=manifest.version) for s in added))
+    failpoint("before-commit")
+    for attempt in range(S3_ATTEMPTS):
+        lease.check()
+        try:
+            write_commit(head.table, manifest.dtype, actions, {"manifest": manifest.to_dict(),
+                                                              "deleted": list(head.deleted)},
+                         app_transactions(tag, "", number))
+            return done
+        except Exception as e:
+            if retrying(open_table(path).transaction_version, RUN_APP + tag) == number:
+                return done  # it was committed; the answer was lost
+            if not transient(e) or attempt == S3_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 THIS_VERSION = "@this"  # what a run calls the version it is making, in its dedup index, until the commit
 
 
@@ -801,6 +854,9 @@ def _delete_leased(storage: Storage, name: str, version: str) -> list[str]:
                            f"only the newest version ({versions[-1]}) can be deleted")
     head = _head(path, name)
     v = _load(path, head.live, name)
+    if v.manifest.forget:
+        raise DatasetError(f"{name}@{version} is a takedown (`forget`: {v.manifest.forget.get('reason')}): deleting it "
+                           "would bring the documents it removed back; refused")
     tag, doomed = _own_files(v, head)  # every path checked before anything is deleted
     _keep_safe(head.table, name, retrying(head.table.metadata).configuration)
     now_ms = int(time.time() * 1000)
@@ -866,6 +922,29 @@ def delete_run(storage: Storage, name: str, tag: str) -> None:
     """Delete what a run wrote: its shards and its own files."""
     delete_dir(storage.run_shards(name, tag))
     delete_dir(storage.run_files(name, tag))
+
+
+def forgotten_since(newest: DatasetVersion, version: DatasetVersion) -> list[dict]:
+    """The takedowns after `version` (per `newest`'s record of them) that removed shards its snapshot
+    holds: it still has rows of the documents they forgot."""
+    after = [f for f in newest.manifest.forgotten.get("forgets", []) if isinstance(f, dict)
+             and re.fullmatch(r"v\d+", str(f.get("version"))) and int(f["version"][1:]) > version.number]
+    if not after:
+        return []
+    mine = {s.path for s in version.shards}
+    return [f for f in after if mine & set(f.get("removed") or [])]
+
+
+def check_not_forgotten(storage: Storage, version: DatasetVersion, what: str = "train on") -> None:
+    """Refuse, in one line, to `what` a snapshot holding rows of documents a later takedown forgot."""
+    newest = latest(storage, version.manifest.dataset)
+    if newest is None or newest.manifest.version == version.manifest.version:
+        return
+    if hits := forgotten_since(newest, version):
+        f = hits[-1]
+        raise DatasetError(f"{version.ref} holds rows of documents forgotten at {version.manifest.dataset}@"
+                           f"{f['version']} (reason: {f.get('reason')}): refusing to {what} it; use "
+                           f"{version.manifest.dataset}@{f['version']} or later")
 
 
 def check_compatible(version: DatasetVersion, *, vocab_size: int, seq_len: int,

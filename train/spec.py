@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from strata.dataset import DatasetError, TokenizerInfo, check_compatible
+from strata.dataset import DatasetError, TokenizerInfo, check_compatible, check_not_forgotten
 from strata.runlog import read_launches
 from strata.shell import log
 from strata.storage import Storage
@@ -66,6 +66,8 @@ def resolve(storage: Storage, dataset: str, model: GPTConfig, train: TrainConfig
     if run_name is not None and (launches := read_launches(storage.run(run_name))):
         dataset = continued_dataset(launches[-1]["config"].get("dataset", ""), dataset, run_name, allow_change)
     versions = mixture.resolve_all(storage, dataset, weighted)
+    for v, _ in versions:  # a snapshot still holding rows a takedown removed is refused, in one line
+        check_not_forgotten(storage, v)
     m = versions[0][0].manifest  # every dataset of a mixture shares its tokenizer and seq_len
     weights = None
     if init_from:
