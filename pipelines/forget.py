@@ -34,11 +34,12 @@ from strata.dataset import (
     Shard,
     _head,
     _load,
+    abandoned_runs,
     commit_rewrite,
     delete_run,
 )
 from strata.shell import log as _logger
-from strata.storage import Storage, delete, exists, filesystem, join
+from strata.storage import Storage, delete, exists, filesystem, join, make_dirs
 
 _say = _logger("forget").info
 LIST_FILE = "forget-list.parquet"
@@ -79,6 +80,9 @@ class Forget:
         self.label = f"v{self.head.table.version() + 1:04d}"  # the version the commit makes (no one else commits)
         self.tag = f"g{lease.gen:08d}-forget-{int(time.time())}"
         self.own = storage.run_files(name, self.tag)
+        for leftover in abandoned_runs(storage, name, lease.gen, self.head):  # crashed or killed before a commit
+            _say(f"deleting run {leftover}'s files: it ended before its commit")
+            delete_run(storage, name, leftover)
 
     def run(self) -> dict:
         from pipelines.dedup import hash64
@@ -95,6 +99,7 @@ class Forget:
         exact = {int(d["exact"]) for d in docs.values()}
         held = next((h["rows"] for h in found["versions"] if h["ref"] == self.newest.ref), [])
         try:
+            make_dirs(self.own, self.storage.run_shards(self.name, self.tag))
             removed, added, lineage, co_packed = self.rewrite(held, doc_keys)
             tails = self.rewrite_tails(doc_keys, exact)
             forget_list = self.write_list(doc_keys, exact)

@@ -1,0 +1,131 @@
+"""Takedown (pipelines/forget.py): a document found by lineage, forgotten in one commit, kept out of every
+later run; on local disk and on the S3 server."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from conftest import REPO, make_corpus, train_run
+
+from strata.storage import Storage, join, list_dir, read_bytes
+
+
+def _forget(root: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "pipelines.datasets", "--storage", root, "forget", "takedown", *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _spans(v) -> list[dict]:
+    return pq.read_table(v.file(v.manifest.lineage["file"])).to_pylist() if v.manifest.lineage else []
+
+
+def _text_docs(v) -> dict[tuple[str, int], str]:
+    """(shard, row) -> a text-file document (one a file) lineage puts in that row."""
+    return {(r["shard"], r["row"]): f"{r['source']}:{r['position']}" for r in _spans(v) if r["source"].endswith(".txt")}
+
+
+@pytest.mark.slow
+def test_a_takedown_removes_a_document_from_the_newest_version_and_every_later_run(local_ray, any_root, tmp_path,
+                                                                                  monkeypatch):
+    """A run trains on a version; a document of its first step is forgotten (after a forget killed before
+    its commit changed nothing). The next version lacks exactly that document's rows, its other rows in
+    their order, only the shards that held them rewritten; the commit says why and which; the output names
+    the run, the step and its checkpoints. The old version still reads, but training on it is refused; a
+    rerun with the document copied under a new name does not ingest it. A purge makes the old version say
+    why it cannot be read, and the takedown cannot be deleted."""
+    from pipelines.config import debug
+    from pipelines.driver import run as preprocess
+    from strata.dataset import DatasetError, delete_version, read_rows, resolve
+    from train.config import TrainConfig
+    from train.lineage import documents, step_rows
+    from train.model import preset
+
+    storage = Storage(any_root)
+    monkeypatch.setenv("STRATA_STORAGE", any_root)
+    inputs = tmp_path / "in"
+    make_corpus(str(inputs), docs=24, seed=3)
+    cfg = debug("takedown", read={"inputs": (str(inputs),)}, pack={"validation_fraction": 0.3})
+    preprocess(cfg, storage)
+    v1 = resolve(storage, "takedown")
+    model = preset("debug", n_layer=1, n_embd=32, n_head=2)
+    tcfg = TrainConfig(max_steps=4, batch_size=4, warmup_steps=1, log_every=1, eval_every=100, eval_batches=1,
+                       checkpoint_every=2, checkpoint_every_s=0)
+    train_run(model, tcfg, dataset=v1.ref, run_name="reader", storage=storage, workers=1, use_gpu=False)
+    first = step_rows(storage, "reader", 1)["ranks"][0]["rows"]
+    docs = _text_docs(v1)
+    doc = next(docs[(r["file"], r["row"])] for r in first if (r["file"], r["row"]) in docs)
+    held = {(r["shard"], r["row"]) for r in _spans(v1) if f"{r['source']}:{r['position']}" == doc}
+    ids = tmp_path / "ids.txt"
+    ids.write_text(doc + "\n")
+
+    crashed = _forget(any_root, "--doc-ids", str(ids), "--reason", "erasure request 17",
+                      env={"STRATA_FAILPOINT": "before-commit"})
+    assert crashed.returncode == -9, crashed.stderr
+    assert resolve(storage, "takedown").manifest.version == v1.manifest.version  # nothing committed
+
+    out = _forget(any_root, "--doc-ids", str(ids), "--reason", "erasure request 17", "--json")
+    assert out.returncode == 0, out.stderr
+    done = json.loads(out.stdout)
+    assert done["version"] == "v0002" and done["documents"] == [doc] and done["rows_removed"] == len(held)
+    reader = next(r for r in done["runs"] if r["run"] == "reader")
+    assert reader["first_step"] == 1 and [c["step"] for c in reader["checkpoints"]] == [2, 4]
+
+    v2 = resolve(storage, "takedown")
+    assert v2.manifest.version == "v0002"
+    assert sum(s.rows for s in v2.shards) == sum(s.rows for s in v1.shards) - len(held)
+    touched = {shard for shard, _ in held}
+    old, new = {s.path: s for s in v1.shards}, {s.path: s for s in v2.shards}
+    assert {p for p in old if p not in new} == touched  # only the shards that held it were rewritten
+    for path in touched:
+        rewritten = next(p for p in new if p not in old and p.rsplit("/", 1)[1] == path.rsplit("/", 1)[1])
+        before = read_rows(v1.file(path))
+        keep = np.ones(len(before), bool)
+        keep[[row for shard, row in held if shard == path]] = False
+        assert np.array_equal(read_rows(v2.file(rewritten)), before[keep])  # the other rows, in their order
+    entry = read_bytes(join(any_root, "datasets", "takedown", "_delta_log", f"{2:020d}.json")).decode()
+    info = next(json.loads(line)["commitInfo"] for line in entry.splitlines() if "commitInfo" in line)
+    forget = json.loads(info["strata"])["manifest"]["forget"]
+    assert forget["reason"] == "erasure request 17" and forget["doc_ids"] == [doc]
+    assert doc not in json.dumps(_spans(v2))  # the new version's lineage does not name it
+    found = documents(storage, [doc])
+    assert [h["ref"] for h in found["versions"]] == [v1.ref]  # only the old version holds it
+
+    # Time travel still reads the old rows; training on them is refused, in one line.
+    old_v1 = resolve(storage, v1.ref)
+    assert sum(len(read_rows(p)) for p in old_v1.shard_paths("train")) == v1.rows("train")
+    with pytest.raises(DatasetError, match=r"takedown@v0001 holds rows of documents forgotten at takedown@v0002 "
+                                           r"\(reason: erasure request 17\)"):
+        train_run(model, TrainConfig(max_steps=6, batch_size=4, warmup_steps=1, checkpoint_every_s=0),
+                  dataset=v1.ref, run_name="reader", storage=storage, workers=1, use_gpu=False)
+
+    # A new copy of the file, under another name, is not ingested again; the crashed forget's files are gone.
+    source = doc.rpartition(":")[0]
+    copies = tmp_path / "copies"
+    copies.mkdir()
+    shutil.copy(source, copies / "renamed.txt")
+    (copies / "fresh.txt").write_text(" ".join(f"fresh{i % 17} words" for i in range(120)))  # and one new document
+    v3 = preprocess(debug("takedown", read={"inputs": (str(inputs), str(copies))},
+                          pack={"validation_fraction": 0.3}), storage)
+    assert v3["version"] == "v0003" and v3["reasons"].get("filtered:forgotten") == 1, v3["reasons"]
+    assert documents(storage, [f"{copies}/renamed.txt:0"])["documents"] == []
+    tags = [t for t, _ in list_dir(join(any_root, "datasets", "takedown", "_strata"))]
+    assert [t for t in tags if "-forget-" in t] == [v2.manifest.files.rpartition("/")[2]]  # the crashed one's went
+
+    # --purge: the old files go, and the versions that held them say why they cannot be read.
+    other = next(d for (shard, _), d in sorted(_text_docs(v1).items()) if shard not in touched and d != doc)
+    ids.write_text(other + "\n")
+    purged = _forget(any_root, "--doc-ids", str(ids), "--reason", "copyright claim 3", "--purge")
+    assert purged.returncode == 0, purged.stderr
+    assert "forgot 1 document(s) (copyright claim 3)" in purged.stdout and "purged" in purged.stdout
+    with pytest.raises(DatasetError, match=r"takedown@v0001 cannot be read: `forget --purge` at takedown@v0004"):
+        resolve(storage, v1.ref)
+    assert documents(storage, [other])["versions"] and all(
+        h["ref"] != "takedown@v0004" for h in documents(storage, [other])["versions"])
+    with pytest.raises(DatasetError, match="is a takedown"):
+        delete_version(storage, "takedown", "v0004")
