@@ -15,6 +15,9 @@ directory (no requests to count).
 - The same under `--dedup-window all` (`--all-versions` of them, on s3): the law that mode's dedup
   reads follow, fitted over its versions: MB of dedup state read = a + b x keys compared.
 - Input: one version of `--mb` x each of `--sizes`: the same figures.
+- Lineage: each version's lineage file as a share of the shard bytes it added (`lineage_share`, target
+  <= 0.05), and one document of version 1 looked up across the history: row groups read (of how many)
+  and, on s3, requests.
 - Resume: row groups a training reader reads to give its first batch at the start of an epoch and at
   its last batch (`train.data.TokenBatches` over the newest version's shards).
 
@@ -113,6 +116,7 @@ def preprocess(inputs: Path, dataset: str, root: str, env: dict, proxy=None, win
            "index_rss_mb": summary["stats"]["peak_index_rss_mb"], "index_entries": summary["dedup_index_entries"],
            "keys_compared": summary["dedup_keys_compared"],
            "shards": summary["shards"],
+           "lineage_share": (summary.get("lineage") or {}).get("share_of_shard_bytes"),
            "work_units": summary["units"]["total"], "version": summary["version"]}
     if proxy:
         from bench.s3proxy import tally
@@ -128,6 +132,43 @@ def preprocess(inputs: Path, dataset: str, root: str, env: dict, proxy=None, win
 
 
 KINDS = ("listings", "work files", "dedup state", "consumed", "delta log", "leases", "other")
+
+
+def lineage_lookup(root: str, dataset: str, doc_id: str, env: dict, proxy=None) -> dict:
+    """`strata lineage doc` of one document in a dataset of many versions: the row groups of the versions'
+    lineage files it read (of how many), and its requests to them (on s3)."""
+    from bench.s3proxy import tally
+
+    first = len(proxy.log) if proxy else 0
+    proc = subprocess.run([sys.executable, "-m", "strata", "lineage", "doc", "--doc-id", doc_id, "--dataset", dataset,
+                           "--storage", root, "--json"], cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"lineage doc failed: {proc.stderr[-3000:]}")
+    out = json.loads(proc.stdout)
+    env_root = {**env, "STRATA_STORAGE": root}
+    count = subprocess.run([sys.executable, "-c", _GROUPS, dataset], cwd=REPO, env=env_root, capture_output=True,
+                           text=True, check=True)
+    groups, versions = json.loads(count.stdout)
+    row = {"versions": versions, "row_groups": groups, "row_groups_read": out["row_groups_read"],
+           "versions_holding": len(out["versions"])}
+    if proxy:
+        log = [r for r in proxy.log[first:] if "lineage.parquet" in r.path]
+        row.update(lineage_requests=len(log), lineage_read_kb=round(tally(log)["read_bytes"] / 1024, 1))
+    return row
+
+
+_GROUPS = """
+import json, sys
+import pyarrow.parquet as pq
+from strata.dataset import history
+from strata.storage import Storage, filesystem
+groups = 0
+versions = history(Storage.from_env(), sys.argv[1])
+for v in versions:
+    fs, p = filesystem(v.file(v.manifest.lineage["file"]))
+    groups += pq.ParquetFile(fs.open_input_file(p)).metadata.num_row_groups
+print(json.dumps([groups, len(versions)]))
+"""
 
 
 def kind_of(r) -> str:
@@ -234,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
                 for v in range(1, count + 1):
                     history.append(preprocess(work / "in" / f"v{v:03d}", dataset, root, env, proxy, window))
                     print(f"[scale] {label} version {v}: {json.dumps(history[-1])}", file=sys.stderr, flush=True)
+            # One document of the first version, looked up across the whole history.
+            results.setdefault("lineage", {})[kind] = lineage_lookup(root, "grow", f"{work / 'in' / 'v001' / 'part.jsonl'}:0",
+                                                                     env, proxy)
+            print(f"[scale] {kind} lineage lookup: {json.dumps(results['lineage'][kind])}", file=sys.stderr, flush=True)
             results["input"][kind] = {}
             for k in sizes:
                 results["input"][kind][k] = preprocess(work / "in" / f"x{k}", f"x{k}", root, env, proxy)
@@ -290,6 +335,8 @@ def target(key: str) -> float:
         return float("inf")
     if "highest" in key:
         return 1.5
+    if "lineage" in key:
+        return 0.05 if "bytes" in key else 1.0
     return 1.2 if "worst of" in key else 1.05 if "per MB" in key else 1.0
 
 
@@ -315,6 +362,11 @@ def ratios(results: dict, sizes: list[int]) -> dict:
             for key in ("total_requests", "read_mb", "written_mb", "wall_s"):
                 if key in small:
                     out[f"{kind} x{sizes[-1]}/x{sizes[0]} {key} per MB"] = ratio(big[key] / sizes[-1], small[key] / sizes[0])
+    shares = [r["lineage_share"] for h in results["history"].values() for r in h if r.get("lineage_share")]
+    if shares:
+        out["lineage bytes / shard bytes, largest of any version"] = max(shares)
+    for kind, r in results.get("lineage", {}).items():  # a lookup reads at most a row group per version
+        out[f"{kind} lineage row groups read / versions"] = ratio(r["row_groups_read"], r["versions"])
     if "resume" in results:
         out["resume end/(start+1) row groups"] = ratio(results["resume"]["row_groups_at_end"],
                                                       results["resume"]["row_groups_at_start"] + 1)
@@ -324,7 +376,7 @@ def ratios(results: dict, sizes: list[int]) -> dict:
 def tables(results: dict) -> str:
     lines = []
     cols = ("total_requests", *KINDS, "read_mb", "dedup_read_mb", "delta_read_mb", "written_mb", "driver_rss_mb", "worker_rss_mb",
-            "index_rss_mb", "index_entries", "keys_compared", "wall_s", "shards")
+            "index_rss_mb", "index_entries", "keys_compared", "wall_s", "shards", "lineage_share")
     flat = lambda r: {**r, **r.get("requests_by_kind", {})}  # noqa: E731
     for label, history in results["history"].items():
         history = [flat(r) for r in history]
@@ -346,6 +398,11 @@ def tables(results: dict) -> str:
                      f"{w['dedup_read']['intercept_mb']} MB + {w['dedup_read']['bytes_per_earlier_key']} bytes x earlier "
                      f"keys compared; all bytes read = {w['read']['intercept_mb']} MB + "
                      f"{w['read']['bytes_per_earlier_key']} bytes x earlier keys ({w['keys_compared_last']:,} at the last).")
+    for kind, r in results.get("lineage", {}).items():
+        lines.append(f"Lineage on {kind}: one document of version 1 looked up in {r['versions']} versions read "
+                     f"{r['row_groups_read']} of their {r['row_groups']} lineage row groups"
+                     + (f" ({r['lineage_requests']} requests, {r['lineage_read_kb']} KB)" if "lineage_requests" in r else "")
+                     + f"; {r['versions_holding']} versions hold it.")
     if "resume" in results:
         r = results["resume"]
         lines.append(f"Resume: {r['row_groups_at_start']} row groups read for the first batch of an epoch, "

@@ -40,6 +40,7 @@ from strata.dataset import (
     slot_version,
     token_dtype,
 )
+from strata.lineage import FILE as LINEAGE_FILE
 from strata.shell import Job
 from strata.shell import log as _logger
 from strata.sources import InputMissing, InputUnreadable, check_outside, list_inputs, plan_units
@@ -259,8 +260,7 @@ class Preprocess:
         self.shard_dir = self.storage.run_shards(self.cfg.dataset, self.tag)
         self.work = join(self.staging, "_work")
         make_dirs(*(join(self.work, d) for d in ("docs", "packed", "tails", "done", "lineage", "places")),
-                  join(self.staging, "dedup"),
-                  join(self.staging, REMOVED_DIR))
+                  *(join(self.staging, d) for d in ("dedup", REMOVED_DIR)))
         self.done = {name: Output.from_json(read_json(join(self.work, "done", name)))
                      for name, is_dir in list_dir(join(self.work, "done")) if not is_dir}
         write_json_atomic(join(self.staging, "run.json"), self.job.begin({**asdict(self.cfg), "run_id": self.run_id}))
@@ -630,8 +630,6 @@ class Preprocess:
                              quality=self.quality.figures if self.quality else {})
 
     def commit(self, files: list[dict]):
-        from pipelines import lineage
-
         docs = accounting(self.tally)
         shards = sorted((Shard(path=p, split=split, rows=rows, tokens=tokens, bytes=size)
                          for p, split, rows, tokens, size in (o.shard for o in self.shards)), key=lambda s: s.path)
@@ -661,7 +659,7 @@ class Preprocess:
             tokenizer=self.tok.info(), seq_len=self.cfg.pack.seq_len, dtype=token_dtype(self.tok.vocab_size),
             shards=shards, documents=docs, tokens=table["tokens"], inputs=files, run=record, stats=table,
             rejects="rejects.json", run_id=self.run_id, tails=tails, dedup=dedup, consumed=consumed,
-            quality=quality, forgotten=self.parent.manifest.forgotten if self.parent else {}, lineage={**self.lineage, "file": lineage.FILE} if self.lineage else {}),
+            quality=quality, forgotten=self.parent.manifest.forgotten if self.parent else {}, lineage={**self.lineage, "file": LINEAGE_FILE} if self.lineage else {}),
             lease=self.job.lease, built_on=self.parent.manifest.version if self.parent else None, head=self.head)
 
     def window_record(self) -> dict:
@@ -845,7 +843,10 @@ def _check_dedup_share(by_source: dict[str, dict], limit: float) -> None:
 
 def _summary(version) -> dict:
     m = version.manifest
-    return {"dataset": m.dataset, "version": m.version, "path": version.path, "parent": m.parent,
+    added = sum(s.bytes for s in version.added)
+    lineage = {**m.lineage, "share_of_shard_bytes": round(m.lineage["bytes"] / added, 4) if added else None} \
+        if m.lineage.get("bytes") else {}
+    return {"dataset": m.dataset, "version": m.version, "path": version.path, "parent": m.parent, "lineage": lineage,
             "documents": m.stats["documents"], "reasons": m.documents.reasons, "tokens": m.tokens,
             "sequences": sum(s.rows for s in version.added), "shards": len(version.added), "stats": m.stats,
             "snapshot": m.totals, "run_id": m.run_id, "already_existed": False}

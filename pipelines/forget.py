@@ -85,17 +85,16 @@ class Forget:
             delete_run(storage, name, leftover)
 
     def run(self) -> dict:
-        from pipelines.dedup import hash64
-        from train.lineage import documents
+        from strata.lineage import doc_key, find
 
-        # What learned from them, before anything changes (lineage of every version and every run).
-        found = documents(self.storage, self.doc_ids, self.source, self.name)
+        found = find(self.storage, self.doc_ids, self.source, self.name)
         docs = {d["doc_id"]: d for d in found["documents"]}
         if self.source is not None and not docs:
             raise DatasetError(f"no document of dataset {self.name} comes from a file matching {self.source!r} "
                                "(by lineage): nothing was changed")
         ids = sorted(set(self.doc_ids or []) | set(docs))
-        doc_keys = {hash64(i) for i in ids}
+        learned = self.learned_from(ids)  # before anything changes: the runs read the versions as they were
+        doc_keys = {doc_key(i) for i in ids}
         exact = {int(d["exact"]) for d in docs.values()}
         held = next((h["rows"] for h in found["versions"] if h["ref"] == self.newest.ref), [])
         try:
@@ -112,16 +111,38 @@ class Forget:
         return {"dataset": self.name, "version": version.manifest.version, "ref": version.ref,
                 "reason": self.reason, "documents": sorted(docs), "not_in_any_version": not_found,
                 "rows_removed": len({(r["shard"], r["row"]) for r in held}),
-                "shards_rewritten": len(removed), "co_packed": co_packed, "purged": purged,
-                "runs": found["runs"], "sweeps": found["sweeps"]}
+                "shards_rewritten": len(removed), "co_packed": co_packed, "purged": purged, **learned}
+
+    def learned_from(self, ids: list[str]) -> dict:
+        """The runs, checkpoints, exports and sweeps that learned from the documents: `strata lineage doc`
+        (training's own data order, run forward; tier 1 never imports training). If it fails, the takedown
+        goes on and says so (`learned_from_error`)."""
+        import json
+        import subprocess
+        import sys
+        import tempfile
+
+        if not ids:
+            return {"runs": [], "sweeps": []}
+        with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+            f.write("\n".join(ids) + "\n")
+            f.flush()
+            out = subprocess.run([sys.executable, "-m", "train.lineage", "doc", "--doc-ids", f.name, "--dataset",
+                                  self.name, "--storage", self.storage.root, "--json"], capture_output=True, text=True)
+        if out.returncode:
+            why = (out.stderr.strip().splitlines() or ["no output"])[-1]
+            _say(f"WARNING: could not list what learned from the documents: {why}")
+            return {"runs": [], "sweeps": [], "learned_from_error": why}
+        found = json.loads(out.stdout)
+        return {"runs": found["runs"], "sweeps": found["sweeps"]}
 
     # ------------------------------------------------------------ the new version's files
 
     def rewrite(self, held: list[dict], doc_keys: set[int]):
         """Each shard of the newest snapshot holding a forgotten row, written again without those rows (in
         data/<tag>); its lineage, the rows renumbered; and the other documents the dropped rows held."""
-        from pipelines.lineage import FILE, LOOKUP_ROWS, SCHEMA
         from pipelines.pack import ROW_GROUP_ROWS
+        from strata.lineage import FILE, LOOKUP_ROWS, SCHEMA
 
         drop: dict[str, set[int]] = {}
         for r in held:
@@ -174,9 +195,9 @@ class Forget:
         return removed, added, lineage, [{"doc_id": k, "tokens_lost": v} for k, v in sorted(co_packed.items())]
 
     def forgotten_run(self, doc_id: str, exact_key: int, doc_keys: set[int], exact: set[int]) -> bool:
-        from pipelines.dedup import hash64
+        from strata.lineage import doc_key
 
-        return bool(doc_id) and (hash64(doc_id) in doc_keys or exact_key in exact or (
+        return bool(doc_id) and (doc_key(doc_id) in doc_keys or exact_key in exact or (
             self.source is not None and fnmatch.fnmatchcase(doc_id.rpartition(":")[0], self.source)))
 
     def rewrite_tails(self, doc_keys: set[int], exact: set[int]) -> str:

@@ -3,14 +3,7 @@
 Pass 2 knows, as it packs, which document each token of a split's stream belongs to (`DocRuns`); when it
 cuts rows it writes their spans, keyed by each row's random sort key, to a work file. Pass 3 knows where
 each key landed (a shard file and a row in it) and writes that beside the shard. `build` joins the two
-into one parquet file per version, `lineage.parquet` in the run's own directory, named by the version's
-Delta commit: one row per (document, packed row) it touches, sorted by the document's key, in row groups
-of LOOKUP_ROWS, so a lookup reads the footer and the row groups whose key range holds the key.
-
-Columns: `doc` (hash64 of the record id), `exact` (its exact-dedup key: what a forget list holds, so a new
-copy of a forgotten file is known), `source` (the input file), `position` (the record's place in it: a
-line's byte offset, a parquet row or a JSON array index), `shard` (the file's path in the dataset), `row`,
-`start` and `length` (the tokens of the row that are the document's, its end-of-text id included).
+into the version's lineage file (strata/lineage.py: its columns and how it is looked up).
 """
 
 from __future__ import annotations
@@ -20,17 +13,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from strata.lineage import FILE, LOOKUP_ROWS, SCHEMA, doc_key
 from strata.storage import filesystem, join, list_dir
 
-FILE = "lineage.parquet"
-LOOKUP_ROWS = 8192  # rows per row group: a lookup reads one group per version (measured: bench/scale)
+__all__ = ["FILE", "DocRuns", "build", "write_places", "write_spans"]
+
 SPANS_DIR, PLACES_DIR = "lineage", "places"  # under a run's _work
 
 SPANS = pa.schema([("key", pa.uint64()), ("doc_id", pa.string()), ("exact", pa.uint64()),
                    ("start", pa.int32()), ("length", pa.int32())])
-SCHEMA = pa.schema([("doc", pa.uint64()), ("exact", pa.uint64()), ("source", pa.string()),
-                    ("position", pa.int64()), ("shard", pa.string()), ("row", pa.int32()),
-                    ("start", pa.int32()), ("length", pa.int32())])
 
 
 class DocRuns:
@@ -113,8 +104,6 @@ def build(work_dir: str, shard_prefix: str, out: str) -> dict:
     """The version's lineage file (a cpu-tier task): pass 2's spans joined with pass 3's places on the row
     key, sorted by document key. `shard_prefix` is the shard directory's path in the dataset. Returns its
     figures: documents, spans, bytes, and the spans no place was found for (none, or a bug)."""
-    from pipelines.dedup import hash64
-
     spans = _read_all(join(work_dir, SPANS_DIR))
     places = _read_all(join(work_dir, PLACES_DIR), "shard")
     if spans is None or places is None:
@@ -124,7 +113,7 @@ def build(work_dir: str, shard_prefix: str, out: str) -> dict:
     ids = joined["doc_id"].to_pylist()
     source, _, position = zip(*(i.rpartition(":") for i in ids), strict=True) if ids else ((), (), ())
     table = pa.Table.from_arrays([
-        pa.array([hash64(i) for i in ids], pa.uint64()), joined["exact"], pa.array(source, pa.string()),
+        pa.array([doc_key(i) for i in ids], pa.uint64()), joined["exact"], pa.array(source, pa.string()),
         pa.array([int(p) if p.isdigit() else -1 for p in position], pa.int64()),
         pc.binary_join_element_wise(pa.scalar(shard_prefix), joined["shard"], "/") if ids else pa.array([], pa.string()),
         joined["row"], joined["start"], joined["length"]], schema=SCHEMA)
@@ -135,32 +124,3 @@ def build(work_dir: str, shard_prefix: str, out: str) -> dict:
         size = f.tell()
     return {"documents": len(set(table["doc"].to_numpy().tolist())) if table.num_rows else 0,
             "spans": table.num_rows, "bytes": size, "unplaced": spans.num_rows - joined.num_rows}
-
-
-def lookup(path: str, keys: list[int] | None = None, source: str | None = None) -> tuple[pa.Table, int]:
-    """The rows of lineage file `path` of documents `keys` (hash64 of their ids), or of input files matching
-    the glob `source`, and how many row groups were read: by key, only those whose key range holds one
-    (the footer's statistics say); by source, every group's `source` column, then the matching groups."""
-    import fnmatch
-
-    fs, p = filesystem(path)
-    f = pq.ParquetFile(fs.open_input_file(p))
-    meta, groups = f.metadata, []
-    if keys is not None:
-        wanted = np.array(sorted(set(keys)), dtype=np.uint64)
-        for g in range(meta.num_row_groups):
-            st = meta.row_group(g).column(0).statistics
-            if st is None or not st.has_min_max:
-                groups.append(g)
-                continue
-            lo, hi = np.searchsorted(wanted, [np.uint64(st.min), np.uint64(st.max)], side="left")[0], \
-                np.searchsorted(wanted, np.uint64(st.max), side="right")
-            if hi > lo:
-                groups.append(g)
-        read = len(groups)
-        table = f.read_row_groups(groups) if groups else SCHEMA.empty_table()
-        return table.filter(pc.is_in(table["doc"], pa.array(wanted))), read
-    names = f.read(columns=["source"])["source"]
-    match = pa.array([fnmatch.fnmatchcase(s, source) for s in names.to_pylist()])
-    table = f.read().filter(match) if pc.any(match).as_py() else SCHEMA.empty_table()
-    return table, meta.num_row_groups

@@ -39,6 +39,7 @@ from pipelines.lineage import DocRuns, write_places, write_spans
 from pipelines.stats import SAMPLES_PER_REASON, Output, Tally, audit_sample
 from strata.connect import fetch_once
 from strata.dataset import arrow_schema, shard_schema, token_dtype
+from strata.lineage import doc_key
 from strata.procs import peak_rss_mb
 from strata.sources import ReadConfig, read_file, with_deferral
 from strata.storage import filesystem, join, make_dirs, read_bytes
@@ -152,7 +153,7 @@ def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, seen: O
 
 def _listed(keys: np.ndarray, doc_id: str, text: str) -> bool:
     """Whether a sorted forget list holds the record's key or its text's exact key."""
-    for k in (hash64(doc_id), exact_key(text)):
+    for k in (doc_key(doc_id), exact_key(text)):
         i = np.searchsorted(keys, np.uint64(k))
         if i < len(keys) and keys[i] == k:
             return True

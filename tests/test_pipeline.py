@@ -58,7 +58,7 @@ def test_version_is_committed_with_a_complete_manifest(dataset, corpus):
     assert set(os.listdir(v.path)) <= {"_delta_log", "data", "_strata", "_lease"} and m.files == f"_strata/{tag}"
     tails = [os.path.basename(m.tails)] if m.tails else []  # what the rows could not hold, for the next version
     assert sorted(os.listdir(v.file(m.files))) == sorted(["run.json", "rejects.json", "dedup", "dedup-audit.json", "removed",
-                                                          "record.json", "consumed"] + tails)  # no work files
+                                                          "record.json", "consumed", "lineage.parquet"] + tails)  # no work files
     assert [f["rows"] for seg in m.consumed for f in seg["files"]] == [corpus["files"]]  # the inputs it consumed
     assert sorted(os.listdir(v.file(f"data/{tag}"))) == sorted(os.path.basename(s.path) for s in v.shards)
     for shard in v.shards:

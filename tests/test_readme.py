@@ -14,7 +14,8 @@ from conftest import REPO, readme_blocks
 
 # How a command line names a strata command, and the `--help` that lists its flags.
 STRATA_COMMANDS = {"demo", "submit", "head", "runs", "report", "ledger", "lineage", "plan", "migrate"}
-SUBCOMMANDS = {"pipelines.datasets": {"list", "show", "delete"}}
+SUBCOMMANDS = {"pipelines.datasets": {"list", "show", "delete", "forget"}}
+STRATA_SUBCOMMANDS = {"lineage": {"step", "doc"}}  # strata commands with subcommands of their own
 
 
 @functools.cache
@@ -66,7 +67,12 @@ def check(module: str, args: list[str]) -> list[str]:
         if sub not in STRATA_COMMANDS:
             return [f"strata has no command {sub!r}"]
         own, rest = (args[1:args.index("--")], args[args.index("--") + 1:]) if "--" in args else (args[1:], [])
-        problems = [f"strata {sub}: no flag {f}" for f in flags(own) if f not in help_of("strata", sub)]
+        text = help_of("strata", sub)
+        if sub in STRATA_SUBCOMMANDS:
+            if not own or own[0] not in STRATA_SUBCOMMANDS[sub]:
+                return [f"strata {sub}: no subcommand {own[:1]}"]
+            text = help_of("strata", sub, own[0])
+        problems = [f"strata {sub}: no flag {f}" for f in flags(own) if f not in text]
         if sub == "submit" and own:
             from strata.submit import MODULES
 
@@ -109,7 +115,8 @@ def test_every_flag_the_readme_names_is_a_flag_of_a_command():
     with open(os.path.join(REPO, "README.md")) as f:
         text = f.read()
     named = set(re.findall(r"`[^`]*?(--[a-z][a-z0-9-]*)", text))
-    known = "\n".join(help_of(*m) for m in (("pipelines.preprocess",), ("pipelines.datasets", "show"), ("train",),
+    known = "\n".join(help_of(*m) for m in (("pipelines.preprocess",), ("pipelines.datasets", "show"),
+                                           ("pipelines.datasets", "forget"), ("strata", "lineage", "doc"), ("train",),
                                            ("train.sample",), ("train.export",), ("tune",), ("infer",), ("strata", "submit"),
                                            ("strata", "report"), ("strata", "plan"), ("strata", "demo"),
                                            ("bench",), ("bench.peer",), ("bench.lid",), ("bench.train.gpu",)))

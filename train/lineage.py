@@ -142,47 +142,21 @@ def documents(storage: Storage, doc_ids: list[str] | None = None, source: str | 
               dataset: str | None = None) -> dict:
     """Where documents went (`python -m strata lineage doc`): by record id (`PATH:POSITION`, as tier 1 names
     them) or by input-file glob, in every dataset (or `dataset`). Lists each document's place in its input,
-    every version whose snapshot holds one of its rows, and for each training run that read such a version
-    the first step it trained on each row, the checkpoints and exports made from then on, and what used the
-    run since (scoring, evaluation, generation); and the sweeps that read such a version."""
-    from pipelines.datasets import datasets as all_datasets
-    from pipelines.dedup import hash64
-    from pipelines.lineage import lookup
-    from strata.dataset import history
+    every version whose snapshot holds one of its rows (strata.lineage.find), and for each training run that
+    read such a version the first step it trained on each row, the checkpoints and exports made from then
+    on, and what used the run since (scoring, evaluation, generation); and the sweeps that read such a
+    version."""
+    from strata.dataset import DatasetError
     from strata.ledger import USES, pinned
+    from strata.lineage import find
     from strata.records import list_records
 
-    if (doc_ids is None) == (source is None):
-        raise LineageError("name the documents: --doc-id ID (repeat it for more) or --source GLOB")
-    keys = [hash64(d) for d in doc_ids] if doc_ids is not None else None
-    names = [dataset] if dataset else [n for n, _ in all_datasets(storage)]
-    docs, holders, row_groups, missing = {}, [], 0, []
-    for name in names:
-        versions = history(storage, name)
-        found = []  # (added in, lineage rows)
-        for v in versions:
-            if not v.manifest.lineage.get("file"):
-                missing.append(v.ref)
-                continue
-            table, groups = lookup(v.file(v.manifest.lineage["file"]), keys, source)
-            row_groups += groups
-            inputs = {f["path"]: f for f in v.manifest.inputs}
-            for r in table.to_pylist():
-                doc_id = f"{r['source']}:{r['position']}"
-                f = inputs.get(r["source"], {})
-                docs.setdefault(doc_id, {"doc_id": doc_id, "source": r["source"], "position": r["position"],
-                                         "exact": r["exact"], "file": {k: f.get(k) for k in ("size", "mtime_ns")},
-                                         "added_in": v.ref})
-                found.append({**r, "doc_id": doc_id})
-        if not found:
-            continue
-        for v in versions:
-            shards = {sh.path: sh.split for sh in v.shards}
-            rows = [{k: r[k] for k in ("doc_id", "shard", "row", "start", "length")} | {"split": shards[r["shard"]]}
-                    for r in found if r["shard"] in shards]
-            if rows:
-                holders.append({"dataset": name, "version": v.manifest.version, "ref": v.ref, "rows": rows})
-    held = {(h["ref"]) for h in holders}
+    try:
+        out = find(storage, doc_ids, source, dataset)
+    except DatasetError as e:
+        raise LineageError(str(e)) from None
+    holders = out["versions"]
+    held = {h["ref"] for h in holders}
     records = list_records(storage)
     runs, sweeps = [], []
     for run in dict.fromkeys(r["name"] for r in records if r["kind"] == "train"):
@@ -192,9 +166,8 @@ def documents(storage: Storage, doc_ids: list[str] | None = None, source: str | 
                   for r in h["rows"] if r["split"] == "train"}
         if not wanted:
             continue
-        steps = first_steps(storage, run, set(wanted))
         first: dict[str, int] = {}
-        for key, step in steps.items():
+        for key, step in first_steps(storage, run, set(wanted)).items():
             first[wanted[key]] = min(step, first.get(wanted[key], step))
         entry = {"run": run, "datasets": [r for r in refs if r in held], "rows": len(wanted),
                  "first_step": min(first.values()) if first else None, "first_step_by_document": first,
@@ -210,8 +183,7 @@ def documents(storage: Storage, doc_ids: list[str] | None = None, source: str | 
                                               pinned(str((r.get("config") or {}).get("dataset") or "")) if
                                               f"{n}@v{v:04d}" in held]):
             sweeps.append({"sweep": r["name"], "datasets": read})
-    return {"documents": sorted(docs.values(), key=lambda d: d["doc_id"]), "versions": holders, "runs": runs,
-            "sweeps": sweeps, "row_groups_read": row_groups, "without_lineage": missing}
+    return {**out, "runs": runs, "sweeps": sweeps}
 
 
 def _made_after(run_dir: str, step: int) -> tuple[list[dict], list[dict]]:
@@ -240,13 +212,21 @@ def _main(cmd: Command) -> int:
     sp.add_argument("--json", action="store_true", help="print JSON instead")
     dp = sub.add_parser("doc", help="where documents went: every version, training run, checkpoint and export")
     dp.add_argument("--doc-id", action="append", help="a record id, PATH:POSITION as tier 1 names it (repeat it)")
+    dp.add_argument("--doc-ids", help="a file of record ids, one a line")
     dp.add_argument("--source", help="every document of the input files matching this glob")
     dp.add_argument("--dataset", help="look in this dataset only (default: every one)")
     dp.add_argument("--storage", help="storage root (default: $STRATA_STORAGE or ~/strata-data)")
     dp.add_argument("--json", action="store_true", help="print JSON instead")
     a = p.parse_args(cmd.argv)
     if a.what == "doc":
-        out = documents(Storage.from_env(a.storage), a.doc_id, a.source, a.dataset)
+        ids = a.doc_id
+        if a.doc_ids:
+            try:
+                with open(a.doc_ids) as f:
+                    ids = [*(ids or []), *(line.strip() for line in f if line.strip())]
+            except OSError as e:
+                raise LineageError(f"--doc-ids {a.doc_ids}: {e.strerror}") from None
+        out = documents(Storage.from_env(a.storage), ids, a.source, a.dataset)
         print(json.dumps(out) if a.json else doc_text(out))
         return 0
     out = step_rows(Storage.from_env(a.storage), a.run, a.step)
