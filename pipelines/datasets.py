@@ -139,8 +139,10 @@ def _main(cmd: Command) -> None:
                 m = v.manifest
                 created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m.created_at))
                 rows = m.totals.get("rows", {})
-                print(f"{m.version:<9}{created:<21}{m.documents.kept:>11,}{sum(s.rows for s in v.added):>11,}"
-                      f"{sum(rows.values()):>14,}{m.totals.get('shards', 0):>8}")
+                added = f"-{m.forget.get('rows_removed', 0):,}" if m.forget else f"{sum(s.rows for s in v.added):,}"
+                print(f"{m.version:<9}{created:<21}{m.documents.kept:>11,}{added:>11}"
+                      f"{sum(rows.values()):>14,}{m.totals.get('shards', 0):>8}"
+                      + (f"  forget: {m.forget.get('reason')}" if m.forget else ""))
         elif args.command == "delete":
             name, _, version = args.ref.partition("@")
             if not version:
@@ -164,8 +166,14 @@ def _main(cmd: Command) -> None:
                 where = sorted({s.path.rsplit("/", 1)[0] for s in mine})
                 print(f"{added_in:<20}{len(mine):>8}{sum(s.rows for s in mine):>12,}"
                       f"{sum(s.tokens for s in mine):>14,}  {', '.join(where)}")
-            print(f"this version's run: {m.documents.kept:,} documents kept of {m.documents.read:,} read, "
-                  f"{len(m.inputs)} input files")
+            if m.forget:
+                f = m.forget
+                print(f"a takedown ({f.get('reason')}): {len(f.get('doc_ids') or [])} document(s) forgotten, "
+                      f"{f.get('rows_removed', 0):,} row(s) removed; {len(f.get('co_packed') or [])} other document(s) "
+                      "lost the tokens they had in those rows")
+            else:
+                print(f"this version's run: {m.documents.kept:,} documents kept of {m.documents.read:,} read, "
+                      f"{len(m.inputs)} input files")
             if line := dedup_scope(m.dedup):
                 print(line)
             if m.stats:

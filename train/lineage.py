@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 
 import numpy as np
 
@@ -249,9 +250,12 @@ def doc_text(out: dict) -> str:
         f = d["file"]
         lines.append(f"  {d['doc_id']}  (file {f.get('size')} bytes, mtime_ns {f.get('mtime_ns')}; added in {d['added_in']})")
     for h in out["versions"]:
-        lines.append(f"{h['ref']} holds {len(h['rows'])} row span(s):")
+        rows = h["rows"]
+        splits = ", ".join(f"{n} {s}" for s, n in sorted(Counter(r["split"] for r in rows).items()))
+        lines.append(f"{h['ref']} holds {len(rows)} row(s) of them ({splits}) in {len({r['shard'] for r in rows})} "
+                     f"shard(s), e.g.:")
         lines += [f"    {r['shard']}  row {r['row']}  tokens {r['start']}-{r['start'] + r['length']}  {r['doc_id']}"
-                  for r in h["rows"][:20]] + ([f"    ... {len(h['rows']) - 20} more"] if len(h["rows"]) > 20 else [])
+                  for r in rows[:3]]
     for r in out["runs"]:
         lines.append(f"run {r['run']} read {', '.join(r['datasets'])}: first trained on them at step {r['first_step']}"
                      if r["first_step"] else f"run {r['run']} read {', '.join(r['datasets'])} but has not reached their rows")
