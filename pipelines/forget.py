@@ -142,7 +142,7 @@ class Forget:
         """Each shard of the newest snapshot holding a forgotten row, written again without those rows (in
         data/<tag>); its lineage, the rows renumbered; and the other documents the dropped rows held."""
         from pipelines.pack import ROW_GROUP_ROWS
-        from strata.lineage import FILE, LOOKUP_ROWS, SCHEMA
+        from strata.lineage import FILE, SCHEMA, write
 
         drop: dict[str, set[int]] = {}
         for r in held:
@@ -186,10 +186,7 @@ class Forget:
         lineage = {}
         if parts:
             table = pa.concat_tables(parts).sort_by([("doc", "ascending"), ("shard", "ascending"), ("row", "ascending")])
-            fs, p = filesystem(join(self.own, FILE))
-            with fs.open_output_stream(p) as f:
-                pq.write_table(table, f, row_group_size=LOOKUP_ROWS, compression="zstd")
-                size = f.tell()
+            size = write(table, join(self.own, FILE))
             lineage = {"file": f"_strata/{self.tag}/{FILE}", "spans": table.num_rows, "bytes": size,
                        "documents": len(np.unique(table["doc"].to_numpy()))}
         return removed, added, lineage, [{"doc_id": k, "tokens_lost": v} for k, v in sorted(co_packed.items())]

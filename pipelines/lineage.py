@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from strata.lineage import FILE, LOOKUP_ROWS, SCHEMA, doc_key
+from strata.lineage import FILE, SCHEMA, doc_key, write
 from strata.storage import filesystem, join, list_dir
 
 __all__ = ["FILE", "DocRuns", "build", "write_places", "write_spans"]
@@ -118,9 +118,6 @@ def build(work_dir: str, shard_prefix: str, out: str) -> dict:
         pc.binary_join_element_wise(pa.scalar(shard_prefix), joined["shard"], "/") if ids else pa.array([], pa.string()),
         joined["row"], joined["start"], joined["length"]], schema=SCHEMA)
     table = table.sort_by([("doc", "ascending"), ("shard", "ascending"), ("row", "ascending")])
-    fs, path = filesystem(out)
-    with fs.open_output_stream(path) as f:
-        pq.write_table(table, f, row_group_size=LOOKUP_ROWS, compression="zstd")
-        size = f.tell()
+    size = write(table, out)
     return {"documents": len(set(table["doc"].to_numpy().tolist())) if table.num_rows else 0,
             "spans": table.num_rows, "bytes": size, "unplaced": spans.num_rows - joined.num_rows}
