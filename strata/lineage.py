@@ -122,3 +122,28 @@ def find(storage: Storage, doc_ids: list[str] | None = None, source: str | None 
                 holders.append({"dataset": name, "version": v.manifest.version, "ref": v.ref, "rows": rows})
     return {"documents": sorted(docs.values(), key=lambda d: d["doc_id"]), "versions": holders,
             "row_groups_read": row_groups, "without_lineage": missing}
+
+
+def row_documents(storage: Storage, version, rows: set[tuple[str, int]]) -> dict[tuple[str, int], list[dict]]:
+    """The documents each of `rows` ((shard path in the dataset, row)) of `version`'s snapshot holds, in the
+    row's order: {"doc_id", "source", "position", "start", "length"}. Read from the lineage files of the
+    versions that added those shards (a row of a version made before lineage has none)."""
+    from strata.dataset import resolve
+
+    added_in = {s.path: s.version for s in version.shards}
+    out: dict[tuple[str, int], list[dict]] = {r: [] for r in rows}
+    name = version.manifest.dataset
+    for label in sorted({added_in[shard] for shard, _ in rows if shard in added_in}):
+        owner = resolve(storage, f"{name}@{label}") if label != version.manifest.version else version
+        if not (rel := owner.manifest.lineage.get("file")):
+            continue
+        fs, p = filesystem(owner.file(rel))
+        table = pq.read_table(fs.open_input_file(p), columns=["source", "position", "shard", "row", "start", "length"])
+        shards = pa.array(sorted({shard for shard, _ in rows if added_in.get(shard) == label}))
+        for r in table.filter(pc.is_in(table["shard"], shards)).to_pylist():
+            if (key := (r["shard"], r["row"])) in out:
+                out[key].append({"doc_id": f"{r['source']}:{r['position']}", "source": r["source"],
+                                 "position": r["position"], "start": r["start"], "length": r["length"]})
+    for spans in out.values():
+        spans.sort(key=lambda d: d["start"])
+    return out

@@ -63,6 +63,13 @@ def test_a_steps_rows_are_the_ones_the_loop_trained_on_across_a_resume(local_ray
                 losses.append(net(x, y)[1].item())
         assert np.mean(losses) == pytest.approx(logged[step], rel=1e-4), (step, losses, logged[step])
     assert step_rows(storage, "lineage", 3)["ranks"] != step_rows(storage, "lineage", 7)["ranks"]
+    # Each row's documents: the spans of its tokens, start to end (rows of this debug version are full).
+    for step in (3, 7):
+        for rank in step_rows(storage, "lineage", step)["ranks"]:
+            for r in rank["rows"]:
+                ends = [0] + [d["start"] + d["length"] for d in r["documents"]]
+                assert [d["start"] for d in r["documents"]] == ends[:-1] and ends[-1] == 129, r
+                assert all(d["doc_id"] == f"{d['source']}:{d['position']}" for d in r["documents"])
 
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     cli = subprocess.run([sys.executable, "-m", "strata", "lineage", "step", "lineage", "7", "--json"], cwd=REPO,

@@ -1,4 +1,5 @@
-"""Which rows a training step learned from (`python -m strata lineage step RUN STEP`).
+"""Which rows and documents a training step learned from (`python -m strata lineage step RUN STEP`), and where
+a document went (`python -m strata lineage doc`).
 
 A run's data order is a function of its settings (train/data.py): the sources (every dataset pinned to its
 version, with its weight), the seed, the micro-batch, the accumulation and the world size. A continued run
@@ -62,6 +63,7 @@ class _Order:
             raise LineageError(f"run {run}: its log says micro-batch {self.micro}, accumulation {self.accum}, "
                                f"world {self.world}")
         versions = mixture.resolve_all(storage, self.spec)
+        self.versions = {v.ref: v for v, _ in versions}
         self.sources = [Source.of(v, w) for v, w in versions]
         self.places = [(v.ref, ref, s.path) for (v, _), src in zip(versions, self.sources, strict=True)
                        for ref, s in zip(src.shards, [s for s in v.shards if s.split == "train"], strict=True)]
@@ -87,8 +89,11 @@ def _bad_record(run: str, run_dir: str, e: Exception) -> LineageError:
 
 def step_rows(storage: Storage, run: str, step: int) -> dict:
     """Every rank's rows of optimizer step `step` (1 = the first), in the order the loop took them:
-    {"ranks": [{"rank", "rows": [{"dataset", "shard", "file", "row"}, ...]}], and the settings used}. `shard`
-    is the file's full path, `file` its path in the dataset."""
+    {"ranks": [{"rank", "rows": [{"dataset", "shard", "file", "row", "documents"}, ...]}], and the settings
+    used}. `shard` is the file's full path, `file` its path in the dataset, `documents` the documents the row
+    holds (strata.lineage.row_documents: id, input file, place, and the row's tokens that are theirs)."""
+    from strata.lineage import row_documents
+
     run_dir = storage.run(run)
     try:
         launch, start, _ = _settings(run_dir, run, step)
@@ -101,6 +106,13 @@ def step_rows(storage: Storage, run: str, step: int) -> dict:
         rows = np.concatenate([next(batches) for _ in range(o.accum)])
         ranks.append({"rank": rank, "rows": [{"dataset": o.places[i][0], "shard": o.places[i][1].path,
                                               "file": o.places[i][2], "row": int(r)} for i, r in rows.tolist()]})
+    for ref, v in o.versions.items():
+        docs = row_documents(storage, v, {(r["file"], r["row"]) for rank in ranks for r in rank["rows"]
+                                          if r["dataset"] == ref})
+        for rank in ranks:
+            for r in rank["rows"]:
+                if r["dataset"] == ref:
+                    r["documents"] = docs[(r["file"], r["row"])]
     return {"run": run, "step": step, "dataset": o.spec, "seed": o.seed, "micro_batch": o.micro,
             "grad_accum": o.accum, "world_size": o.world, "ranks": ranks}
 
@@ -206,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(cmd: Command) -> int:
     p = Parser(prog="python -m strata lineage", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
-    sp = sub.add_parser("step", help="the rows of one training step's batch, every worker's")
+    sp = sub.add_parser("step", help="the rows of one training step's batch, every worker's, and their documents")
     sp.add_argument("run", help="a training run's name")
     sp.add_argument("step", type=int, help="the optimizer step (1 = the first)")
     sp.add_argument("--storage", help="storage root (default: $STRATA_STORAGE or ~/strata-data)")
@@ -240,6 +252,8 @@ def _main(cmd: Command) -> int:
         print(f"  worker {r['rank']}:")
         for row in r["rows"]:
             print(f"    {row['dataset']}  {row['file']}  row {row['row']}")
+            for d in row["documents"]:
+                print(f"      tokens {d['start']}-{d['start'] + d['length']}  {d['doc_id']}")
     return 0
 
 
