@@ -89,6 +89,10 @@ class Forget:
 
         found = find(self.storage, self.doc_ids, self.source, self.name)
         docs = {d["doc_id"]: d for d in found["documents"]}
+        if blind := found["without_lineage"]:
+            _say(f"WARNING: {len(blind)} version(s) were made before lineage ({', '.join(blind[:3])}"
+                 f"{' ...' if len(blind) > 3 else ''}): their rows cannot be searched, so any of these documents "
+                 "there stays; the forget list still keeps them out of every later run")
         if self.source is not None and not docs:
             raise DatasetError(f"no document of dataset {self.name} comes from a file matching {self.source!r} "
                                "(by lineage): nothing was changed")
@@ -109,6 +113,7 @@ class Forget:
         purged = self.purge_files(removed, tails) if self.purge else []
         not_found = sorted(set(self.doc_ids or []) - set(docs))
         return {"dataset": self.name, "version": version.manifest.version, "ref": version.ref,
+                "not_searched": found["without_lineage"],
                 "reason": self.reason, "documents": sorted(docs), "not_in_any_version": not_found,
                 "rows_removed": len({(r["shard"], r["row"]) for r in held}),
                 "shards_rewritten": len(removed), "co_packed": co_packed, "purged": purged, **learned}
