@@ -33,12 +33,13 @@ def _text_docs(v) -> dict[tuple[str, int], str]:
 @pytest.mark.slow
 def test_a_takedown_removes_a_document_from_the_newest_version_and_every_later_run(local_ray, any_root, tmp_path,
                                                                                   monkeypatch):
-    """A run trains on a version; a document of its first step is forgotten (after a forget killed before
+    """A run trains on a version and is scored; a document of its first step is forgotten (after a forget killed before
     its commit changed nothing). The next version lacks exactly that document's rows, its other rows in
     their order, only the shards that held them rewritten; the commit says why and which; the output names
     the run, the step and its checkpoints. The old version still reads, but training on it is refused; a
     rerun with the document copied under a new name does not ingest it. A purge makes the old version say
     why it cannot be read, and the takedown cannot be deleted."""
+    from infer.driver import ScoreConfig, score
     from pipelines.config import debug
     from pipelines.driver import run as preprocess
     from strata.dataset import DatasetError, delete_version, read_rows, resolve
@@ -57,6 +58,7 @@ def test_a_takedown_removes_a_document_from_the_newest_version_and_every_later_r
     tcfg = TrainConfig(max_steps=4, batch_size=4, warmup_steps=1, log_every=1, eval_every=100, eval_batches=1,
                        checkpoint_every=2, checkpoint_every_s=0)
     train_run(model, tcfg, dataset=v1.ref, run_name="reader", storage=storage, workers=1, use_gpu=False)
+    score("reader", [str(inputs)], ScoreConfig(actors=1, docs_per_batch=16), storage, "reader-scores")
     first = step_rows(storage, "reader", 1)["ranks"][0]["rows"]
     docs = _text_docs(v1)
     doc = next(docs[(r["file"], r["row"])] for r in first if (r["file"], r["row"]) in docs)
@@ -75,6 +77,7 @@ def test_a_takedown_removes_a_document_from_the_newest_version_and_every_later_r
     assert done["version"] == "v0002" and done["documents"] == [doc] and done["rows_removed"] == len(held)
     reader = next(r for r in done["runs"] if r["run"] == "reader")
     assert reader["first_step"] == 1 and [c["step"] for c in reader["checkpoints"]] == [2, 4]
+    assert [(u["kind"], u["name"]) for u in reader["used_by"]] == [("score", "reader-scores")]
 
     v2 = resolve(storage, "takedown")
     assert v2.manifest.version == "v0002"
