@@ -143,6 +143,7 @@ class Parser(argparse.ArgumentParser):
                           "the command starts Ray)")
 
     def parse_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)  # for the hint: which subcommand was given
         parsed = super().parse_args(args, namespace)
         set_verbosity(quiet=parsed.quiet, verbose=parsed.verbose)
         return parsed
@@ -165,8 +166,11 @@ class Parser(argparse.ArgumentParser):
         return f"; {'; '.join(hints)}" if hints else ""
 
     def _subparsers_in_use(self) -> list:
-        return [p for action in self._actions if isinstance(action, argparse._SubParsersAction)
-                for p in action.choices.values()]
+        """The subcommand given (`show` of `datasets show x --jsn`), or, before one is, every subcommand."""
+        choices = {name: p for action in self._actions if isinstance(action, argparse._SubParsersAction)
+                   for name, p in action.choices.items()}
+        given = [choices[w] for w in getattr(self, "_argv", []) if w in choices][:1]
+        return given or list(choices.values())
 
 
 def cluster_failure(e: BaseException) -> str | None:
