@@ -42,6 +42,7 @@ def test_a_takedown_removes_a_document_from_the_newest_version_and_every_later_r
     from infer.driver import ScoreConfig, score
     from pipelines.config import debug
     from pipelines.driver import run as preprocess
+    from pipelines.pack import read_tails
     from strata.dataset import DatasetError, delete_version, read_rows, resolve
     from train.config import TrainConfig
     from train.lineage import documents, step_rows
@@ -122,13 +123,22 @@ def test_a_takedown_removes_a_document_from_the_newest_version_and_every_later_r
 
     # --purge: the old files go, and the versions that held them say why they cannot be read.
     other = next(d for (shard, _), d in sorted(_text_docs(v1).items()) if shard not in touched and d != doc)
-    ids.write_text(other + "\n")
+    newest = resolve(storage, "takedown")
+    tails = read_tails(newest.file(newest.manifest.tails))  # what the next version would pack first
+    in_tails = next(d for _, runs in tails.values() for d in runs.ids if d and d != other)
+    ids.write_text(other + "\n" + in_tails + "\n")
     purged = _forget(any_root, "--doc-ids", str(ids), "--reason", "copyright claim 3", "--purge")
     assert purged.returncode == 0, purged.stderr
-    assert "forgot 1 document(s) (copyright claim 3)" in purged.stdout and "purged" in purged.stdout
+    assert "forgot 2 document(s) (copyright claim 3)" in purged.stdout and "purged" in purged.stdout
     with pytest.raises(DatasetError, match=r"takedown@v0001 cannot be read: `forget --purge` at takedown@v0004"):
         resolve(storage, v1.ref)
     assert documents(storage, [other])["versions"] and all(
         h["ref"] != "takedown@v0004" for h in documents(storage, [other])["versions"])
+    v4 = resolve(storage, "takedown")
+    left = read_tails(v4.file(v4.manifest.tails))
+    gone = {other, in_tails}  # (`other` may end in the tails too)
+    assert not gone & {d for _, runs in left.values() for d in runs.ids}  # their tokens left the tails too
+    assert sum(len(t) for t, _ in left.values()) == sum(len(t) for t, _ in tails.values()) - sum(
+        n for _, runs in tails.values() for d, n in zip(runs.ids, runs.lengths, strict=True) if d in gone)
     with pytest.raises(DatasetError, match="is a takedown"):
         delete_version(storage, "takedown", "v0004")
