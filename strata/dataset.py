@@ -927,12 +927,14 @@ def delete_run(storage: Storage, name: str, tag: str) -> None:
 def forgotten_since(newest: DatasetVersion, version: DatasetVersion) -> list[dict]:
     """The takedowns after `version` (per `newest`'s record of them) that removed shards its snapshot
     holds: it still has rows of the documents they forgot."""
-    after = [f for f in newest.manifest.forgotten.get("forgets", []) if isinstance(f, dict)
-             and re.fullmatch(r"v\d+", str(f.get("version"))) and int(f["version"][1:]) > version.number]
+    forgets = newest.manifest.forgotten.get("forgets")
+    after = [f for f in forgets if isinstance(f, dict) and isinstance(f.get("removed"), list)
+             and re.fullmatch(r"v\d+", str(f.get("version"))) and int(f["version"][1:]) > version.number] \
+        if isinstance(forgets, list) else []  # read back from storage: anything else is no takedown record
     if not after:
         return []
     mine = {s.path for s in version.shards}
-    return [f for f in after if mine & set(f.get("removed") or [])]
+    return [f for f in after if mine & {p for p in f["removed"] if isinstance(p, str)}]
 
 
 def check_not_forgotten(storage: Storage, version: DatasetVersion, what: str = "train on") -> None:
