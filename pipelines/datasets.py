@@ -18,6 +18,7 @@ ever being ingested again (pipelines/forget.py).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -120,6 +121,8 @@ def _main(cmd: Command) -> None:
     fg.add_argument("--purge", action="store_true",
                     help="also delete the old files of the rewritten shards: earlier versions then cannot be read")
     fg.add_argument("--json", action="store_true", help="print what was done as JSON")
+    for p in sub.choices.values():  # --storage after the subcommand too (not overriding one given before it)
+        p.add_argument("--storage", default=argparse.SUPPRESS, help="storage root (default: $STRATA_STORAGE)")
     args = parser.parse_args(cmd.argv)
     storage = Storage.from_env(args.storage)
     try:
