@@ -15,9 +15,10 @@ directory (no requests to count).
 - The same under `--dedup-window all` (`--all-versions` of them, on s3): the law that mode's dedup
   reads follow, fitted over its versions: MB of dedup state read = a + b x keys compared.
 - Input: one version of `--mb` x each of `--sizes`: the same figures.
-- Lineage: each version's lineage file as a share of the shard bytes it added (`lineage_share`, target
-  <= 0.05), and one document of version 1 looked up across the history: row groups read (of how many)
-  and, on s3, requests.
+- Lineage: each version's lineage file as a share of all the bytes the version added (`lineage_share`:
+  shards, dedup index, tails, records; target <= 0.05) and of its shard bytes alone (`lineage_shard_share`);
+  and one document of version 1 looked up across the history: row groups read (of how many) and, on s3,
+  requests.
 - Resume: row groups a training reader reads to give its first batch at the start of an epoch and at
   its last batch (`train.data.TokenBatches` over the newest version's shards).
 
@@ -116,7 +117,8 @@ def preprocess(inputs: Path, dataset: str, root: str, env: dict, proxy=None, win
            "index_rss_mb": summary["stats"]["peak_index_rss_mb"], "index_entries": summary["dedup_index_entries"],
            "keys_compared": summary["dedup_keys_compared"],
            "shards": summary["shards"],
-           "lineage_share": (summary.get("lineage") or {}).get("share_of_shard_bytes"),
+           "lineage_share": (summary.get("lineage") or {}).get("share_of_version_bytes"),
+           "lineage_shard_share": (summary.get("lineage") or {}).get("share_of_shard_bytes"),
            "work_units": summary["units"]["total"], "version": summary["version"]}
     if proxy:
         from bench.s3proxy import tally
@@ -362,9 +364,9 @@ def ratios(results: dict, sizes: list[int]) -> dict:
             for key in ("total_requests", "read_mb", "written_mb", "wall_s"):
                 if key in small:
                     out[f"{kind} x{sizes[-1]}/x{sizes[0]} {key} per MB"] = ratio(big[key] / sizes[-1], small[key] / sizes[0])
-    shares = [r["lineage_share"] for h in results["history"].values() for r in h if r.get("lineage_share")]
-    if shares:
-        out["lineage bytes / shard bytes, largest of any version"] = max(shares)
+    for key, what in (("lineage_share", "the version's bytes"), ("lineage_shard_share", "its shard bytes")):
+        if shares := [r[key] for h in results["history"].values() for r in h if r.get(key)]:
+            out[f"lineage bytes / {what}, largest of any version"] = max(shares)
     for kind, r in results.get("lineage", {}).items():  # a lookup reads at most a row group per version
         out[f"{kind} lineage row groups read / versions"] = ratio(r["row_groups_read"], r["versions"])
     if "resume" in results:
@@ -376,7 +378,7 @@ def ratios(results: dict, sizes: list[int]) -> dict:
 def tables(results: dict) -> str:
     lines = []
     cols = ("total_requests", *KINDS, "read_mb", "dedup_read_mb", "delta_read_mb", "written_mb", "driver_rss_mb", "worker_rss_mb",
-            "index_rss_mb", "index_entries", "keys_compared", "wall_s", "shards", "lineage_share")
+            "index_rss_mb", "index_entries", "keys_compared", "wall_s", "shards", "lineage_share", "lineage_shard_share")
     flat = lambda r: {**r, **r.get("requests_by_kind", {})}  # noqa: E731
     for label, history in results["history"].items():
         history = [flat(r) for r in history]

@@ -43,7 +43,14 @@ from strata.dataset import (
 from strata.lineage import FILE as LINEAGE_FILE
 from strata.shell import Job
 from strata.shell import log as _logger
-from strata.sources import InputMissing, InputUnreadable, check_outside, list_inputs, plan_units
+from strata.sources import (
+    InputMissing,
+    InputUnreadable,
+    check_outside,
+    file_digest,
+    list_inputs,
+    plan_units,
+)
 from strata.storage import (
     Storage,
     basename,
@@ -569,7 +576,8 @@ class Preprocess:
         from pipelines import lineage
 
         task = ray.remote(lineage.build).options(label_selector=tiers.selector(tiers.Tier.CPU))
-        self.lineage = ray.get(task.remote(self.work, f"data/{self.tag}", join(self.staging, lineage.FILE)))
+        self.lineage = ray.get(task.remote(self.work, f"data/{self.tag}", join(self.staging, lineage.FILE),
+                                           self.cfg.pack.seq_len + 1))
         if self.lineage["unplaced"]:
             raise RuntimeError(f"lineage: {self.lineage['unplaced']} spans name a row pass 3 did not write: nothing "
                                "committed")
@@ -615,12 +623,18 @@ class Preprocess:
     # ------------------------------------------------------------ after the passes
 
     def consumed(self, files: list[dict]) -> list[dict]:
-        """The files this version consumes (not the deferred ones: the next run reads them); the dedup guard."""
+        """The files this version consumes (not the deferred ones: the next run reads them), each with its
+        digest (strata.sources.file_digest); the dedup guard."""
         for path, why in self.deferred.items():
             _say(f"WARNING: {path} left out of this version (--unreadable defer), to be read by a later run: {why}")
         _check_dedup_share(self.by_source(), self.cfg.dedup.max_duplicate_fraction)
         delete_dir(self.work)
-        return [f for f in files if f["path"] not in self.deferred]
+        parts: dict[str, dict[int, str]] = {}
+        for o in [*self.p1, *self.p2]:  # the parts of each file the units that read it digested
+            for path, part, sha in o.digests:
+                parts.setdefault(path, {})[part] = sha
+        return [{**f, "digest": file_digest(f["size"], parts.get(f["path"], {}))} for f in files
+                if f["path"] not in self.deferred]
 
     def table(self) -> dict:
         return summary_table(self.tally, time.time() - self.started, cpus=self.cpus, total_bytes=self.total_bytes,
@@ -841,11 +855,23 @@ def _check_dedup_share(by_source: dict[str, dict], limit: float) -> None:
             "--max-duplicate-fraction (1 turns the guard off)")
 
 
+def _run_bytes(run_dir: str) -> int:
+    """The bytes of the files a version's run wrote beside its shards: dedup index, tails, lineage, records."""
+    import pyarrow.fs as pafs
+
+    fs, p = filesystem(run_dir)
+    return sum(i.size for i in fs.get_file_info(pafs.FileSelector(p, allow_not_found=True, recursive=True))
+               if i.type == pafs.FileType.File)
+
+
 def _summary(version) -> dict:
     m = version.manifest
     added = sum(s.bytes for s in version.added)
-    lineage = {**m.lineage, "share_of_shard_bytes": round(m.lineage["bytes"] / added, 4) if added else None} \
-        if m.lineage.get("bytes") else {}
+    lineage = {}
+    if m.lineage.get("bytes"):  # the target is on all the version's bytes; its shards alone are the stricter share
+        total = added + _run_bytes(version.file(m.lineage["file"].rsplit("/", 1)[0]))
+        lineage = {**m.lineage, "share_of_version_bytes": round(m.lineage["bytes"] / total, 4),
+                   "share_of_shard_bytes": round(m.lineage["bytes"] / added, 4) if added else None}
     return {"dataset": m.dataset, "version": m.version, "path": version.path, "parent": m.parent, "lineage": lineage,
             "documents": m.stats["documents"], "reasons": m.documents.reasons, "tokens": m.tokens,
             "sequences": sum(s.rows for s in version.added), "shards": len(version.added), "stats": m.stats,

@@ -32,11 +32,12 @@ from strata.dataset import (
     DatasetError,
     DocumentCounts,
     Shard,
-    _head,
-    _load,
     abandoned_runs,
     commit_rewrite,
     delete_run,
+    head,
+    latest,
+    version_at,
 )
 from strata.shell import log as _logger
 from strata.storage import Storage, delete, exists, filesystem, join, make_dirs
@@ -73,10 +74,10 @@ class Forget:
         self.storage, self.name, self.lease = storage, name, lease
         self.doc_ids, self.source, self.reason, self.purge = doc_ids, source, reason, purge
         self.path = storage.dataset(name)
-        self.head = _head(self.path, name)
+        self.head = head(storage, name)
         if self.head.live is None:
             raise DatasetError(f"dataset {name!r} has no committed version")
-        self.newest = _load(self.path, self.head.live, name, self.head)
+        self.newest = latest(storage, name, self.head)
         self.label = f"v{self.head.table.version() + 1:04d}"  # the version the commit makes (no one else commits)
         self.tag = f"g{lease.gen:08d}-forget-{int(time.time())}"
         self.own = storage.run_files(name, self.tag)
@@ -147,7 +148,7 @@ class Forget:
         """Each shard of the newest snapshot holding a forgotten row, written again without those rows (in
         data/<tag>); its lineage, the rows renumbered; and the other documents the dropped rows held."""
         from pipelines.pack import ROW_GROUP_ROWS
-        from strata.lineage import FILE, SCHEMA, write
+        from strata.lineage import FILE, SCHEMA, read, write
 
         drop: dict[str, set[int]] = {}
         for r in held:
@@ -173,9 +174,9 @@ class Forget:
                 added.append(Shard(path=new_path, split=old.split, rows=int(keep.sum()), tokens=int(keep.sum()) * row_len,
                                    bytes=size))
             if old.version not in by_version:
-                owner = _load(self.path, int(old.version[1:]), self.name)
+                owner = version_at(self.storage, self.name, int(old.version[1:]))
                 lf = owner.manifest.lineage.get("file")
-                by_version[old.version] = pq.read_table(owner.file(lf)) if lf else SCHEMA.empty_table()
+                by_version[old.version] = read(owner.file(lf)) if lf else SCHEMA.empty_table()
             spans = by_version[old.version].filter(pc.equal(by_version[old.version]["shard"], path))
             rows = spans["row"].to_numpy()
             dropped = np.isin(rows, gone)
@@ -190,8 +191,8 @@ class Forget:
                                      pa.array([new_path] * kept.num_rows, pa.string())))
         lineage = {}
         if parts:
-            table = pa.concat_tables(parts).sort_by([("doc", "ascending"), ("shard", "ascending"), ("row", "ascending")])
-            size = write(table, join(self.own, FILE))
+            table = pa.concat_tables(parts)
+            size = write(table, join(self.own, FILE), row_len)
             lineage = {"file": f"_strata/{self.tag}/{FILE}", "spans": table.num_rows, "bytes": size,
                        "documents": len(np.unique(table["doc"].to_numpy()))}
         return removed, added, lineage, [{"doc_id": k, "tokens_lost": v} for k, v in sorted(co_packed.items())]

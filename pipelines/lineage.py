@@ -100,9 +100,9 @@ def _read_all(directory: str, name_column: str | None = None) -> pa.Table | None
     return pa.concat_tables(parts) if parts else None
 
 
-def build(work_dir: str, shard_prefix: str, out: str) -> dict:
+def build(work_dir: str, shard_prefix: str, out: str, row_len: int) -> dict:
     """The version's lineage file (a cpu-tier task): pass 2's spans joined with pass 3's places on the row
-    key, sorted by document key. `shard_prefix` is the shard directory's path in the dataset. Returns its
+    key. `shard_prefix` is the shard directory's path in the dataset; rows hold `row_len` tokens. Returns its
     figures: documents, spans, bytes, and the spans no place was found for (none, or a bug)."""
     spans = _read_all(join(work_dir, SPANS_DIR))
     places = _read_all(join(work_dir, PLACES_DIR), "shard")
@@ -117,7 +117,6 @@ def build(work_dir: str, shard_prefix: str, out: str) -> dict:
         pa.array([int(p) if p.isdigit() else -1 for p in position], pa.int64()),
         pc.binary_join_element_wise(pa.scalar(shard_prefix), joined["shard"], "/") if ids else pa.array([], pa.string()),
         joined["row"], joined["start"], joined["length"]], schema=SCHEMA)
-    table = table.sort_by([("doc", "ascending"), ("shard", "ascending"), ("row", "ascending")])
-    size = write(table, out)
+    size = write(table, out, row_len)
     return {"documents": len(set(table["doc"].to_numpy().tolist())) if table.num_rows else 0,
             "spans": table.num_rows, "bytes": size, "unplaced": spans.num_rows - joined.num_rows}

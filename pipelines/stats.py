@@ -143,6 +143,8 @@ class Output:
     """Pass 2: the work file of packed rows."""
     shard: tuple = ()
     """Pass 3: (path, split, rows, tokens) of the shard written."""
+    digests: tuple = ()
+    """Pass 1 (or fused pass 2): (path, part, sha256) of the input files' parts the unit owns."""
 
     def to_json(self) -> dict:
         return {**asdict(self), "tally": self.tally.to_json()}
@@ -150,7 +152,7 @@ class Output:
     @classmethod
     def from_json(cls, d: dict) -> Output:
         return cls(**{**d, "tally": Tally.from_json(d["tally"]), "unit_files": tuple(d["unit_files"]),
-                      "shard": tuple(d["shard"])})
+                      "shard": tuple(d["shard"]), "digests": tuple(tuple(x) for x in d.get("digests", ()))})
 
 
 def outputs(rows: list[dict]) -> list[Output]:

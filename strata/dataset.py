@@ -562,6 +562,12 @@ def list_versions(storage: Storage, name: str) -> list[str]:
     return [v.manifest.version for v in history(storage, name)]
 
 
+def version_at(storage: Storage, name: str, number: int) -> DatasetVersion:
+    """Version `number` of dataset `name` as it was committed, a purge since notwithstanding: for a writer
+    that rewrites its files (`forget`), not for readers (`resolve` says why a purged version cannot be read)."""
+    return _load(storage.dataset(name), number, name)
+
+
 def latest(storage: Storage, name: str, head: Head | None = None) -> DatasetVersion | None:
     path = storage.dataset(name)
     head = head or _head(path, name)

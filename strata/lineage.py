@@ -1,22 +1,32 @@
 """A dataset version's lineage file: which documents each row it added holds, and where each came from.
 
 One parquet file per version, `lineage.parquet` in its run's own directory, named by the version's Delta
-commit (the manifest's `lineage`): one row per (document, packed row) the document's tokens touch, sorted
-by the document's key, in row groups of LOOKUP_ROWS, so a lookup reads the footer and only the row groups
-whose key range holds the key. Tier 1 writes it (pipelines/lineage.py); `strata lineage doc`
-(train/lineage.py) and `forget` (pipelines/forget.py) read it.
+commit (the manifest's `lineage`). Tier 1 writes it (pipelines/lineage.py); `strata lineage doc`
+(train/lineage.py) and `forget` (pipelines/forget.py) read it, always through `read` and `lookup`, which
+give one row per (document, packed row) the document's tokens touch (SCHEMA):
 
-Columns: `doc` (`doc_key` of the record id, `PATH:POSITION`), `exact` (the text's exact-dedup key: a forget
-list holds it, so a new copy of a forgotten file is known), `source` (the input file), `position` (the
-record's place in it: a line's byte offset, a parquet row or a JSON array index), `shard` (the file's path
-in the dataset), `row`, `start` and `length` (the tokens of the row that are the document's, its
-end-of-text id included).
+`doc` (`doc_key` of the record id, `PATH:POSITION`), `exact` (the text's exact-dedup key: a forget list
+holds it, so a new copy of a forgotten file is known), `source` (the input file), `position` (the record's
+place in it: a line's byte offset, a parquet row or a JSON array index), `shard` (the file's path in the
+dataset), `row`, `start` and `length` (the tokens of the row that are the document's, its end-of-text id
+included).
+
+On disk (format 2) a row is a document, sorted by (source, position), in row groups of LOOKUP_ROWS:
+`source`, `position`, `exact`, `tokens` (its tokens in the version's rows), `place` (each row it touches,
+numbered across the version's shards; the footer names the shards) and `start` (where in that row its
+tokens start). A row's tokens are a stretch of one token stream, so every span of a document but the one
+holding its end runs to the end of its row: spans are stored with that one last and their lengths are not
+stored. The footer also holds each row group's first (source, position), so a lookup reads only the one
+row group that can hold a record. Measured on bench.scale's 2 MB versions of 128-token rows: 137.7 KB of
+lineage in format 1 (a row per span, doc keys stored), 73 KB in format 2. A format-1 file still reads.
 """
 
 from __future__ import annotations
 
+import bisect
 import fnmatch
 import hashlib
+import json
 
 import numpy as np
 import pyarrow as pa
@@ -26,22 +36,107 @@ import pyarrow.parquet as pq
 from strata.storage import Storage, filesystem, list_dir
 
 FILE = "lineage.parquet"
-LOOKUP_ROWS = 8192  # rows per row group
+FORMAT = 2
+LOOKUP_ROWS = 8192  # documents per row group
+META = b"strata.lineage"
 SCHEMA = pa.schema([("doc", pa.uint64()), ("exact", pa.uint64()), ("source", pa.string()),
                     ("position", pa.int64()), ("shard", pa.string()), ("row", pa.int32()),
                     ("start", pa.int32()), ("length", pa.int32())])
+STORED = pa.schema([("source", pa.string()), ("position", pa.int64()), ("exact", pa.uint64()),
+                    ("tokens", pa.int32()), ("place", pa.list_(pa.int32())), ("start", pa.list_(pa.int32()))])
 
 
-def write(table: pa.Table, path: str) -> int:
-    """A lineage file (sorted by `doc`, then shard and row) at `path`; returns its size. A document's rows
-    ascend, so `row` is stored as deltas: a quarter of its plain size (measured on 60 Python files: the
-    file went from 5.1% of the shards' bytes to 2.0%)."""
+class LineageError(ValueError):
+    """A lineage file that does not hold what its format says."""
+
+
+def write(table: pa.Table, path: str, row_len: int) -> int:
+    """A lineage file at `path` of the spans `table` (SCHEMA, any order; rows of `row_len` tokens); returns
+    its size. A document whose spans do not all run to their row's end but one is a bug upstream: refused."""
+    t = table.select(["source", "position", "exact", "shard", "row", "start", "length"])
+    shards = sorted(set(t["shard"].to_pylist()))
+    sizes = {s: 0 for s in shards}
+    for s, r in zip(t["shard"].to_pylist(), t["row"].to_pylist(), strict=True):
+        sizes[s] = max(sizes[s], r + 1)
+    bases = dict(zip(shards, np.cumsum([0] + [sizes[s] for s in shards])[:-1].tolist(), strict=True))
+    place = np.array([bases[s] for s in t["shard"].to_pylist()], dtype=np.int64) + t["row"].to_numpy()
+    start, length = t["start"].to_numpy(), t["length"].to_numpy()
+    short = (start + length < row_len).astype(np.int8)  # the span holding the document's end, if not at a row's end
+    t = t.append_column("place", pa.array(place.astype(np.int32))).append_column("short", pa.array(short))
+    t = t.sort_by([("source", "ascending"), ("position", "ascending"), ("short", "ascending"), ("place", "ascending")]).combine_chunks()
+    src, pos = t["source"].to_pylist(), t["position"].to_numpy()
+    new = np.ones(t.num_rows, bool)
+    new[1:] = (pos[1:] != pos[:-1]) | np.array([a != b for a, b in zip(src[1:], src[:-1], strict=True)], bool)
+    firsts = np.flatnonzero(new)
+    offsets = pa.array(np.append(firsts, t.num_rows).astype(np.int32))
+    if len(firsts) and (np.add.reduceat(t["short"].to_numpy().astype(np.int64), firsts) > 1).any():
+        raise LineageError(f"{path}: a document has two spans that end inside a row; its tokens are not one stretch")
+    docs = t.take(pa.array(firsts))
+    out = pa.Table.from_arrays([docs["source"], docs["position"], docs["exact"],
+                                pa.array(np.add.reduceat(t["length"].to_numpy().astype(np.int64), firsts).astype(np.int32)
+                                         if len(firsts) else np.zeros(0, np.int32)),
+                                pa.ListArray.from_arrays(offsets, t["place"].chunk(0) if t["place"].num_chunks else pa.array([], pa.int32())),
+                                pa.ListArray.from_arrays(offsets, t["start"].chunk(0) if t["start"].num_chunks else pa.array([], pa.int32()))],
+                               schema=STORED)
+    meta = {"format": FORMAT, "row_len": row_len, "shards": [[s, bases[s]] for s in shards],
+            "first": [[src[i], int(pos[i])] for i in firsts[::LOOKUP_ROWS].tolist()]}
+    out = out.replace_schema_metadata({META: json.dumps(meta)})
     fs, p = filesystem(path)
     with fs.open_output_stream(p) as f:
-        pq.write_table(table, f, row_group_size=LOOKUP_ROWS, compression="zstd",
-                       column_encoding={"row": "DELTA_BINARY_PACKED"},
-                       use_dictionary=[c for c in table.column_names if c != "row"])
+        with pq.ParquetWriter(f, out.schema, compression="zstd", use_dictionary=["source", "start.list.element"],
+                              column_encoding={"position": "DELTA_BINARY_PACKED", "tokens": "DELTA_BINARY_PACKED",
+                                               "place.list.element": "BYTE_STREAM_SPLIT", "exact": "PLAIN"}) as w:
+            for i in range(0, out.num_rows, LOOKUP_ROWS):  # one row group each: the footer's `first` says so
+                w.write_table(out.slice(i, LOOKUP_ROWS), row_group_size=LOOKUP_ROWS)
         return f.tell()
+
+
+def _spans(stored: pa.Table, meta: dict) -> pa.Table:
+    """Format 2's documents as SCHEMA's spans."""
+    if not stored.num_rows:
+        return SCHEMA.empty_table()
+    row_len, shards = meta["row_len"], meta["shards"]
+    counts = pc.list_value_length(stored["place"]).to_numpy().astype(np.int64)
+    doc = np.repeat(np.arange(stored.num_rows), counts)
+    place = pc.list_flatten(stored["place"]).to_numpy().astype(np.int64)
+    start = pc.list_flatten(stored["start"]).to_numpy().astype(np.int64)
+    length = row_len - start
+    last = np.cumsum(counts) - 1
+    length[last] = 0
+    length[last] = stored["tokens"].to_numpy() - np.add.reduceat(length, last - counts + 1)
+    bases = np.array([b for _, b in shards], dtype=np.int64)
+    which = np.searchsorted(bases, place, side="right") - 1
+    names = pa.array([s for s, _ in shards], pa.string())
+    src, pos = stored["source"].to_pylist(), stored["position"].to_pylist()
+    keys = np.array([doc_key(f"{s}:{p}") for s, p in zip(src, pos, strict=True)], dtype=np.uint64)
+    idx = pa.array(doc)
+    return pa.Table.from_arrays([pa.array(keys[doc]), stored["exact"].take(idx), stored["source"].take(idx),
+                                 stored["position"].take(idx), names.take(pa.array(which)),
+                                 pa.array((place - bases[which]).astype(np.int32)), pa.array(start.astype(np.int32)),
+                                 pa.array(length.astype(np.int32))], schema=SCHEMA)
+
+
+def _open(path: str) -> tuple[pq.ParquetFile, dict | None]:
+    fs, p = filesystem(path)
+    f = pq.ParquetFile(fs.open_input_file(p))
+    raw = (f.schema_arrow.metadata or {}).get(META)
+    if raw is None:
+        if f.schema_arrow.names != SCHEMA.names:
+            raise LineageError(f"{path} is not a lineage file (columns {f.schema_arrow.names})")
+        return f, None  # format 1: SCHEMA's spans as they are
+    meta = json.loads(raw)
+    if meta.get("format") != FORMAT:
+        raise LineageError(f"{path}: lineage format {meta.get('format')}; this strata reads formats 1 and {FORMAT}")
+    if len(meta["first"]) != f.metadata.num_row_groups:
+        raise LineageError(f"{path}: its footer names {len(meta['first'])} row groups, the file has "
+                           f"{f.metadata.num_row_groups}")
+    return f, meta
+
+
+def read(path: str) -> pa.Table:
+    """Every span of lineage file `path` (SCHEMA)."""
+    f, meta = _open(path)
+    return f.read() if meta is None else _spans(f.read(), meta)
 
 
 def doc_key(doc_id: str) -> int:
@@ -49,37 +144,50 @@ def doc_key(doc_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(doc_id.encode(), digest_size=8).digest(), "little")
 
 
-def lookup(path: str, keys: list[int] | None = None, source: str | None = None) -> tuple[pa.Table, int]:
-    """The rows of lineage file `path` of documents `keys` (hash64 of their ids), or of input files matching
-    the glob `source`, and how many row groups were read: by key, only those whose key range holds one
-    (the footer's statistics say); by source, the `source` column, then the whole file if one matches."""
-    fs, p = filesystem(path)
-    f = pq.ParquetFile(fs.open_input_file(p))
-    meta, groups = f.metadata, []
-    if keys is not None:
-        wanted = np.array(sorted(set(keys)), dtype=np.uint64)
-        for g in range(meta.num_row_groups):
-            st = meta.row_group(g).column(0).statistics
-            if st is None or not st.has_min_max:
-                groups.append(g)
-                continue
-            lo, hi = np.searchsorted(wanted, [np.uint64(st.min), np.uint64(st.max)], side="left")[0], \
-                np.searchsorted(wanted, np.uint64(st.max), side="right")
-            if hi > lo:
-                groups.append(g)
-        read = len(groups)
-        table = f.read_row_groups(groups) if groups else SCHEMA.empty_table()
-        return table.filter(pc.is_in(table["doc"], pa.array(wanted))), read
-    names = f.read(columns=["source"])["source"]
-    match = pa.array([fnmatch.fnmatchcase(s, source) for s in names.to_pylist()])
-    table = f.read().filter(match) if pc.any(match).as_py() else SCHEMA.empty_table()
-    return table, meta.num_row_groups
+def _split_id(doc_id: str) -> tuple[str, int] | None:
+    source, _, position = doc_id.rpartition(":")
+    return (source, int(position)) if source and position.isdigit() else None
+
+
+def lookup(path: str, doc_ids: list[str] | None = None, source: str | None = None) -> tuple[pa.Table, int]:
+    """The spans (SCHEMA) in lineage file `path` of records `doc_ids`, or of input files matching the glob
+    `source`, and how many row groups were read: by id, only the row group whose range holds each (the
+    footer says); by source, the `source` column, then only the row groups holding a match."""
+    f, meta = _open(path)
+    if meta is None:
+        return _lookup_format1(f, doc_ids, source)
+    if doc_ids is not None:
+        wanted = {k for k in map(_split_id, doc_ids) if k is not None}
+        firsts = [tuple(x) for x in meta["first"]]
+        groups = sorted({g for k in wanted if (g := bisect.bisect_right(firsts, k) - 1) >= 0})
+        if not groups:
+            return SCHEMA.empty_table(), 0
+        t = f.read_row_groups(groups)
+        hit = [(s, p) in wanted for s, p in zip(t["source"].to_pylist(), t["position"].to_pylist(), strict=True)]
+        return _spans(t.filter(pa.array(hit, pa.bool_())), meta), len(groups)
+    names = f.read(columns=["source"])["source"].to_pylist()
+    match = np.array([fnmatch.fnmatchcase(s, source) for s in names], bool)
+    ends = np.cumsum([f.metadata.row_group(g).num_rows for g in range(f.metadata.num_row_groups)])
+    groups = sorted(set(np.searchsorted(ends, np.flatnonzero(match), side="right").tolist()))
+    if not groups:
+        return SCHEMA.empty_table(), 1
+    t = f.read_row_groups(groups)
+    hit = np.concatenate([match[ends[g] - f.metadata.row_group(g).num_rows:ends[g]] for g in groups])
+    return _spans(t.filter(pa.array(hit)), meta), len(groups)
+
+
+def _lookup_format1(f: pq.ParquetFile, doc_ids, source) -> tuple[pa.Table, int]:
+    t = f.read()
+    if doc_ids is not None:
+        return t.filter(pc.is_in(t["doc"], pa.array([doc_key(d) for d in doc_ids], pa.uint64()))), f.metadata.num_row_groups
+    match = pa.array([fnmatch.fnmatchcase(s, source) for s in t["source"].to_pylist()], pa.bool_())
+    return t.filter(match), f.metadata.num_row_groups
 
 
 def find(storage: Storage, doc_ids: list[str] | None = None, source: str | None = None,
          dataset: str | None = None) -> dict:
     """Where documents are, by record id or input-file glob, in every dataset (or `dataset`): each
-    document's place in its input (file size and mtime from the manifest of the version that added it) and
+    document's place in its input (file size, mtime and digest from the manifest of the version that added it) and
     every version whose snapshot holds one of its rows: {"documents", "versions": [{"dataset", "version",
     "ref", "rows": [{"doc_id", "shard", "row", "start", "length", "split"}]}], "row_groups_read",
     "without_lineage": versions made before lineage}."""
@@ -87,7 +195,6 @@ def find(storage: Storage, doc_ids: list[str] | None = None, source: str | None 
 
     if (doc_ids is None) == (source is None):
         raise DatasetError("name the documents: record ids (PATH:POSITION) or --source GLOB")
-    keys = [doc_key(d) for d in doc_ids] if doc_ids is not None else None
     names = [dataset] if dataset else [n for n, d in list_dir(storage.datasets()) if d]
     docs, holders, row_groups, missing = {}, [], 0, []
     for name in names:
@@ -102,14 +209,14 @@ def find(storage: Storage, doc_ids: list[str] | None = None, source: str | None 
             if not v.manifest.lineage.get("file"):
                 missing.append(v.ref)
                 continue
-            table, groups = lookup(v.file(v.manifest.lineage["file"]), keys, source)
+            table, groups = lookup(v.file(v.manifest.lineage["file"]), doc_ids, source)
             row_groups += groups
             inputs = {f["path"]: f for f in v.manifest.inputs}
             for r in table.to_pylist():
                 doc_id = f"{r['source']}:{r['position']}"
                 f = inputs.get(r["source"], {})
                 docs.setdefault(doc_id, {"doc_id": doc_id, "source": r["source"], "position": r["position"],
-                                         "exact": r["exact"], "file": {k: f.get(k) for k in ("size", "mtime_ns")},
+                                         "exact": r["exact"], "file": {k: f.get(k) for k in ("size", "mtime_ns", "digest")},
                                          "added_in": v.ref})
                 found.append({**r, "doc_id": doc_id})
         if not found:
@@ -137,8 +244,7 @@ def row_documents(storage: Storage, version, rows: set[tuple[str, int]]) -> dict
         owner = resolve(storage, f"{name}@{label}") if label != version.manifest.version else version
         if not (rel := owner.manifest.lineage.get("file")):
             continue
-        fs, p = filesystem(owner.file(rel))
-        table = pq.read_table(fs.open_input_file(p), columns=["source", "position", "shard", "row", "start", "length"])
+        table = read(owner.file(rel))
         shards = pa.array(sorted({shard for shard, _ in rows if added_in.get(shard) == label}))
         for r in table.filter(pc.is_in(table["shard"], shards)).to_pylist():
             if (key := (r["shard"], r["row"])) in out:

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, make_corpus, train_run
 
@@ -22,7 +21,9 @@ def _forget(root: str, *args: str, env: dict | None = None) -> subprocess.Comple
 
 
 def _spans(v) -> list[dict]:
-    return pq.read_table(v.file(v.manifest.lineage["file"])).to_pylist() if v.manifest.lineage else []
+    from strata.lineage import read
+
+    return read(v.file(v.manifest.lineage["file"])).to_pylist() if v.manifest.lineage else []
 
 
 def _text_docs(v) -> dict[tuple[str, int], str]:
@@ -142,3 +143,31 @@ def test_a_takedown_removes_a_document_from_the_newest_version_and_every_later_r
         n for _, runs in tails.values() for d, n in zip(runs.ids, runs.lengths, strict=True) if d in gone)
     with pytest.raises(DatasetError, match="is a takedown"):
         delete_version(storage, "takedown", "v0004")
+
+
+def test_a_forget_while_a_run_builds_on_the_dataset_waits_for_no_one_and_changes_nothing(local_ray, tmp_path,
+                                                                                         monkeypatch):
+    """A run holding the dataset's lease (a preprocess building the next version) makes a forget exit at once
+    with EXIT_BUSY and one line naming the holder; nothing is committed, and once the run is done the same
+    forget goes through."""
+    from pipelines.config import debug
+    from pipelines.driver import run as preprocess
+    from strata.dataset import resolve
+    from strata.lease import Lease
+    from strata.shell import EXIT_BUSY
+
+    root = str(tmp_path / "root")
+    storage = Storage(root)
+    monkeypatch.setenv("STRATA_STORAGE", root)
+    make_corpus(str(tmp_path / "in"), docs=12, seed=5)
+    preprocess(debug("takedown", read={"inputs": (str(tmp_path / "in"),)}), storage)
+    v1 = resolve(storage, "takedown")
+    doc = next(f"{r['source']}:{r['position']}" for r in _spans(v1))
+    with Lease(storage.dataset("takedown"), "dataset takedown", purpose="preprocess").acquire(wait=False):
+        busy = _forget(root, "--reason", "erasure", "--source", doc.rpartition(":")[0])
+    assert busy.returncode == EXIT_BUSY, busy.stderr
+    assert busy.stderr.strip().count("\n") == 0 and "in use by" in busy.stderr, busy.stderr
+    assert resolve(storage, "takedown").ref == v1.ref
+    done = _forget(root, "--reason", "erasure", "--source", doc.rpartition(":")[0])
+    assert done.returncode == 0, done.stderr
+    assert resolve(storage, "takedown").manifest.version == "v0002"

@@ -86,19 +86,25 @@ def test_a_steps_rows_are_the_ones_the_loop_trained_on_across_a_resume(local_ray
     # lineage doc: a document of step 7's batch. The first step the run trained on it is the first step whose
     # rows (step_rows, checked against the losses above) hold one of its rows; checkpoints from then on, and
     # an export of the last, are listed, the earlier ones not.
-    import pyarrow.parquet as pq
-
     from strata.dataset import resolve
+    from strata.lineage import read
     from train.export import export
 
     v = resolve(storage, dataset["ref"])
-    spans = pq.read_table(v.file(v.manifest.lineage["file"])).to_pylist()
+    spans = read(v.file(v.manifest.lineage["file"])).to_pylist()
     picked = step_rows(storage, "lineage", 7)["ranks"][1]["rows"][2]
     doc = next(f"{r['source']}:{r['position']}" for r in spans if (r["shard"], r["row"]) == (picked["file"], picked["row"]))
     mine = {(r["shard"], r["row"]) for r in spans if f"{r['source']}:{r['position']}" == doc}
     expected = next(s for s in range(1, 9) if any((row["file"], row["row"]) in mine
                                                   for rank in step_rows(storage, "lineage", s)["ranks"] for row in rank["rows"]))
     export(checkpoints[8], str(tmp_path / "exported"))
+    # Evaluations of the export (the run it came from is in its record) and of step 2's checkpoint: the first
+    # learned from the document, the second only if the run had trained on it by step 2.
+    task = os.path.join(REPO, "infer", "tasks", "arithmetic.jsonl")
+    for model, name in ((str(tmp_path / "exported"), "ev-export"), ("lineage@2", "ev-early")):
+        ev = subprocess.run([sys.executable, "-m", "infer", "eval", "--model", model, "--task", task, "--name", name],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert ev.returncode == 0, ev.stderr[-2000:]
     cli = subprocess.run([sys.executable, "-m", "strata", "lineage", "doc", "--doc-id", doc, "--json"], cwd=REPO,
                          env=env, capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr
@@ -109,6 +115,8 @@ def test_a_steps_rows_are_the_ones_the_loop_trained_on_across_a_resume(local_ray
     assert run["first_step"] == expected <= 7 and run["first_step_by_document"] == {doc: expected}
     assert [c["step"] for c in run["checkpoints"]] == [s for s in sorted(checkpoints) if s >= expected]
     assert [e["step"] for e in run["exports"]] == [8] and run["exports"][0]["path"] == str(tmp_path / "exported")
+    assert [(u["kind"], u["name"]) for u in run["used_by"]] == [("eval", "ev-export")] + (
+        [("eval", "ev-early")] if expected <= 2 else [])
     text = subprocess.run([sys.executable, "-m", "strata", "lineage", "doc", "--doc-id", doc], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     assert f"run lineage read {v.ref}: first trained on them at step {expected}" in text.stdout, text.stdout
@@ -132,13 +140,15 @@ def test_each_row_names_the_documents_it_holds_and_their_places_in_the_inputs(da
     import pyarrow.parquet as pq
 
     from strata.dataset import resolve
+    from strata.lineage import read
 
     v = resolve(Storage.from_env(), dataset["ref"])
     info = v.manifest.lineage
-    table = pq.read_table(v.file(info["file"])).to_pylist()
+    table = read(v.file(info["file"])).to_pylist()
     assert info["spans"] == len(table) and info["documents"] == len({r["doc"] for r in table}) > 0
-    docs = [r["doc"] for r in table]
-    assert docs == sorted(docs)  # sorted by key: a lookup reads the row groups that may hold one
+    stored = pq.read_table(v.file(info["file"]), columns=["source", "position"]).to_pylist()
+    assert len(stored) == info["documents"]  # a row a document, sorted: a lookup reads the row group that may hold it
+    assert stored == sorted(stored, key=lambda r: (r["source"], r["position"]))
     row_len = v.manifest.seq_len + 1
     covered = {s.path: np.zeros((s.rows, row_len), np.int32) for s in v.shards}
     by_doc: dict[int, int] = {}
@@ -158,3 +168,91 @@ def test_each_row_names_the_documents_it_holds_and_their_places_in_the_inputs(da
         assert c.max() == 1, path  # no token is two documents'
     assert sum(int(c.sum()) for c in covered.values()) == sum(s.rows for s in v.shards) * row_len - sum(
         padding.values() if isinstance(padding, dict) else [0])
+    # Each input's digest is its sha256 (small files: one part), here and in what `lineage doc` says of a document.
+    import hashlib
+
+    from strata.lineage import find
+
+    for f in v.manifest.inputs:
+        with open(f["path"], "rb") as fh:
+            assert f["digest"] == "sha256:" + hashlib.sha256(fh.read()).hexdigest(), f["path"]
+    some = f"{table[0]['source']}:{table[0]['position']}"
+    [doc] = find(Storage.from_env(), [some])["documents"]
+    assert doc["file"]["digest"] == next(f["digest"] for f in v.manifest.inputs if f["path"] == table[0]["source"])
+
+
+def _cut_stream(seed: int, docs: int, row_len: int, shards: int):
+    """Spans (strata.lineage.SCHEMA) of `docs` documents packed into one stream of `row_len`-token rows by
+    pass 2's own cutter, the rows then scattered over `shards` shard files at random, as pass 3 does."""
+    import pyarrow as pa
+
+    from pipelines.lineage import DocRuns
+    from strata.lineage import SCHEMA, doc_key
+
+    rng = np.random.default_rng(seed)
+    runs = DocRuns()
+    for i in range(docs):
+        runs.add(f"/in/part-{i % 3}.jsonl:{i * 1000}", int(rng.integers(1, 2**63)), int(rng.integers(1, 5 * row_len)))
+    rows = sum(runs.lengths) // row_len
+    spans = runs.cut(np.arange(rows, dtype=np.uint64), row_len)
+    place = rng.permutation(rows)[spans["key"].to_numpy().astype(np.int64)]
+    ids = spans["doc_id"].to_pylist()
+    source, _, position = zip(*(i.rpartition(":") for i in ids), strict=True)
+    return pa.Table.from_arrays([pa.array([doc_key(i) for i in ids], pa.uint64()), spans["exact"],
+                                 pa.array(source), pa.array([int(p) for p in position], pa.int64()),
+                                 pa.array([f"data/s-{p % shards}.parquet" for p in place]),
+                                 pa.array((place // shards).astype(np.int32)), spans["start"], spans["length"]],
+                                schema=SCHEMA)
+
+
+def _ordered(table):
+    return table.sort_by([("doc", "ascending"), ("shard", "ascending"), ("row", "ascending")])
+
+
+def test_the_lineage_file_keeps_every_span_and_a_lookup_reads_only_the_row_group_holding_a_record(tmp_path):
+    """Format 2 stores a row a document and no span lengths: read back, every span is there as pass 2 cut
+    it. Looking records up reads only the row groups that hold them (of 3); by source glob, only groups
+    with a match. A format-1 file (a row a span) still reads."""
+    import pyarrow.parquet as pq
+
+    from strata.lineage import LOOKUP_ROWS, lookup, read, write
+
+    spans = _cut_stream(1, 2 * LOOKUP_ROWS + 500, 33, 3)
+    path = str(tmp_path / "lineage.parquet")
+    write(spans, path, 33)
+    assert pq.ParquetFile(path).metadata.num_row_groups == 3
+    assert _ordered(read(path)).equals(_ordered(spans))
+    ids = sorted({f"{s}:{p}" for s, p in zip(spans["source"].to_pylist(), spans["position"].to_pylist(), strict=True)})
+    picked = [ids[7], ids[-3], "/in/part-0.jsonl:5", "not-an-id"]  # one in the first group, one in the last, two absent
+    found, groups = lookup(path, picked)
+    want = [r for r in spans.to_pylist() if f"{r['source']}:{r['position']}" in picked]
+    assert sorted(map(str, found.to_pylist())) == sorted(map(str, want)) and want and groups == 2
+    assert lookup(path, ["/in/part-9.jsonl:0"])[0].num_rows == 0
+    by_source, groups = lookup(path, source="*/part-2.jsonl")
+    order = sorted({(s, p) for s, p in zip(spans["source"].to_pylist(), spans["position"].to_pylist(), strict=True)})
+    holding = {i // LOOKUP_ROWS for i, (s, _) in enumerate(order) if s == "/in/part-2.jsonl"}
+    assert set(by_source["source"].to_pylist()) == {"/in/part-2.jsonl"} and groups == len(holding) < 3
+    assert by_source.num_rows == sum(s == "/in/part-2.jsonl" for s in spans["source"].to_pylist())
+    old = str(tmp_path / "format1.parquet")
+    pq.write_table(spans, old)
+    assert _ordered(read(old)).equals(_ordered(spans))
+    assert sorted(map(str, lookup(old, picked)[0].to_pylist())) == sorted(map(str, want))
+
+
+def test_a_document_whose_tokens_are_not_one_stretch_is_refused(tmp_path):
+    """Two spans of one document that both end inside their rows cannot come from one token stream: the
+    writer refuses them (a bug upstream) rather than store lengths it would read back wrong."""
+    from strata.lineage import LineageError, write
+
+    spans = _cut_stream(2, 40, 33, 2)
+    first = spans["doc"][0].as_py()
+    rows = spans.to_pylist()
+    mine = [r for r in rows if r["doc"] == first]
+    mine[0]["length"] = 33 - mine[0]["start"] - 1  # its first span now ends inside the row
+    broken = [*mine, *(r for r in rows if r["doc"] != first)] if len(mine) > 1 else None
+    if broken is None:  # a one-span document: give it a second short span
+        broken = [*mine, {**mine[0], "row": mine[0]["row"] + 1, "start": 0, "length": 3}, *rows[len(mine):]]
+    import pyarrow as pa
+
+    with pytest.raises(LineageError, match="not one stretch"):
+        write(pa.Table.from_pylist(broken, schema=spans.schema), str(tmp_path / "l.parquet"), 33)

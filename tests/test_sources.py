@@ -17,7 +17,9 @@ from strata.sources import (
     ReadConfig,
     check_outside,
     describe,
+    file_digest,
     list_inputs,
+    part_digests,
     plan_units,
     read_file,
 )
@@ -321,24 +323,29 @@ def test_a_deferred_file_leaves_its_unit_and_its_other_ranges_out(tmp_path):
     from pipelines.stats import Output, Tally, without_deferred
     from strata.sources import InputUnreadable, with_deferral
 
-    unit = [{"path": "a"}, {"path": "bad"}, {"path": "c"}]
+    for name in ("a", "bad", "c"):
+        (tmp_path / name).write_text(f"{name}\n")
+    path = {name: str(tmp_path / name) for name in ("a", "bad", "c")}
+    unit = [{"path": path[n], "start": 0, "end": 2, "size": 2} for n in ("a", "bad", "c")]
     seen = []
 
     def process(files):
-        seen.append([f["path"] for f in files])
-        if any(f["path"] == "bad" for f in files):
-            raise InputUnreadable("reading bad failed", "bad")
+        seen.append([os.path.basename(f["path"]) for f in files])
+        if any(f["path"] == path["bad"] for f in files):
+            raise InputUnreadable("reading bad failed", path["bad"])
         return Output(tally=Tally(kept=len(files)))
 
     with pytest.raises(InputUnreadable):
         with_deferral(unit, ReadConfig(inputs=("x",)), process)
     out = with_deferral(unit, ReadConfig(inputs=("x",), unreadable="defer"), process)
     assert seen[-2:] == [["a", "bad", "c"], ["a", "c"]] and out.tally.kept == 2
-    assert out.tally.deferred == {"bad": "reading bad failed"}
-    ranges = [with_deferral([{"path": "bad", "start": s}], ReadConfig(inputs=("x",), unreadable="defer"),
-                            lambda files: Output(tally=Tally(kept=len(files)))) for s in (0, 100)]  # read fine
+    assert out.tally.deferred == {path["bad"]: "reading bad failed"}
+    assert [(p, i) for p, i, _ in out.digests] == [(path["a"], 0), (path["c"], 0)]  # not the deferred file's
+    ranges = [with_deferral([{"path": path["bad"], "start": s, "end": s + 1, "size": 2}],
+                            ReadConfig(inputs=("x",), unreadable="defer"),
+                            lambda files: Output(tally=Tally(kept=len(files)))) for s in (0, 1)]  # read fine
     kept, deferred = without_deferred([out, *ranges])
-    assert kept == [out] and deferred == {"bad": "reading bad failed"}
+    assert kept == [out] and deferred == {path["bad"]: "reading bad failed"}
 
 
 def test_symbolic_link_loops_are_followed_once(tmp_path):
@@ -445,3 +452,27 @@ def test_an_input_that_overlaps_the_storage_root_is_refused(tmp_path):
     out = subprocess.run([sys.executable, "-m", "pipelines.preprocess", "--input", root, "--dataset", "d"],
                          env={**os.environ, "STRATA_STORAGE": root}, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "overlaps the storage root" in out.stderr and not os.path.exists(root)
+
+
+@pytest.mark.parametrize("size", [0, 1000, 17 * 2**20 + 5])
+def test_the_ranges_of_a_file_digest_each_part_once_and_give_its_sha256(tmp_path, size):
+    """Every part of a file is digested by exactly one of its ranges, however it is cut: one part's digest
+    is the file's sha256 (what sha256sum prints); more are the sha256 of their sha256s, in order (the
+    test's own computation). A part no range digested (a deferred file) gives no digest."""
+    import hashlib
+
+    data = random.Random(size).randbytes(size)
+    (tmp_path / "a.jsonl").write_bytes(data)
+    [f] = list_inputs([str(tmp_path / "a.jsonl")])
+    units = plan_units([f], ReadConfig(inputs=("x",), split_bytes=3 << 20))
+    assert (len(units) > 3) == (size > 2**20)  # ranges where no part starts, as well as ones where one does
+    parts = [p for unit in units for r in unit for p in part_digests(r, ReadConfig(inputs=("x",)))]
+    assert sorted(i for _, i, _ in parts) == list(range(max(1, -(-size // 2**23))))  # each once
+    digest = file_digest(size, {i: h for _, i, h in parts})
+    whole = [data[i:i + 2**23] for i in range(0, size, 2**23)] or [b""]
+    if len(whole) == 1:
+        assert digest == "sha256:" + hashlib.sha256(data).hexdigest()
+    else:
+        inner = b"".join(hashlib.sha256(p).digest() for p in whole)
+        assert digest == "sha256-8MiB-parts:" + hashlib.sha256(inner).hexdigest()
+    assert file_digest(size, {i: h for _, i, h in parts[1:]}) is None
