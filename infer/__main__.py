@@ -158,8 +158,8 @@ def _eval(args, parser, name: str) -> dict:
     except (FileNotFoundError, ValueError, TaskError) as e:
         sys.exit(f"error: {e}")
     out = storage.evals(name)
-    result, cost = on_tier("eval", name, storage, out, cfg.tier, {"model": model.source, "task": args.task,
-                                                                  "inputs": args.input, **asdict(cfg)},
+    result, cost = on_tier("eval", name, storage, out, cfg.tier, {"model": model.source, "origin": model.origin,
+                                                                  "task": args.task, "inputs": args.input, **asdict(cfg)},
                            run_eval, model, items, texts, stride=cfg.stride, batch_tokens=cfg.batch_tokens,
                            figures=lambda r: {k: v for k, v in r.items() if k != "samples"})
     per_item = result.pop("samples")
@@ -211,7 +211,7 @@ def _generate(args, parser, name: str) -> dict:
     out = args.output or join(home, "completions.jsonl")
     result, cost = on_tier(
         "generate", name, storage, home, cfg.tier,
-        {"model": model.source, "prompts": args.prompts, "max_tokens": args.max_tokens,
+        {"model": model.source, "origin": model.origin, "prompts": args.prompts, "max_tokens": args.max_tokens,
          "temperature": args.temperature, "top_k": args.top_k, "seed": args.seed, "tier": cfg.tier},
         run_generate, model, prompts, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
         seed=args.seed, figures=lambda r: {"prompts": len(prompts), "tokens": r["tokens"], "seconds": r["seconds"]})

@@ -55,7 +55,7 @@ def score(spec: str, inputs: list[str], cfg: ScoreConfig, storage: Storage, name
     out = storage.scores(name)
     with Job("score", name, storage, holds=out, what=f"scores {name}") as job:
         job.connect(quiet=True, log_to_driver=False)
-        job.begin({"model": model.source, "inputs": inputs, "dataset": dataset, **asdict(cfg)})
+        job.begin({"model": model.source, "origin": model.origin, "inputs": inputs, "dataset": dataset, **asdict(cfg)})
         actors = cfg.actors or default_actors(cfg.tier)
         read = ReadConfig()
 

@@ -26,6 +26,7 @@ class Model:
     weights: dict[str, np.ndarray]
     tokenizer: TokenizerInfo
     definition: str | None  # the tokenizer's file, for `hf` tokenizers
+    origin: str = ""  # RUN@STEP: the run an exported directory was made from (its records say so: lineage, ledger)
 
     def build(self, device: str = "cpu", packed: bool = True) -> tuple[GPT, object]:
         """The model in eval mode on `device`, and its tokenizer. On a CPU its linear layers are `packed`
@@ -98,8 +99,20 @@ def resolve(spec: str, storage: Storage, flag: str = "--model") -> Model:
         info = read_json(join(spec, "strata.json"))["tokenizer"]
         definition = read_bytes(join(spec, "tokenizer.json")).decode() if exists(join(spec, "tokenizer.json")) else None
         p = load(spec, storage)
-        return Model(spec, p.cfg, p.weights, TokenizerInfo(**info), definition)
+        return Model(spec, p.cfg, p.weights, TokenizerInfo(**info), definition, _origin(spec, storage))
     return _from_run(spec, storage, flag)
+
+
+def _origin(export_dir: str, storage: Storage) -> str:
+    """RUN@STEP of an exported directory whose checkpoint is a run's under this storage root; else ""."""
+    meta = read_json(join(export_dir, "strata.json"))
+    run_dir, _, _ = str(meta.get("checkpoint") or "").rstrip("/").rpartition("/")
+    name = run_dir.rpartition("/")[2]
+    try:
+        ours = bool(name) and storage.run(name).rstrip("/") == run_dir
+    except ValueError:  # not a name a run can have
+        ours = False
+    return f"{name}@{int(meta.get('step') or 0)}" if ours else ""
 
 
 def _from_run(spec: str, storage: Storage, flag: str) -> Model:

@@ -42,6 +42,14 @@ def _config(r: dict) -> dict:
     return r["config"] if isinstance(r.get("config"), dict) else {}
 
 
+def model_run(r: dict) -> str:
+    """The training run whose model a score, eval or generate record used: its `--model RUN[@STEP]`, or the
+    run an exported directory was made from (`origin`); "" for a model from elsewhere."""
+    c = _config(r)
+    model = c.get("origin") or c.get("model")
+    return model.partition("@")[0] if isinstance(model, str) else ""
+
+
 def _tier(node_type: str, types: dict) -> str:
     """The tier a node type serves (its labels in cluster.yaml): `local` for the embedded Ray, `head`
     for a type serving none, the type's own name for one cluster.yaml does not describe."""
@@ -157,9 +165,8 @@ def model_ledger(run: str, records: list[dict] | None = None, storage=None, type
                 trials += _count(r["figures"].get("trials"))
     scored = 0
     for r in records:
-        model = _config(r).get("model")
-        if r["kind"] in USES and isinstance(model, str) and model.partition("@")[0] == run:
-            parts.append(part(r, 1.0, r["kind"], f"{r['kind']} {r['name']} of {model}", types))
+        if r["kind"] in USES and model_run(r) == run:
+            parts.append(part(r, 1.0, r["kind"], f"{r['kind']} {r['name']} of {_config(r).get('model')}", types))
             scored += _count(r["figures"].get("tokens")) if r["kind"] == "score" else 0
     out = {"run": run, "parts": parts, **totals(parts),
            "tokens": {"kept": int(kept), "read": int(read_share), "trained": trained, "scored": scored},

@@ -58,11 +58,25 @@ def test_a_models_ledger_is_the_sum_of_the_records_it_names(local_ray, corpus, p
     second = train_main(["--from-sweep", "books-sweep", "--run", "m", "--max-steps", "6", "--no-use-gpu"])
     scored = score("m", [corpus["path"]], ScoreConfig(actors=1, docs_per_batch=16), storage, "m-scores")
     assert second["steps"] == 3 and scored["tokens"] > 0
+    # An evaluation of an export of the model: its record names the directory, and the run it came from.
+    from train.checkpoint import read_meta
+    from train.export import export
+    from train.sample import latest_checkpoint
+
+    last = latest_checkpoint(storage.run("m"))
+    export(last, str(tmp_path / "m-export"))
+    ev = subprocess.run([sys.executable, "-m", "infer", "eval", "--model", str(tmp_path / "m-export"), "--task",
+                         os.path.join(REPO, "infer", "tasks", "arithmetic.jsonl"), "--name", "m-eval"], cwd=REPO,
+                        env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}, capture_output=True, text=True,
+                        timeout=300)
+    assert ev.returncode == 0, ev.stderr[-2000:]
 
     records = list_records(storage)
     book = _ledger(root, "m")
     kinds = [p["part"] for p in book["parts"]]
-    assert kinds == ["training", "training", "data", "data", "sweep", "score"], kinds
+    assert kinds == ["training", "training", "data", "data", "sweep", "score", "eval"], kinds
+    evaluated = _record(records, book["parts"][-1])["config"]
+    assert evaluated["model"] == str(tmp_path / "m-export") and evaluated["origin"] == f"m@{read_meta(last)['step']}"
     named = [_record(records, p) for p in book["parts"]]
     assert len({(r["kind"], r["started_at"]) for r in named}) == len(named)  # each record once
     assert [r["figures"]["version"] for r in named[2:4]] == ["v0001", "v0002"]  # v0000: the empty table
