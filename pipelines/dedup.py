@@ -17,7 +17,6 @@ at each similarity is `collision_probability` (the S-curve).
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 import zlib
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from strata.cli import NON_NEGATIVE, check_fields
+from strata.lineage import doc_key
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -126,7 +126,8 @@ def optimal_lsh(threshold: float, num_perm: int, false_negative_weight: float = 
 
 
 def hash64(data: str) -> int:
-    return int.from_bytes(hashlib.blake2b(data.encode(), digest_size=8).digest(), "little")
+    """A string's 64-bit key: the one lineage keys record ids by (strata.lineage.doc_key)."""
+    return doc_key(data)
 
 
 def exact_key(text: str) -> int:

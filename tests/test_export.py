@@ -227,3 +227,19 @@ def test_the_model_trained_is_the_model_sampled_and_exported(local_ray, dataset,
     assert out["val_loss"] == pytest.approx(loss_of(sampled), abs=1e-4)
     assert out["val_loss"] == pytest.approx(loss_of(lambda x: hf(x).logits), abs=1e-4)
     assert out["val_loss"] < out["first_loss"] - 0.5  # it learned: a different model would not score the same
+
+
+def test_a_damaged_export_record_is_left_out_with_a_warning(tmp_path, caplog):
+    """`strata lineage doc` lists a run's exports from their records; one that is not JSON, or not an export's,
+    is named in a warning and left out, and the others are listed."""
+    from train.export import EXPORTS, exports
+
+    folder = tmp_path / "run" / EXPORTS
+    folder.mkdir(parents=True)
+    (folder / "1.json").write_text(json.dumps({"checkpoint": "c", "step": 4, "path": "/models/a", "at": 1.0}))
+    (folder / "2.json").write_text("{not json")
+    (folder / "3.json").write_text(json.dumps(["a", "list"]))
+    (folder / "4.json").write_bytes(b"\xff\xfe")
+    with caplog.at_level("WARNING"):
+        assert [e["path"] for e in exports(str(tmp_path / "run"))] == ["/models/a"]
+    assert sum("is not an export record" in r.getMessage() for r in caplog.records) == 3

@@ -130,11 +130,23 @@ def _record(checkpoint: str, step: int, out: str) -> None:
 
 
 def exports(run_dir: str) -> list[dict]:
-    """The exports made of a run's checkpoints, oldest first."""
+    """The exports made of a run's checkpoints, oldest first. A record that is not one (damaged, or put
+    there by hand) is left out with a warning naming it."""
     from strata.storage import join, list_dir, read_json
 
-    return [read_json(join(run_dir, EXPORTS, n)) for n, d in sorted(list_dir(join(run_dir, EXPORTS)))
-            if not d and n.endswith(".json")]
+    out = []
+    for name, is_dir in sorted(list_dir(join(run_dir, EXPORTS))):
+        if is_dir or not name.endswith(".json"):
+            continue
+        try:
+            record = read_json(join(run_dir, EXPORTS, name))
+            if isinstance(record, dict) and isinstance(record.get("path"), str) and isinstance(record.get("step"), int):
+                out.append(record)
+                continue
+        except (ValueError, UnicodeDecodeError):
+            pass
+        _log.warning(f"{join(run_dir, EXPORTS, name)} is not an export record: left out")
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
