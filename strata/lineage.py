@@ -54,36 +54,35 @@ def write(table: pa.Table, path: str, row_len: int) -> int:
     """A lineage file at `path` of the spans `table` (SCHEMA, any order; rows of `row_len` tokens); returns
     its size. A document whose spans do not all run to their row's end but one is a bug upstream: refused."""
     t = table.select(["source", "position", "exact", "shard", "row", "start", "length"])
-    shards = sorted(set(t["shard"].to_pylist()))
-    sizes = {s: 0 for s in shards}
-    for s, r in zip(t["shard"].to_pylist(), t["row"].to_pylist(), strict=True):
-        sizes[s] = max(sizes[s], r + 1)
-    bases = dict(zip(shards, np.cumsum([0] + [sizes[s] for s in shards])[:-1].tolist(), strict=True))
-    place = np.array([bases[s] for s in t["shard"].to_pylist()], dtype=np.int64) + t["row"].to_numpy()
-    start, length = t["start"].to_numpy(), t["length"].to_numpy()
-    short = (start + length < row_len).astype(np.int8)  # the span holding the document's end, if not at a row's end
+    by_shard = t.group_by("shard").aggregate([("row", "max")]).sort_by("shard")
+    shards = by_shard["shard"].to_pylist()
+    bases = np.concatenate([[0], np.cumsum(by_shard["row_max"].to_numpy().astype(np.int64) + 1)])[:len(shards)]
+    place = bases[pc.index_in(t["shard"], pa.array(shards, pa.string())).to_numpy(zero_copy_only=False)] \
+        + t["row"].to_numpy()
+    short = (pc.add(t["start"], t["length"]).to_numpy() < row_len).astype(np.int8)  # holds the end, inside a row
     t = t.append_column("place", pa.array(place.astype(np.int32))).append_column("short", pa.array(short))
-    t = t.sort_by([("source", "ascending"), ("position", "ascending"), ("short", "ascending"), ("place", "ascending")]).combine_chunks()
-    src, pos = t["source"].to_pylist(), t["position"].to_numpy()
-    new = np.ones(t.num_rows, bool)
-    new[1:] = (pos[1:] != pos[:-1]) | np.array([a != b for a, b in zip(src[1:], src[:-1], strict=True)], bool)
+    t = t.sort_by([("source", "ascending"), ("position", "ascending"), ("short", "ascending"), ("place", "ascending")])
+    n = t.num_rows
+    new = np.ones(n, bool)
+    if n > 1:  # where a document's spans begin
+        new[1:] = pc.or_(pc.not_equal(t["source"].slice(1), t["source"].slice(0, n - 1)),
+                         pc.not_equal(t["position"].slice(1), t["position"].slice(0, n - 1))).to_numpy(zero_copy_only=False)
     firsts = np.flatnonzero(new)
-    offsets = pa.array(np.append(firsts, t.num_rows).astype(np.int32))
-    if len(firsts) and (np.add.reduceat(t["short"].to_numpy().astype(np.int64), firsts) > 1).any():
+    if n and (np.add.reduceat(t["short"].to_numpy().astype(np.int64), firsts) > 1).any():
         raise LineageError(f"{path}: a document has two spans that end inside a row; its tokens are not one stretch")
+    offsets = pa.array(np.append(firsts, n).astype(np.int32))
+    tokens = np.add.reduceat(t["length"].to_numpy().astype(np.int64), firsts) if n else np.zeros(0, np.int64)
     docs = t.take(pa.array(firsts))
-    out = pa.Table.from_arrays([docs["source"], docs["position"], docs["exact"],
-                                pa.array(np.add.reduceat(t["length"].to_numpy().astype(np.int64), firsts).astype(np.int32)
-                                         if len(firsts) else np.zeros(0, np.int32)),
-                                pa.ListArray.from_arrays(offsets, t["place"].chunk(0) if t["place"].num_chunks else pa.array([], pa.int32())),
-                                pa.ListArray.from_arrays(offsets, t["start"].chunk(0) if t["start"].num_chunks else pa.array([], pa.int32()))],
-                               schema=STORED)
-    meta = {"format": FORMAT, "row_len": row_len, "shards": [[s, bases[s]] for s in shards],
-            "first": [[src[i], int(pos[i])] for i in firsts[::LOOKUP_ROWS].tolist()]}
-    out = out.replace_schema_metadata({META: json.dumps(meta)})
+    out = pa.Table.from_arrays([docs["source"], docs["position"], docs["exact"], pa.array(tokens.astype(np.int32)),
+                                pa.ListArray.from_arrays(offsets, t["place"].combine_chunks()),
+                                pa.ListArray.from_arrays(offsets, t["start"].combine_chunks())], schema=STORED)
+    firsts_of_groups = docs.select(["source", "position"]).take(pa.array(np.arange(0, len(firsts), LOOKUP_ROWS)))
+    meta = {"format": FORMAT, "row_len": row_len, "shards": [[s, int(b)] for s, b in zip(shards, bases, strict=True)],
+            "first": [[r["source"], r["position"]] for r in firsts_of_groups.to_pylist()]}
     fs, p = filesystem(path)
     with fs.open_output_stream(p) as f:
-        with pq.ParquetWriter(f, out.schema, compression="zstd", use_dictionary=["source", "start.list.element"],
+        with pq.ParquetWriter(f, out.schema.with_metadata({META: json.dumps(meta)}), compression="zstd",
+                              use_dictionary=["source", "start.list.element"],
                               column_encoding={"position": "DELTA_BINARY_PACKED", "tokens": "DELTA_BINARY_PACKED",
                                                "place.list.element": "BYTE_STREAM_SPLIT", "exact": "PLAIN"}) as w:
             for i in range(0, out.num_rows, LOOKUP_ROWS):  # one row group each: the footer's `first` says so

@@ -233,6 +233,8 @@ def test_the_lineage_file_keeps_every_span_and_a_lookup_reads_only_the_row_group
     holding = {i // LOOKUP_ROWS for i, (s, _) in enumerate(order) if s == "/in/part-2.jsonl"}
     assert set(by_source["source"].to_pylist()) == {"/in/part-2.jsonl"} and groups == len(holding) < 3
     assert by_source.num_rows == sum(s == "/in/part-2.jsonl" for s in spans["source"].to_pylist())
+    write(spans.slice(0, 0), str(tmp_path / "empty.parquet"), 33)  # a version whose rows hold no document's tokens
+    assert read(str(tmp_path / "empty.parquet")).num_rows == 0 and lookup(str(tmp_path / "empty.parquet"), picked)[1] == 0
     old = str(tmp_path / "format1.parquet")
     pq.write_table(spans, old)
     assert _ordered(read(old)).equals(_ordered(spans))
