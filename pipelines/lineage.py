@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from strata.lineage import FILE, SCHEMA, doc_key, write
+from strata.lineage import FILE, SCHEMA, write
 from strata.storage import filesystem, join, list_dir
 
 __all__ = ["FILE", "DocRuns", "build", "write_places", "write_spans"]
@@ -109,14 +109,15 @@ def build(work_dir: str, shard_prefix: str, out: str, row_len: int) -> dict:
     if spans is None or places is None:
         spans, places = SPANS.empty_table(), pa.table({"key": pa.array([], pa.uint64()), "row": pa.array([], pa.int32()),
                                                        "shard": pa.array([], pa.string())})
-    joined = spans.join(places, "key", join_type="inner")
-    ids = joined["doc_id"].to_pylist()
-    source, _, position = zip(*(i.rpartition(":") for i in ids), strict=True) if ids else ((), (), ())
+    joined = spans.join(places, "key", join_type="inner").combine_chunks()
+    ids = joined["doc_id"].combine_chunks().dictionary_encode()  # a document's id once, not once a span
+    source, _, position = zip(*(i.rpartition(":") for i in ids.dictionary.to_pylist()), strict=True) \
+        if len(ids.dictionary) else ((), (), ())
     table = pa.Table.from_arrays([
-        pa.array([doc_key(i) for i in ids], pa.uint64()), joined["exact"], pa.array(source, pa.string()),
-        pa.array([int(p) if p.isdigit() else -1 for p in position], pa.int64()),
-        pc.binary_join_element_wise(pa.scalar(shard_prefix), joined["shard"], "/") if ids else pa.array([], pa.string()),
-        joined["row"], joined["start"], joined["length"]], schema=SCHEMA)
+        pa.nulls(joined.num_rows, pa.uint64()), joined["exact"], pa.array(source, pa.string()).take(ids.indices),
+        pa.array([int(p) if p.isdigit() else -1 for p in position], pa.int64()).take(ids.indices),
+        pc.binary_join_element_wise(pa.scalar(shard_prefix), joined["shard"], "/"),
+        joined["row"], joined["start"], joined["length"]], schema=SCHEMA)  # `doc`: write() keys by source, position
     size = write(table, out, row_len)
-    return {"documents": len(set(table["doc"].to_numpy().tolist())) if table.num_rows else 0,
+    return {"documents": len(ids.dictionary),
             "spans": table.num_rows, "bytes": size, "unplaced": spans.num_rows - joined.num_rows}
