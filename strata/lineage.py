@@ -117,15 +117,19 @@ def _spans(stored: pa.Table, meta: dict) -> pa.Table:
 
 def _open(path: str) -> tuple[pq.ParquetFile, dict | None]:
     fs, p = filesystem(path)
-    f = pq.ParquetFile(fs.open_input_file(p))
-    raw = (f.schema_arrow.metadata or {}).get(META)
-    if raw is None:
+    try:
+        f = pq.ParquetFile(fs.open_input_file(p))
+        raw = (f.schema_arrow.metadata or {}).get(META)
+        meta = json.loads(raw) if raw is not None else None
+    except (pa.ArrowInvalid, ValueError) as e:  # damaged, or not parquet: one line naming the file
+        raise LineageError(f"{path} is not a readable lineage file: {e}") from None
+    if meta is None:
         if f.schema_arrow.names != SCHEMA.names:
             raise LineageError(f"{path} is not a lineage file (columns {f.schema_arrow.names})")
         return f, None  # format 1: SCHEMA's spans as they are
-    meta = json.loads(raw)
-    if meta.get("format") != FORMAT:
-        raise LineageError(f"{path}: lineage format {meta.get('format')}; this strata reads formats 1 and {FORMAT}")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else meta
+        raise LineageError(f"{path}: lineage format {found!r}; this strata reads formats 1 and {FORMAT}")
     if len(meta["first"]) != f.metadata.num_row_groups:
         raise LineageError(f"{path}: its footer names {len(meta['first'])} row groups, the file has "
                            f"{f.metadata.num_row_groups}")

@@ -258,3 +258,21 @@ def test_a_document_whose_tokens_are_not_one_stretch_is_refused(tmp_path):
 
     with pytest.raises(LineageError, match="not one stretch"):
         write(pa.Table.from_pylist(broken, schema=spans.schema), str(tmp_path / "l.parquet"), 33)
+
+
+def test_a_damaged_lineage_file_is_one_error_naming_it(tmp_path):
+    """Junk where a lineage file should be, or a footer whose format is not one this strata writes: a
+    LineageError naming the file, for `lineage doc` and `forget` to print in one line."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from strata.lineage import META, LineageError, lookup, read
+
+    junk = tmp_path / "junk.parquet"
+    junk.write_bytes(b"not parquet at all")
+    with pytest.raises(LineageError, match=f"{junk} is not a readable lineage file"):
+        lookup(str(junk), ["/in/a.jsonl:0"])
+    odd = tmp_path / "odd.parquet"
+    pq.write_table(pa.table({"source": ["a"]}).replace_schema_metadata({META: b"[7]"}), odd)
+    with pytest.raises(LineageError, match=f"{odd}: lineage format"):
+        read(str(odd))
