@@ -96,16 +96,16 @@ def resolve(spec: str, storage: Storage, flag: str = "--model") -> Model:
         if not exists(join(spec, "strata.json")):
             raise ValueError(f"{flag} {spec}: no strata.json beside config.json, so the tokenizer is unknown; "
                              "export the model with python -m train.export")
-        info = read_json(join(spec, "strata.json"))["tokenizer"]
+        meta = read_json(join(spec, "strata.json"))
         definition = read_bytes(join(spec, "tokenizer.json")).decode() if exists(join(spec, "tokenizer.json")) else None
         p = load(spec, storage)
-        return Model(spec, p.cfg, p.weights, TokenizerInfo(**info), definition, _origin(spec, storage))
+        return Model(spec, p.cfg, p.weights, TokenizerInfo(**meta["tokenizer"]), definition, _origin(meta, storage))
     return _from_run(spec, storage, flag)
 
 
-def _origin(export_dir: str, storage: Storage) -> str:
-    """RUN@STEP of an exported directory whose checkpoint is a run's under this storage root; else ""."""
-    meta = read_json(join(export_dir, "strata.json"))
+def _origin(meta: dict, storage: Storage) -> str:
+    """RUN@STEP of an exported directory (`meta`: its strata.json) whose checkpoint is a run's under this
+    storage root; else ""."""
     run_dir, _, _ = str(meta.get("checkpoint") or "").rstrip("/").rpartition("/")
     name = run_dir.rpartition("/")[2]
     try:

@@ -42,12 +42,15 @@ def _config(r: dict) -> dict:
     return r["config"] if isinstance(r.get("config"), dict) else {}
 
 
-def model_run(r: dict) -> str:
-    """The training run whose model a score, eval or generate record used: its `--model RUN[@STEP]`, or the
-    run an exported directory was made from (`origin`); "" for a model from elsewhere."""
-    c = _config(r)
-    model = c.get("origin") or c.get("model")
-    return model.partition("@")[0] if isinstance(model, str) else ""
+def model_of(r: dict) -> tuple[str, float]:
+    """The training run whose model a score, eval or generate record used, and the step of its checkpoint:
+    its `--model RUN[@STEP]`, or what an exported directory was made from (`origin`). ("", inf) for a model
+    from elsewhere; the step is infinity when unknown (the newest), so a use is never left out."""
+    model = _config(r).get("origin") or _config(r).get("model")
+    if not isinstance(model, str):
+        return "", float("inf")
+    run, _, at = model.partition("@")
+    return run, int(at) if at.isdigit() else float("inf")
 
 
 def _tier(node_type: str, types: dict) -> str:
@@ -165,7 +168,7 @@ def model_ledger(run: str, records: list[dict] | None = None, storage=None, type
                 trials += _count(r["figures"].get("trials"))
     scored = 0
     for r in records:
-        if r["kind"] in USES and model_run(r) == run:
+        if r["kind"] in USES and model_of(r)[0] == run:
             parts.append(part(r, 1.0, r["kind"], f"{r['kind']} {r['name']} of {_config(r).get('model')}", types))
             scored += _count(r["figures"].get("tokens")) if r["kind"] == "score" else 0
     out = {"run": run, "parts": parts, **totals(parts),

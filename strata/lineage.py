@@ -168,15 +168,17 @@ def lookup(path: str, doc_ids: list[str] | None = None, source: str | None = Non
         t = f.read_row_groups(groups)
         hit = [(s, p) in wanted for s, p in zip(t["source"].to_pylist(), t["position"].to_pylist(), strict=True)]
         return _spans(t.filter(pa.array(hit, pa.bool_())), meta), len(groups)
-    names = f.read(columns=["source"])["source"].to_pylist()
-    match = np.array([fnmatch.fnmatchcase(s, source) for s in names], bool)
+    names = f.read(columns=["source"])["source"].combine_chunks().dictionary_encode()  # a file's name once
+    matches = np.array([fnmatch.fnmatchcase(s, source) for s in names.dictionary.to_pylist()], bool)
+    match = matches[names.indices.to_numpy(zero_copy_only=False)] if len(names) else np.zeros(0, bool)
     ends = np.cumsum([f.metadata.row_group(g).num_rows for g in range(f.metadata.num_row_groups)])
     groups = sorted(set(np.searchsorted(ends, np.flatnonzero(match), side="right").tolist()))
     if not groups:
         return SCHEMA.empty_table(), 1
-    t = f.read_row_groups(groups)
-    hit = np.concatenate([match[ends[g] - f.metadata.row_group(g).num_rows:ends[g]] for g in groups])
-    return _spans(t.filter(pa.array(hit)), meta), len(groups)
+    rows = np.concatenate([np.arange(ends[g] - f.metadata.row_group(g).num_rows, ends[g]) for g in groups])
+    t = f.read_row_groups(groups, columns=[c for c in f.schema_arrow.names if c != "source"])  # read just above
+    t = t.append_column("source", names.dictionary.take(names.indices.take(pa.array(rows))))
+    return _spans(t.filter(pa.array(match[rows])), meta), len(groups)
 
 
 def _lookup_format1(f: pq.ParquetFile, doc_ids, source) -> tuple[pa.Table, int]:

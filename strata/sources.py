@@ -496,22 +496,22 @@ def part_digests(f: dict, cfg: ReadConfig) -> list[tuple[str, int, str]]:
     import hashlib
 
     first = -(-f["start"] // DIGEST_PART)
-    parts = range(first, -(-f["end"] // DIGEST_PART)) if f["size"] else range(1 if f["start"] == 0 else 0)
+    parts = list(range(first, -(-f["end"] // DIGEST_PART)) if f["size"] else range(1 if f["start"] == 0 else 0))
     out = []
-    for part in parts:
-        for attempt in range(cfg.read_retries + 1):
-            try:
-                fs, p = filesystem(f["path"])
-                with fs.open_input_file(p) as stream:
+    for attempt in range(cfg.read_retries + 1):  # the file opened once; a retry goes on from the part that failed
+        try:
+            fs, p = filesystem(f["path"])
+            with fs.open_input_file(p) as stream:
+                for part in parts[len(out):]:
                     data = stream.read_at(DIGEST_PART, part * DIGEST_PART) if f["size"] else b""
-                out.append((f["path"], part, hashlib.sha256(data).hexdigest()))
-                break
-            except FileNotFoundError as e:
-                raise InputMissing(f"input file {f['path']} is not there on node {_node_name()}", f["path"]) from e
-            except OSError as e:
-                if attempt == cfg.read_retries:
-                    raise InputUnreadable(f"reading {f['path']} failed: {e} (read {attempt + 1} times)", f["path"]) from e
-                time.sleep(RETRY_BASE_S * 2 ** attempt * (0.5 + random.random() / 2))
+                    out.append((f["path"], part, hashlib.sha256(data).hexdigest()))
+            break
+        except FileNotFoundError as e:
+            raise InputMissing(f"input file {f['path']} is not there on node {_node_name()}", f["path"]) from e
+        except OSError as e:
+            if attempt == cfg.read_retries:
+                raise InputUnreadable(f"reading {f['path']} failed: {e} (read {attempt + 1} times)", f["path"]) from e
+            time.sleep(RETRY_BASE_S * 2 ** attempt * (0.5 + random.random() / 2))
     return out
 
 

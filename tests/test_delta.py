@@ -116,6 +116,20 @@ def test_a_dataset_of_the_format_before_delta_lake_is_refused_by_name_and_migrat
     again = subprocess.run([sys.executable, "-m", "strata", "migrate", "old"], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=120)
     assert again.returncode == 1 and "nothing to migrate" in again.stderr
+    # Versions made before lineage cannot be searched, and say so; a takedown still commits its forget list.
+    found = subprocess.run([sys.executable, "-m", "strata", "lineage", "doc", "--source", "/in/*"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert found.returncode == 0, found.stderr
+    assert "not searched (made before lineage): old@v0001, old@v0002" in found.stdout, found.stdout
+    (tmp_path / "ids.txt").write_text("/in/1.txt:0\n")
+    forget = subprocess.run([sys.executable, "-m", "pipelines.datasets", "forget", "old", "--doc-ids",
+                             str(tmp_path / "ids.txt"), "--reason", "test", "--json"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert forget.returncode == 0, forget.stderr
+    done = json.loads(forget.stdout)
+    assert done["not_searched"] == ["old@v0001", "old@v0002"] and done["rows_removed"] == 0
+    assert done["not_in_any_version"] == ["/in/1.txt:0"] and "2 version(s) were made before lineage" in forget.stderr
+    assert resolve(storage, "old").manifest.forgotten and resolve(storage, "old").manifest.version == "v0003"
 
 
 def _legacy_dataset(root: str) -> list[tuple[dict, np.ndarray]]:
@@ -130,7 +144,8 @@ def _legacy_dataset(root: str) -> list[tuple[dict, np.ndarray]]:
         pq.write_table(pa.table({"tokens": pa.FixedSizeListArray.from_arrays(pa.array(rows.ravel()), 9)}),
                        os.path.join(run, "train-00000.parquet"))
         pq.write_table(pa.table({"key": pa.array([i], pa.uint64())}), os.path.join(run, "dedup", "exact-0000.parquet"))
-        pq.write_table(pa.table({"tokens": pa.array([1, 2], pa.uint16())}), os.path.join(run, "tails.parquet"))
+        pq.write_table(pa.table({"split": pa.array([0], pa.int8()), "tokens": pa.array([[1, 2]], pa.list_(pa.uint32()))}),
+                       os.path.join(run, "tails.parquet"))  # the tails of the train split, as pass 2 wrote them
         with open(os.path.join(run, "rejects.json"), "w") as f:
             json.dump({"counts": {}, "samples": {}}, f)
         shards.append({"path": f"data/{tag}/train-00000.parquet", "split": "train", "rows": 3, "tokens": 27,

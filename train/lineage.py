@@ -160,7 +160,7 @@ def documents(storage: Storage, doc_ids: list[str] | None = None, source: str | 
     on, and what used the run since (scoring, evaluation, generation); and the sweeps that read such a
     version."""
     from strata.dataset import DatasetError
-    from strata.ledger import USES, model_run, pinned
+    from strata.ledger import USES, model_of, pinned
     from strata.lineage import find
     from strata.records import list_records
 
@@ -188,8 +188,8 @@ def documents(storage: Storage, doc_ids: list[str] | None = None, source: str | 
         if first:
             entry["checkpoints"], entry["exports"] = _made_after(storage.run(run), entry["first_step"])
             entry["used_by"] = [{"kind": r["kind"], "name": r["name"], "model": (r.get("config") or {}).get("model")}
-                                for r in records if r["kind"] in USES and model_run(r) == run
-                                and _step_used(r) >= entry["first_step"]]
+                                for r in records if r["kind"] in USES
+                                and (m := model_of(r))[0] == run and m[1] >= entry["first_step"]]
         runs.append(entry)
     for r in records:
         if r["kind"] == "sweep" and (read := [f"{n}@v{v:04d}" for n, v in
@@ -197,14 +197,6 @@ def documents(storage: Storage, doc_ids: list[str] | None = None, source: str | 
                                               f"{n}@v{v:04d}" in held]):
             sweeps.append({"sweep": r["name"], "datasets": read})
     return {**out, "runs": runs, "sweeps": sweeps}
-
-
-def _step_used(r: dict) -> float:
-    """The step of the checkpoint a score, eval or generate record used (RUN@STEP, or the export's origin);
-    infinity when unknown, so a use is never left out."""
-    c = r.get("config") or {}
-    at = str(c.get("origin") or c.get("model") or "").partition("@")[2]
-    return int(at) if at.isdigit() else float("inf")
 
 
 def _made_after(run_dir: str, step: int) -> tuple[list[dict], list[dict]]:
