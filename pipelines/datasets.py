@@ -96,6 +96,8 @@ def _forget(storage: Storage, args) -> None:
         print(f"read them: sweep {s['sweep']} ({', '.join(s['datasets'])})")
     if out["purged"]:
         print(f"purged {len(out['purged'])} file(s): earlier versions holding them can no longer be read")
+    if out["scrubbed"]:
+        print(f"removed their text samples from {len(out['scrubbed'])} rejects report(s)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -119,7 +121,8 @@ def _main(cmd: Command) -> None:
     which.add_argument("--source", help="every document of the input files matching this glob")
     fg.add_argument("--reason", required=True, help="why (a claim, an erasure request): the commit records it")
     fg.add_argument("--purge", action="store_true",
-                    help="also delete the old files of the rewritten shards: earlier versions then cannot be read")
+                    help="also delete every earlier file holding their tokens, and their text samples in the rejects "
+                         "reports: earlier versions then cannot be read")
     fg.add_argument("--json", action="store_true", help="print what was done as JSON")
     for p in sub.choices.values():  # --storage after the subcommand too (not overriding one given before it)
         p.add_argument("--storage", default=argparse.SUPPRESS, help="storage root (default: $STRATA_STORAGE)")

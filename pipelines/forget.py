@@ -13,9 +13,10 @@ Under the dataset's lease, in one Delta commit that makes the next version:
 - The commit records the reason and the ids (the manifest's `forget`), and every later version carries the
   takedown on (`forgotten`): training refuses, in one line, a snapshot that still holds the rows.
 
-Earlier versions keep their files for time travel; `--purge` deletes the rewritten shards' old files (and
-the old tails), after the commit, and those versions then say so when opened. A crash before the commit
-leaves only files of an uncommitted run directory, which the next writer deletes.
+Earlier versions keep their files for time travel; `--purge`, after the commit, deletes every earlier file
+holding the documents' tokens (shards and tails) and scrubs their text samples from the rejects reports,
+and those versions then say so when opened. A crash before the commit leaves only files of an uncommitted
+run directory, which the next writer deletes.
 """
 
 from __future__ import annotations
@@ -40,7 +41,17 @@ from strata.dataset import (
     version_at,
 )
 from strata.shell import log as _logger
-from strata.storage import Storage, delete, exists, filesystem, join, make_dirs
+from strata.storage import (
+    Storage,
+    delete,
+    exists,
+    filesystem,
+    join,
+    list_dir,
+    make_dirs,
+    read_json,
+    write_json_atomic,
+)
 
 _say = _logger("forget").info
 LIST_FILE = "forget-list.parquet"
@@ -111,13 +122,14 @@ class Forget:
         except BaseException:
             delete_run(self.storage, self.name, self.tag)  # nothing half-made is left
             raise
-        purged = self.purge_files(removed, tails) if self.purge else []
+        purged = self.purge_files(version, removed, found, doc_keys, exact) if self.purge else {}
         not_found = sorted(set(self.doc_ids or []) - set(docs))
         return {"dataset": self.name, "version": version.manifest.version, "ref": version.ref,
                 "not_searched": found["without_lineage"],
                 "reason": self.reason, "documents": sorted(docs), "not_in_any_version": not_found,
                 "rows_removed": len({(r["shard"], r["row"]) for r in held}),
-                "shards_rewritten": len(removed), "co_packed": co_packed, "purged": purged, **learned}
+                "shards_rewritten": len(removed), "co_packed": co_packed, "purged": purged.get("deleted", []),
+                "scrubbed": purged.get("scrubbed", []), **learned}
 
     def learned_from(self, ids: list[str]) -> dict:
         """The runs, checkpoints, exports and sweeps that learned from the documents: `strata lineage doc`
@@ -273,12 +285,53 @@ class Forget:
         return commit_rewrite(self.storage, self.name, self.tag, fields, removed=removed, added=added,
                               lease=self.lease, head=self.head)
 
-    def purge_files(self, removed: list[Shard], tails: str) -> list[str]:
-        """--purge: the rewritten shards' old files (and the old tails), deleted once the commit stands."""
-        gone = [self.newest.file(s.path) for s in removed]
-        if tails and tails != self.newest.manifest.tails:
-            gone.append(self.newest.file(self.newest.manifest.tails))
-        for f in gone:
-            if exists(f):
+    def purge_files(self, version, removed: list[Shard], found: dict, doc_keys: set[int], exact: set[int]) -> dict:
+        """--purge, once the commit stands: every file of an earlier version that holds the documents'
+        tokens is deleted (the shards lineage names in any version, those an earlier takedown without
+        --purge left included, and every tails file holding them), and each version's rejects report loses
+        the text samples of them and of the copies dedup removed in their favour. {"deleted", "scrubbed"}."""
+        from pipelines.pack import read_tails
+        from strata.dataset import history
+        from strata.lineage import doc_key
+
+        live = {s.path for s in version.shards}  # the new snapshot holds none of their rows
+        rel = {s.path for s in removed} | {r["shard"] for h in found["versions"] for r in h["rows"]}
+        earlier = [v for v in history(self.storage, self.name) if v.number < version.number]
+        copies = set()  # record keys of the documents dedup removed as copies of a forgotten one
+        for v in earlier:
+            d = v.manifest.dedup.get("removed")
+            for part, is_dir in sorted(list_dir(v.file(d))) if d else []:
+                if not is_dir:
+                    fs, p = filesystem(join(v.file(d), part))
+                    t = pq.read_table(fs.open_input_file(p), columns=["doc_id", "kept"])
+                    copies |= {doc_key(i) for i, k in zip(t["doc_id"].to_pylist(), t["kept"].to_pylist(), strict=True)
+                               if k in doc_keys}
+        tails = {v.manifest.tails for v in earlier if v.manifest.tails} - {version.manifest.tails}
+        for t in sorted(tails):
+            held = read_tails(self.newest.file(t)) if exists(self.newest.file(t)) else {}
+            if any(self.forgotten_run(i, k, doc_keys, exact) for _, runs in held.values()
+                   for i, k in zip(runs.ids, runs.exact, strict=True)):
+                rel.add(t)
+        deleted = []
+        for r in sorted(rel - live):
+            if exists(f := self.newest.file(r)):
                 delete(f)
-        return gone
+                deleted.append(f)
+        named = doc_keys | copies
+        scrubbed = []
+        for r in sorted({v.manifest.rejects for v in earlier if v.manifest.rejects}):
+            if not exists(f := self.newest.file(r)):
+                continue
+            report = read_json(f)
+            samples = {k: [x for x in v if not (isinstance(x, dict) and self.named(str(x.get("doc_id", "")), named))]
+                       for k, v in (report.get("samples") or {}).items()}
+            if samples != report.get("samples"):
+                write_json_atomic(f, {**report, "samples": samples})
+                scrubbed.append(f)
+        return {"deleted": deleted, "scrubbed": scrubbed}
+
+    def named(self, doc_id: str, keys: set[int]) -> bool:
+        from strata.lineage import doc_key
+
+        return doc_key(doc_id) in keys or (self.source is not None
+                                           and fnmatch.fnmatchcase(doc_id.rpartition(":")[0], self.source))

@@ -147,7 +147,8 @@ def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, seen: O
                 continue
             seen.counts[(status, reason)] += 1
             if len(examples := seen.samples[f"{status}:{reason}"]) < SAMPLES_PER_REASON:
-                examples.append({"doc_id": rec["doc_id"], "sample": rec["sample"] or rec["text"][:120]})
+                sample = "(taken down: not shown)" if reason == "forgotten" else rec["sample"] or rec["text"][:120]
+                examples.append({"doc_id": rec["doc_id"], "sample": sample})
     seen.tallies = quality.tallies()  # the language rule's and decontamination's, beside the statuses
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import REPO, make_corpus, train_run
 
-from strata.storage import Storage, join, list_dir, read_bytes
+from strata.storage import Storage, exists, join, list_dir, read_bytes
 
 
 def _forget(root: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -44,7 +44,7 @@ def test_a_takedown_removes_a_document_from_the_newest_version_and_every_later_r
     from pipelines.config import debug
     from pipelines.driver import run as preprocess
     from pipelines.pack import read_tails
-    from strata.dataset import DatasetError, delete_version, read_rows, resolve
+    from strata.dataset import DatasetError, delete_version, history, read_rows, resolve
     from train.config import TrainConfig
     from train.lineage import documents, step_rows
     from train.model import preset
@@ -119,18 +119,37 @@ def test_a_takedown_removes_a_document_from_the_newest_version_and_every_later_r
                           pack={"validation_fraction": 0.3}), storage)
     assert v3["version"] == "v0003" and v3["reasons"].get("filtered:forgotten") == 1, v3["reasons"]
     assert documents(storage, [f"{copies}/renamed.txt:0"])["documents"] == []
+    v3v = resolve(storage, "takedown")
+    report = json.loads(read_bytes(v3v.file(v3v.manifest.rejects)))  # the copy is named, its text not shown
+    assert [x["doc_id"] for x in report["samples"]["filtered:forgotten"]] == [f"{copies}/renamed.txt:0"]
+    assert " ".join((copies / "renamed.txt").read_text().split()[:8]) not in json.dumps(report)
     tags = [t for t, _ in list_dir(join(any_root, "datasets", "takedown", "_strata"))]
     assert [t for t in tags if "-forget-" in t] == [v2.manifest.files.rpartition("/")[2]]  # the crashed one's went
 
-    # --purge: the old files go, and the versions that held them say why they cannot be read.
+    # --purge: every old file holding their tokens goes (the shards the first takedown left for time travel
+    # too), the rejects reports lose their samples of them and of the copies dedup removed in their favour,
+    # and the versions that held them say why they cannot be read.
     other = next(d for (shard, _), d in sorted(_text_docs(v1).items()) if shard not in touched and d != doc)
     newest = resolve(storage, "takedown")
     tails = read_tails(newest.file(newest.manifest.tails))  # what the next version would pack first
     in_tails = next(d for _, runs in tails.values() for d in runs.ids if d and d != other)
-    ids.write_text(other + "\n" + in_tails + "\n")
-    purged = _forget(any_root, "--doc-ids", str(ids), "--reason", "copyright claim 3", "--purge")
+    dup = f"{inputs}/doc000.txt:0"  # exact-dup.txt is a copy: one of the two was removed, with a sample
+    reports = {v.manifest.rejects for v in history(storage, "takedown") if v.manifest.rejects}
+
+    def sampled():
+        return {x["doc_id"] for r in reports for xs in json.loads(read_bytes(v1.file(r)))["samples"].values() for x in xs}
+
+    copy = f"{inputs}/exact-dup.txt:0"
+    assert {dup, copy} & sampled()
+    held_by = {r["shard"] for h in documents(storage, [doc, other])["versions"] for r in h["rows"]}
+    assert touched <= held_by and all(exists(v1.file(p)) for p in held_by)
+    ids.write_text("\n".join([other, in_tails, doc, dup]) + "\n")
+    purged = _forget(any_root, "--doc-ids", str(ids), "--reason", "copyright claim 3", "--purge", "--json")
     assert purged.returncode == 0, purged.stderr
-    assert "forgot 2 document(s) (copyright claim 3)" in purged.stdout and "purged" in purged.stdout
+    out = json.loads(purged.stdout)
+    assert {other, in_tails, doc} <= set(out["documents"]) and out["purged"] and out["scrubbed"]
+    assert not any(exists(v1.file(p)) for p in held_by)  # every shard file that held them, in any version
+    assert not {dup, copy} & sampled()
     with pytest.raises(DatasetError, match=r"takedown@v0001 cannot be read: `forget --purge` at takedown@v0004"):
         resolve(storage, v1.ref)
     assert documents(storage, [other])["versions"] and all(
@@ -141,6 +160,9 @@ def test_a_takedown_removes_a_document_from_the_newest_version_and_every_later_r
     assert not gone & {d for _, runs in left.values() for d in runs.ids}  # their tokens left the tails too
     assert sum(len(t) for t, _ in left.values()) == sum(len(t) for t, _ in tails.values()) - sum(
         n for _, runs in tails.values() for d, n in zip(runs.ids, runs.lengths, strict=True) if d in gone)
+    for v in history(storage, "takedown"):  # and no earlier tails file that is left holds them
+        if v.manifest.tails and exists(v.file(v.manifest.tails)):
+            assert not gone & {d for _, runs in read_tails(v.file(v.manifest.tails)).values() for d in runs.ids}
     with pytest.raises(DatasetError, match="is a takedown"):
         delete_version(storage, "takedown", "v0004")
 
