@@ -210,10 +210,15 @@ class Forget:
         return removed, added, lineage, [{"doc_id": k, "tokens_lost": v} for k, v in sorted(co_packed.items())]
 
     def forgotten_run(self, doc_id: str, exact_key: int, doc_keys: set[int], exact: set[int]) -> bool:
+        """Whether a run of tails tokens is a forgotten document's (its id, its exact key or its file)."""
+        return bool(doc_id) and (exact_key in exact or self.named(doc_id, doc_keys))
+
+    def named(self, doc_id: str, keys: set[int]) -> bool:
+        """Whether record `doc_id` has one of the record keys `keys`, or is of a file --source matches."""
         from strata.lineage import doc_key
 
-        return bool(doc_id) and (doc_key(doc_id) in doc_keys or exact_key in exact or (
-            self.source is not None and fnmatch.fnmatchcase(doc_id.rpartition(":")[0], self.source)))
+        return doc_key(doc_id) in keys or (self.source is not None
+                                           and fnmatch.fnmatchcase(doc_id.rpartition(":")[0], self.source))
 
     def rewrite_tails(self, doc_keys: set[int], exact: set[int]) -> str:
         """The newest version's tails without the forgotten documents' tokens: a new file (its path in the
@@ -329,9 +334,3 @@ class Forget:
                 write_json_atomic(f, {**report, "samples": samples})
                 scrubbed.append(f)
         return {"deleted": deleted, "scrubbed": scrubbed}
-
-    def named(self, doc_id: str, keys: set[int]) -> bool:
-        from strata.lineage import doc_key
-
-        return doc_key(doc_id) in keys or (self.source is not None
-                                           and fnmatch.fnmatchcase(doc_id.rpartition(":")[0], self.source))
