@@ -116,8 +116,7 @@ def _origin(meta: dict, storage: Storage) -> str:
 
 
 def _from_run(spec: str, storage: Storage, flag: str) -> Model:
-    from train.checkpoint import committed_checkpoints, read_meta
-    from train.sample import load as load_checkpoint
+    from train.sample import load_newest
 
     run, _, step = spec.partition("@")
     try:
@@ -128,12 +127,10 @@ def _from_run(spec: str, storage: Storage, flag: str) -> Model:
         raise ValueError(f"{flag} {spec}: neither an exported model directory nor a run under {storage.runs()}")
     if step and not step.isdigit():
         raise ValueError(f"{flag} {spec}: the step after '@' must be a number")
-    found = committed_checkpoints(run_dir)
-    if step:
-        found = [c for c in found if read_meta(c)["step"] == int(step)]
-    if not found:
-        raise ValueError(f"{flag} {spec}: no committed checkpoint{f' at step {step}' if step else ''} in {run_dir}")
-    model, tok, at = load_checkpoint(found[-1])
+    try:
+        _, (model, tok, at) = load_newest(run_dir, int(step) if step else None, what=f"{flag} {spec}")
+    except FileNotFoundError as e:
+        raise ValueError(f"{flag} {spec}: {e}") from None
     weights = {k: v.detach().float().numpy() for k, v in model.state_dict().items() if k != "head.weight"}
     return Model(f"{run}@{at}", model.cfg, weights, tok.info(), getattr(tok, "definition", None))
 

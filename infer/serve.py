@@ -23,6 +23,7 @@ and never stop answering.
 # No `from __future__ import annotations`: FastAPI reads the routes' annotations (Request) as objects.
 import asyncio
 import base64
+import contextlib
 import hmac
 import json
 import math
@@ -273,23 +274,40 @@ class Holder:
                 logging.getLogger("ray.serve").warning(f"strata serve: following a run failed: {e}")
 
     async def _move(self) -> None:
+        """For each RUN@latest model: the run's newest checkpoint that verifies, loaded beside the old one under
+        the move lock, then swapped in. A checkpoint refused once (its signatures, or its weights on load) is
+        named once and never tried again, so it neither stalls following nor hides a later good one."""
+        import logging
+
+        from strata.shell import StrataError
         from strata.storage import Storage
 
+        refused = self.__dict__.setdefault("refused", {})
         for name, spec in self.specs.items():
             held = self.held.get(name)
             if not spec.endswith("@latest") or held is None:
                 continue
-            newest = await asyncio.to_thread(_newest, spec.removesuffix("@latest"), Storage(self.root))
+            run = spec.removesuffix("@latest")
+            skip = refused.setdefault(name, set())
+            newest, found, passed = await asyncio.to_thread(_newest, run, Storage(self.root), frozenset(skip))
+            for ckpt, why in passed:
+                skip.add(ckpt)
+                logging.getLogger("ray.serve").warning(f"strata serve: {name}: skipped {ckpt} of run {run}: {why}")
             if newest is None or newest == held.source:
                 continue
-            lock = _mover()
-            await lock.acquire.remote()
+            lock, me = _mover(), f"{self.replica}:{name}"
+            await lock.acquire.remote(me, MOVE_LEASE_S)
+            renew = asyncio.get_running_loop().create_task(_renew(lock, me))
             try:
                 source, engine, tok = await asyncio.to_thread(_load, newest, self.root, self.device, self.limits,
                                                               self.pool)
                 held.source, held.engine, held.tok = source, engine, tok
+            except (ValueError, OSError, StrataError) as e:  # refused on load (a weight file that does not match)
+                skip.add(found.rstrip("/").rsplit("/", 1)[-1])
+                logging.getLogger("ray.serve").warning(f"strata serve: {name}: skipped {newest}: {e}")
             finally:
-                await lock.release.remote()
+                renew.cancel()
+                await lock.release.remote(me)
 
     async def complete(self, req: dict) -> dict:
         from infer.engine import Busy
@@ -367,30 +385,49 @@ def models_deployment(limits: ServeConfig):
     return Models
 
 
-def _newest(run: str, storage) -> str | None:
-    from train.checkpoint import committed_checkpoints, read_meta
+def _newest(run: str, storage, skip: frozenset) -> tuple[str | None, str | None, list]:
+    """RUN@STEP of the run's newest committed checkpoint whose signed lists and meta verify (none in `skip`),
+    its path, and the (name, why) of newer ones refused."""
+    from train.checkpoint import SignedFiles, newest
 
-    found = committed_checkpoints(storage.run(run))
-    return f"{run}@{read_meta(found[-1])['step']}" if found else None
+    found, meta, refused = newest(storage.run(run), lambda c: SignedFiles(c).meta(), skip=skip)
+    return (f"{run}@{meta['step']}" if found else None), found, refused
+
+
+MOVE_LEASE_S = 60.0  # the move lock's lease: a replica that died holding it lets the others move after this
+
+
+async def _renew(lock, me: str) -> None:
+    """Keep the move lock's lease while this replica loads (a load may take longer than the lease)."""
+    while True:
+        await asyncio.sleep(MOVE_LEASE_S / 3)
+        await lock.acquire.remote(me, MOVE_LEASE_S)
 
 
 def _mover():
-    """The application's one move lock (created by the first replica that asks)."""
+    """The application's one move lock (created by the first replica that asks): a lease, so a replica that
+    died while it held the lock stops holding it once the lease runs out."""
     import ray
 
     @ray.remote(num_cpus=0)
     class MoveLock:
         def __init__(self):
-            self.lock = asyncio.Lock()
+            self.holder, self.until, self.freed = None, 0.0, asyncio.Event()
 
-        async def acquire(self):
-            await self.lock.acquire()
+        async def acquire(self, holder: str, lease_s: float) -> None:
+            """Take (or, for its holder, renew) the lock for `lease_s` seconds, waiting while another holds it."""
+            while self.holder not in (None, holder) and time.monotonic() < self.until:
+                self.freed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.freed.wait(), timeout=self.until - time.monotonic())
+            self.holder, self.until = holder, time.monotonic() + lease_s
 
-        def release(self):
-            if self.lock.locked():
-                self.lock.release()
+        def release(self, holder: str) -> None:
+            if self.holder == holder:
+                self.holder = None
+                self.freed.set()
 
-    return MoveLock.options(name=f"{APP}-move-lock", namespace="serve", get_if_exists=True,
+    return MoveLock.options(name=f"{APP}-move-lease", namespace="serve", get_if_exists=True,
                             lifetime="detached", label_selector=tiers.selector(tiers.Tier.CPU)).remote()
 
 

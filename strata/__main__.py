@@ -1,4 +1,4 @@
-"""strata's own commands: demo, submit, runs, report, ledger, lineage, plan, migrate (`python -m strata` lists them)."""
+"""strata's own commands: demo, submit, head, keys, runs, report, ledger, lineage, plan, migrate (`python -m strata` lists them)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ def main() -> None:
     commands = {"demo": "run the main job end to end on an embedded local Ray",
                 "submit": "submit preprocess, train or tune to a Ray cluster (see submit --help)",
                 "head": "start, stop or check a Ray head on this machine for submit: head start|status|stop",
+                "keys": "the signing keys that verify checkpoints and sweep state: keys show|trust|rotate",
                 "runs": "list every recorded run with its cost and key figures",
                 "report": "summarise one run and write an HTML report with plots: report RUN",
                 "ledger": "a model's whole cost, from its data to its evaluations: ledger RUN (or --dataset NAME)",
@@ -41,6 +42,10 @@ def main() -> None:
         from strata.head import main as head
 
         sys.exit(head(sys.argv[2:]))
+    elif sys.argv[1] == "keys":
+        from strata.keys import main as keys
+
+        sys.exit(keys(sys.argv[2:]))
     elif sys.argv[1] == "submit":
         from strata.submit import main as submit
 

@@ -184,17 +184,6 @@ def _join_early() -> dict | None:
     return box
 
 
-def _signing_env() -> dict | None:
-    """The driver's signing key for the workers of a cluster it joins, unless its job already passes one
-    (`strata submit` does). Without it each host signs with a key of its own (~/.strata/signing-key there),
-    and the driver refuses what a worker on another host wrote: a checkpoint, a sweep's state."""
-    from strata import signing
-
-    if os.environ.get(signing.KEY_ENV):
-        return None
-    return {"env_vars": {signing.KEY_ENV: signing.secret().decode()}}
-
-
 def connect(*, address: str | None = None, num_cpus: int | None = None,
             temp_dir: str | None = None, log_to_driver: bool = True, dashboard: bool = True,
             preload: tuple[str, ...] = (), quiet: bool = False) -> str:
@@ -222,14 +211,20 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
     if ray.is_initialized():
         return "already connected"
     address = address or os.environ.get("RAY_ADDRESS")
+    from strata import signing
+
     if address:
-        ray.init(address=address, runtime_env=_signing_env(), log_to_driver=log_to_driver,
+        # The cluster's key is a file provisioned on its nodes (never sent in a runtime env, which every token
+        # holder reads): a driver that finds none refuses, rather than sign with a key nobody else holds.
+        signing.require_key(f"the Ray cluster at {address}")
+        ray.init(address=address, log_to_driver=log_to_driver,
                  logging_level=logging.WARNING if quiet else logging.INFO)
         stop_on_sigterm()
         if quiet:
             filter_core_logs()
         return f"joined Ray cluster at {address}"
     _use_loopback()
+    signing.ensure_local_key()  # this machine's own Ray: its key is this user's (made on first use)
     if temp_dir is None:  # its own: private, and removed when this process is done with Ray
         temp_dir = tempfile.mkdtemp(prefix="strata-ray-")  # 0700
         _OWN_TEMP.append(temp_dir)

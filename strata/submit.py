@@ -41,7 +41,8 @@ from pathlib import Path
 from strata import signing, tiers
 from strata.runinfo import code_version
 from strata.shell import Command, Parser, StrataError, UsageError, log
-from strata.signing import TOKEN_FILES
+
+TOKEN_FILES = ("~/.strata/ray-token", "~/.ray/auth_token")  # where Ray's token is looked for (never the signing key)
 
 _log = log("submit")
 
@@ -107,9 +108,12 @@ def runtime_env(working_dir: str, env_file: str | None, storage: str | None = No
     # `ray job stop` sends SIGTERM and kills the job 3 s later by default: every strata command stops cleanly on
     # SIGTERM (a server drains and writes its record, about 7 s on 2 cores), so give it a minute.
     env_vars.setdefault("RAY_JOB_STOP_WAIT_TIME_S", "60")
-    # The cluster's nodes sign and check checkpoints with the submitter's key (strata.signing), so what the
-    # job writes loads back here, and what was trained here continues there.
-    env_vars.setdefault(signing.KEY_ENV, signing.secret().decode())
+    # Never the signing key: every token holder reads a job's runtime env (`GET /api/jobs/`), for as long as
+    # the job history lasts. The cluster's nodes read theirs from a file provisioned with the cluster.
+    if signing.KEY_ENV in env_vars:
+        raise StrataError(f"the runtime env sets {signing.KEY_ENV}: the signing key never travels in a job's "
+                          "environment, which every token holder can read; provision it on the cluster's nodes "
+                          f"instead ({signing.PROVISIONING})")
     return env
 
 

@@ -22,8 +22,20 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 # Tests never write to the real home (~/.ray, ~/.strata): every process they start gets a temporary one.
 TEST_HOME = os.environ["HOME"] = tempfile.mkdtemp(prefix="strata-test-home-")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "STRATA_SIGNING_KEY", "STRATA_SIGNING_KEY_FILE",
+            "STRATA_SIGNING_KEYRING"):
     os.environ.pop(var, None)
+
+
+def _session_key() -> None:
+    """This machine's signing key in the session's home, as a laptop's first embedded run makes it: tests sign
+    checkpoints without a Ray too."""
+    from strata import signing
+
+    signing.ensure_local_key()
+
+
+_session_key()
 
 
 def train_run(model, tcfg, *, dataset: str, run_name: str, storage, allow_change: bool = False, **launch) -> dict:
@@ -57,12 +69,14 @@ def readme_command(prefix: str) -> str:
 
 
 def write_checkpoint(dest, model, step: int, meta: dict, optimizer=None) -> str:
-    """A checkpoint as training writes it (train.checkpoint.AsyncCheckpointer, in one process), at `dest`."""
+    """A checkpoint as training writes it (train.checkpoint.AsyncCheckpointer, in one process), at `dest`:
+    signed for the run whose folder holds it (`.../runs/RUN/checkpoint-<step>`), if one does."""
     import torch
 
-    from train.checkpoint import AsyncCheckpointer
+    from train.checkpoint import AsyncCheckpointer, bound_to
 
-    checkpointer = AsyncCheckpointer(model, optimizer or torch.optim.AdamW(model.parameters()), 0)
+    run = bound_to(str(dest))[0] or ""
+    checkpointer = AsyncCheckpointer(model, optimizer or torch.optim.AdamW(model.parameters()), 0, run=run)
     checkpointer.start(step, meta)
     _, local = checkpointer.take()
     shutil.move(local, str(dest))

@@ -46,12 +46,12 @@ def commit_checkpoint(run_dir: str, step: int, seed: int) -> None:
     import torch
 
     from strata.tokenizer import ByteTokenizer
-    from train.checkpoint import SNAPSHOT
+    from train.checkpoint import SNAPSHOT, dir_name
     from train.model import GPT
 
     cfg = model_config()
     torch.manual_seed(seed)
-    name = f"checkpoint_{step:08d}"
+    name = dir_name(step)
     write_checkpoint(os.path.join(run_dir, name), GPT(cfg), step,
                      {"model_config": asdict(cfg), "tokenizer": asdict(ByteTokenizer().info())})
     path = os.path.join(run_dir, SNAPSHOT)

@@ -348,6 +348,47 @@ def test_the_slurm_script_starts_the_same_cluster_as_cluster_yaml(cluster):
     assert "trap stop_ray EXIT" in text and text.rstrip().endswith('"$@"')
 
 
+def _pod_specs(doc: dict) -> list[tuple[str, dict]]:
+    """(where, pod spec) of every pod a KubeRay manifest starts: its cluster's head and worker groups."""
+    spec = doc.get("spec") or {}
+    cluster = spec.get("rayClusterSpec") or spec.get("rayClusterConfig") or (
+        spec.get("jobTemplate") or {}).get("rayClusterSpec") or (spec if "headGroupSpec" in spec else None)
+    if cluster is None:
+        return []
+    return [("head", cluster["headGroupSpec"]["template"]["spec"])] + [
+        (g["groupName"], g["template"]["spec"]) for g in cluster["workerGroupSpecs"]]
+
+
+def test_every_pod_of_every_cluster_reads_the_one_signing_key(cluster, manifests):
+    """Issue 57, 3: no pod had a key, so each minted its own: the RayService refused every checkpoint the RayJob
+    trained. Every pod, head and workers, of every manifest mounts the one Secret and names it in
+    STRATA_SIGNING_KEY_FILE; cluster.yaml mounts the same file on every node; the Slurm script exports it."""
+    secrets, paths, pods = set(), set(), 0
+    for fname, doc in manifests.items():
+        for where, pod in _pod_specs(doc):
+            pods += 1
+            vols = {v["name"]: v for v in pod.get("volumes", [])}
+            [container] = pod["containers"]
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            assert "STRATA_SIGNING_KEY" not in env, f"{fname} {where}: the secret itself in a pod's env"
+            key_file = env.get("STRATA_SIGNING_KEY_FILE")
+            mounts = [m for m in container.get("volumeMounts", []) if key_file and key_file.startswith(m["mountPath"])]
+            assert key_file and len(mounts) == 1, f"{fname} {where}: no signing key file"
+            vol = vols[mounts[0]["name"]]
+            assert mounts[0].get("readOnly") and vol["secret"]["defaultMode"] & 0o007 == 0, f"{fname} {where}"
+            secrets.add(vol["secret"]["secretName"])
+            paths.add(key_file)
+    assert pods >= 6 * 6 and len(secrets) == 1 and len(paths) == 1, (secrets, paths)
+    docker_env = " ".join(cluster["docker"]["run_options"])
+    assert "-e STRATA_SIGNING_KEY_FILE=/home/ray/.strata/signing-key" in docker_env
+    assert cluster["file_mounts"]["~/.strata/signing-key"] == "~/.strata/signing-key"
+    assert not any("STRATA_SIGNING_KEY=" in c for c in cluster["head_start_ray_commands"] + cluster["worker_start_ray_commands"])
+    sbatch = (ROOT / "platform" / "slurm" / "strata.sbatch").read_text()
+    assert "export STRATA_SIGNING_KEY_FILE=${STRATA_SIGNING_KEY_FILE:-$HOME/.strata/signing-key}" in sbatch
+    runtime = yaml.safe_load((ROOT / "platform" / "runtime-env.yaml").read_text())
+    assert "STRATA_SIGNING_KEY" not in (runtime.get("env_vars") or {})
+
+
 def test_every_node_of_every_cluster_starts_with_the_network_settings(cluster, manifests):
     """The settings tests/hosts.py measured a cut-off host with are the ones a real cluster's nodes get:
     cluster.yaml's start commands, the images KubeRay's pods run, the Slurm script."""

@@ -197,38 +197,122 @@ def _format_1(dest, model, opt, meta, secret: bytes):
     (dest / "signed-0.json").write_text(json.dumps({"files": files, "signature": sig}))
 
 
-def test_a_checkpoint_of_format_1_loads_when_its_signature_holds(checkpoint, tmp_path, monkeypatch):
+def _register(run_dir: pathlib.Path, name: str) -> None:
+    """List a checkpoint in the run's Ray Train record, as Ray Train does when it commits one."""
+    snap = run_dir / "checkpoint_manager_snapshot.json"
+    state = json.loads(snap.read_text()) if snap.exists() else {"checkpoint_results": [],
+                                                              "checkpoint_report_indices": []}
+    state["checkpoint_results"].append({"checkpoint_dir_name": name})
+    state["checkpoint_report_indices"].append(len(state["checkpoint_report_indices"]))
+    state["latest_checkpoint_result"] = {"checkpoint_dir_name": name}
+    snap.write_text(json.dumps(state))
+
+
+def test_a_format_1_checkpoint_signed_with_the_ray_token_never_runs_and_converts_only_explicitly(
+        checkpoint, tmp_path, monkeypatch, capsys):
+    """Issue 57, 1 (critical): a format-1 checkpoint (a pickled .metadata) whose list names no key verified under
+    the Ray token; planted as a run's newest checkpoint, its payload ran in `train.sample --run` and in a serve
+    following the run. Now every command refuses it without unpickling, `--run` takes the newest one that
+    verifies and names the one it skipped, and only `python -m train.convert`, given the old secret, converts a
+    real format-1 checkpoint (reading .metadata with DCP's classes alone: a payload there is refused)."""
+    from train.checkpoint import committed_checkpoints, newest
+    from train.convert import main as convert
+    from train.sample import load_newest
+
     d, cfg, model, opt = checkpoint
     meta = json.loads((d / "meta.json").read_text())
-    old = tmp_path / "checkpoint-old"
-    old.mkdir()
     home = _own_home(tmp_path, monkeypatch)
-    (home / ".ray").mkdir(exist_ok=True)
-    (home / ".ray" / "auth_token").write_text("the token its key came from\n")
-    _format_1(old, model, opt, meta, b"the token its key came from")
-    (home / ".strata").mkdir(exist_ok=True)
-    (home / ".strata" / "ray-token").write_text("a token that appeared later")  # first in the old order
-    fresh, fresh_opt = _fresh(cfg)
-    assert load(str(old), fresh, fresh_opt, rank=0)["step"] == 1
-    assert torch.equal(fresh.blocks[0].attn.qkv.weight, model.blocks[0].attn.qkv.weight)
-    assert load_for_sampling(str(old))[2] == 1
+    token = b"the cluster's ray token"
+    for path in (home / ".ray" / "auth_token", home / ".strata" / "ray-token"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(token + b"\n")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", token.decode())
+    run = tmp_path / "storage" / "runs" / "r"
+    run.mkdir(parents=True)
+    write_checkpoint(run / "checkpoint-00000001", model, 1, meta, opt)  # the run's own, signed for run r
+    _register(run, "checkpoint-00000001")
     marker = tmp_path / "ran"
-    payload = pickle.dumps(Payload(str(marker)))
-    (old / ".metadata").write_bytes(payload)
-    with pytest.raises(Untrusted, match=r"\.metadata does not match its signed SHA-256"):
-        load_for_sampling(str(old))
-    os.remove(old / "signed-0.json")
-    _format_1_signed = json.dumps({"files": {}, "signature": "0" * 64})
-    (old / "signed-0.json").write_text(_format_1_signed)
-    with pytest.raises(Untrusted, match="does not match its signature"):
-        load_for_sampling(str(old))
-    assert not marker.exists()
+    planted = run / "checkpoint-00000099"
+    planted.mkdir()
+    _format_1(planted, model, opt, {**meta, "step": 99}, token)
+    (planted / ".metadata").write_bytes(pickle.dumps(Payload(str(marker))))
+    _format_1_sign(planted, token)  # the payload, signed under the token as format 1 signed
+    _register(run, "checkpoint-00000099")
+    assert [pathlib.Path(c).name for c in committed_checkpoints(str(run))][-1] == "checkpoint-00000099"
+
+    for load_it in _loaders(planted, cfg):
+        with pytest.raises(Untrusted, match=r"without a key fingerprint .*python -m train\.convert"):
+            load_it()
+    found, (_, _, step) = load_newest(str(run), what="--run r")
+    assert found.endswith("checkpoint-00000001") and step == 1
+    assert "skipped checkpoint-00000099" in capsys.readouterr().err
+    assert newest(str(run))[2][0][0] == "checkpoint-00000099"  # a follower passes it over, naming it
+    with pytest.raises(Untrusted, match=r"\.metadata names \w+\.open, which is not one of DCP's metadata classes"):
+        from train.convert import convert as convert_one
+
+        convert_one(str(planted), token)
+    assert not marker.exists(), "the planted pickle ran"
+
+    # A real format-1 checkpoint converts, given its old secret, and then loads whole.
+    old = run / "checkpoint-00000002"
+    old.mkdir()
+    _format_1(old, model, opt, {**meta, "step": 2}, token)
+    assert convert([str(old)]) == 1  # no secret given: refused, nothing written
+    assert (old / ".metadata").exists()
+    (tmp_path / "wrong").write_text("another secret")
+    assert convert([str(old), "--old-secret-file", str(tmp_path / "wrong")]) == 1
+    (tmp_path / "old").write_bytes(token)
+    assert convert([str(old), "--old-secret-file", str(tmp_path / "old")]) == 0
+    assert not any(n.endswith((".distcp", ".pt")) or n == ".metadata" for n in os.listdir(old))
+    fresh, fresh_opt = _fresh(cfg)
+    assert load(str(old), fresh, fresh_opt, rank=0)["step"] == 2
+    assert torch.equal(fresh.blocks[0].attn.qkv.weight, model.blocks[0].attn.qkv.weight)
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+def _format_1_sign(dest: pathlib.Path, secret: bytes) -> None:
+    """Format 1's signed list over the files `dest` holds now, keyed by `secret` (no fingerprint)."""
+    import hashlib
+    import hmac
+
+    from train.checkpoint import _sha256
+
+    files = {n: _sha256(str(dest / n)) for n in sorted(os.listdir(dest)) if not n.startswith("signed-")}
+    k = hmac.new(secret, b"strata file signatures v1", hashlib.sha256).digest()
+    sig = hmac.new(k, json.dumps(files, sort_keys=True).encode(), hashlib.sha256).hexdigest()
+    (dest / "signed-0.json").write_text(json.dumps({"files": files, "signature": sig}))
+
+
+def test_a_checkpoint_is_bound_to_its_run_and_step(checkpoint, tmp_path):
+    """Issue 57, 6: a signed checkpoint copied into another run's folder, or renamed to another step, served as
+    that run or step; the signed lists now name both."""
+    import shutil
+
+    d, cfg, model, opt = checkpoint
+    meta = json.loads((d / "meta.json").read_text())
+    runs = tmp_path / "runs"
+    write_checkpoint(runs / "r1" / "checkpoint-00000001", model, 1, meta, opt)
+    load_for_sampling(str(runs / "r1" / "checkpoint-00000001"))
+    shutil.copytree(runs / "r1" / "checkpoint-00000001", runs / "r9" / "checkpoint-00000001")
+    with pytest.raises(Untrusted, match="signed for run 'r1', not 'r9'"):
+        load_for_sampling(str(runs / "r9" / "checkpoint-00000001"))
+    shutil.copytree(runs / "r1" / "checkpoint-00000001", runs / "r1" / "checkpoint-00000005")
+    with pytest.raises(Untrusted, match="signed as step 1, not 5"):
+        load_for_sampling(str(runs / "r1" / "checkpoint-00000005"))
+
+
+def _resign(d: pathlib.Path, listed: dict) -> None:
+    """A signed list written again over `listed`'s files, run and step, as a holder of the key could."""
+    from strata.signing import signature
+    from train.checkpoint import _canonical
+
+    body = {"files": listed["files"], "run": listed["run"], "step": listed["step"]}
+    (d / "signed-0.json").write_text(json.dumps({**body, **signature(_canonical(body))}))
 
 
 def test_crafted_metadata_is_refused_before_a_model_is_built(checkpoint):
     """m3: meta.json's model_config decides what is allocated; it is checked against its signature first,
     then against what the weight files can hold."""
-    from strata.signing import signature
     from train.checkpoint import _sha256
 
     d, cfg, *_ = checkpoint
@@ -239,16 +323,14 @@ def test_crafted_metadata_is_refused_before_a_model_is_built(checkpoint):
         load_for_sampling(str(d))
     listed = json.loads((d / "signed-0.json").read_text())  # re-signed by a holder of the key: still refused
     listed["files"]["meta.json"] = _sha256(str(d / "meta.json"))
-    (d / "signed-0.json").write_text(json.dumps({"files": listed["files"],
-                                                 **signature(json.dumps(listed["files"], sort_keys=True).encode())}))
+    _resign(d, listed)
     with pytest.raises(Untrusted, match="more than its weight files"):
         load_for_sampling(str(d))
     for bad in (1e9, "12", None):
         meta["model_config"]["n_layer"] = bad
         (d / "meta.json").write_text(json.dumps(meta))
         listed["files"]["meta.json"] = _sha256(str(d / "meta.json"))
-        (d / "signed-0.json").write_text(json.dumps({"files": listed["files"],
-                                                     **signature(json.dumps(listed["files"], sort_keys=True).encode())}))
+        _resign(d, listed)
         with pytest.raises(Untrusted, match="model_config"):
             load_for_sampling(str(d))
 
@@ -297,8 +379,10 @@ def test_the_local_signing_key_is_private(tmp_path, monkeypatch):
     for var in ("STRATA_SIGNING_KEY", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
+    signing.ensure_local_key()  # as an embedded Ray's start, or `strata head start`, makes it
     first = signing.key()
     assert os.stat(tmp_path / ".strata" / "signing-key").st_mode & 0o777 == 0o600
+    assert os.stat(tmp_path / ".strata").st_mode & 0o777 == 0o700
     assert signing.key() == first  # the same key next time
 
 
@@ -395,22 +479,68 @@ def test_a_link_out_of_the_upload_is_refused(tmp_path):
         check_links(str(work))
 
 
-def test_the_signing_key_travels_in_the_jobs_environment_and_never_follows_token_files(monkeypatch, tmp_path):
+def test_the_signing_key_never_travels_in_a_jobs_environment_and_never_follows_token_files(monkeypatch, tmp_path):
+    """Issue 57, 2: `strata submit` put the key in the job's runtime env, which `GET /api/jobs/` shows every token
+    holder; and a driver joining a cluster with no key minted one of its own."""
     from strata import signing
+    from strata.connect import connect
     from strata.submit import runtime_env
 
     monkeypatch.setenv("HOME", str(tmp_path))
     for var in ("STRATA_SIGNING_KEY", "STRATA_SIGNING_KEY_FILE"):
         monkeypatch.delenv(var, raising=False)
+    with pytest.raises(signing.NoKey, match="no signing key"):
+        signing.key_id()  # nothing is minted behind the user's back
+    with pytest.raises(signing.NoKey, match="the Ray cluster at 127.0.0.1:1 holds no signing key"):
+        connect(address="127.0.0.1:1")  # refused before it even tries the address
+    assert not (tmp_path / ".strata").exists()
+    signing.ensure_local_key()  # a laptop's first embedded run
     mine = signing.key_id()
     (tmp_path / ".ray").mkdir()
     (tmp_path / ".ray" / "auth_token").write_text("ray's own token")
     monkeypatch.setenv("RAY_AUTH_TOKEN", "another")
     assert signing.key_id() == mine
     env = runtime_env("", None)["env_vars"]
-    assert env["STRATA_SIGNING_KEY"] == signing.secret().decode()
-    monkeypatch.setenv("STRATA_SIGNING_KEY", env["STRATA_SIGNING_KEY"])  # what the job's nodes see
-    assert signing.key_id() == mine
+    secret = signing.secret().decode()
+    assert "STRATA_SIGNING_KEY" not in env and not any(secret in str(v) for v in env.values())
+    own = tmp_path / "env.yaml"
+    own.write_text(f"env_vars: {{STRATA_SIGNING_KEY: {secret}}}\n")
+    with pytest.raises(Exception, match="never travels in a job's environment"):
+        runtime_env("", str(own))
+
+
+def test_keys_trust_by_fingerprint_and_rotate_keeping_the_old_key(checkpoint, tmp_path, monkeypatch):
+    """`strata keys`: a laptop trusts a cluster's key only when its fingerprint matches; rotating keeps what the
+    old key signed verifiable."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    from strata import signing
+
+    d, cfg, *_ = checkpoint
+    home = _own_home(tmp_path, monkeypatch)
+    cluster = tmp_path / "cluster-key"
+    cluster.write_text("the cluster's signing secret\n")
+    fp = signing.fingerprint_of_secret(cluster.read_bytes())
+
+    def keys(*args):
+        return subprocess.run([sys.executable, "-m", "strata", "keys", *args], cwd=REPO, capture_output=True,
+                              text=True, env={**os.environ, "HOME": str(home)}, timeout=120)
+
+    shown = json.loads(keys("show", "--json").stdout)
+    assert shown["key"]["fingerprint"] == signing.key_id() and shown["keyring"]["keys"] == []
+    wrong = keys("trust", str(cluster), "--fingerprint", "0" * 12)
+    assert wrong.returncode == 1 and f"holds the key {fp}, not {'0' * 12}" in wrong.stderr
+    assert keys("trust", str(cluster), "--fingerprint", fp).returncode == 0
+    assert json.loads(keys("show", "--json").stdout)["keyring"]["keys"] == [fp]
+    before = signing.key_id()
+    rotated = keys("rotate")
+    assert rotated.returncode == 0 and before in rotated.stderr
+    assert signing.key_id() != before and before in signing.keyring()
+    assert oct((home / ".strata" / "signing-key").stat().st_mode & 0o777) == "0o600"
+    load(str(d), *_fresh(cfg), rank=0)  # signed with the old key: it still verifies
 
 
 def test_a_fenced_off_generation_publishes_nothing_whatever_the_timing(checkpoint, tmp_path):
@@ -451,6 +581,35 @@ def test_a_fenced_off_generation_publishes_nothing_whatever_the_timing(checkpoin
     assert names() == ["checkpoint-00000002", "checkpoint-00000008"]
     assert sorted(forget_missing(str(run))) == ["checkpoint-00000004", "checkpoint-00000006", "checkpoint-00000010"]
     assert names() == ["checkpoint-00000002", "checkpoint-00000008"]
+
+
+def test_a_planted_fence_closes_nothing(checkpoint, tmp_path, caplog):
+    """Issue 57, 5: one crafted `fences/g99999999.json` made every checkpoint "missing or incomplete": training
+    restarted from step 0 and `--run` found none. A fence counts only when the run's lease holder signed it, for
+    this run and its generation; any other is named and ignored."""
+    import shutil
+
+    from train.checkpoint import committed_checkpoints, fence, forget_missing
+
+    d, cfg, model, opt = checkpoint
+    run = tmp_path / "runs" / "r"
+    other = tmp_path / "runs" / "other"
+    other.mkdir(parents=True)
+    meta = json.loads((d / "meta.json").read_text())
+    write_checkpoint(run / "checkpoint-00000001", model, 1, {**meta, "lease_gen": 1}, opt)  # lease generation 1's
+    _register(run, "checkpoint-00000001")
+    fence(str(run), 2)
+    fence(str(other), 7)  # signed, but another run's
+    (run / "fences" / "g99999999.json").write_text(json.dumps({"gen": 99999999, "checkpoints": []}))
+    shutil.copy(other / "fences" / "g00000007.json", run / "fences" / "g00000007.json")
+    forged = json.loads((run / "fences" / "g00000002.json").read_text())
+    (run / "fences" / "g00000003.json").write_text(json.dumps({**forged, "gen": 3, "checkpoints": []}))
+    names = [pathlib.Path(c).name for c in committed_checkpoints(str(run))]
+    assert names == ["checkpoint-00000001"]
+    assert forget_missing(str(run)) == {}
+    said = caplog.text
+    assert "g99999999.json counts for nothing" in said and "g00000007.json counts for nothing" in said
+    assert "g00000003.json counts for nothing" in said
 
 
 def test_sampling_a_refused_checkpoint_is_one_line(checkpoint, tmp_path):

@@ -14,12 +14,13 @@ A checkpoint directory `checkpoint-<step>` (format 2) holds no pickle at all:
                                    fingerprint, and an HMAC over the list (strata.signing)
 
 Reading one is safe with no key: safetensors and JSON run nothing. The signed lists still say the files
-are the ones strata wrote: a file that is not listed, or does not match, refuses the checkpoint with a
-line naming the file; a list signed by a key this machine lacks names both keys.
+are the ones strata wrote, and where: each list binds its run's name and the step, so a checkpoint copied into
+another run's folder, or renamed to another step, is refused. A file that is not listed, or does not match,
+refuses the checkpoint with a line naming the file; a list signed by a key this machine lacks names both keys.
 
-Format 1 (before 2026-12-04: `.metadata`, `__<rank>_0.distcp`, `rng-<rank>.pt`) still loads. Its
-`.metadata` is a pickle, so it is read only when its signature holds under a key strata may have made
-it with (strata.signing.check): `.metadata` before DCP opens it, each shard as DCP is about to read it.
+Format 1 (before 2026-12-04: DCP's pickled `.metadata`, `__<rank>_0.distcp`, `rng-<rank>.pt`, lists that
+name no key) is refused by every command: `python -m train.convert` converts one explicitly, with the old
+secret the user names, reading `.metadata` through an unpickler that admits DCP's metadata classes alone.
 
 Saving (`AsyncCheckpointer.start`): every rank copies its shards to CPU memory
 (the only time training waits), then a background thread writes them to a
@@ -40,12 +41,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
 
 import torch
 
+from strata.shell import log as _logger
 from strata.signing import Untrusted, check, signature
 
 FORMAT = 2  # meta.json's "format": 2, safetensors and JSON only; 1 (no field), DCP's pickled .metadata
@@ -55,6 +58,9 @@ OPTIM_GROUPS = "optim-groups.json"
 SIGNED = "signed-"  # signed-<rank>.json
 DCP_METADATA = ".metadata"
 SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of registered checkpoints
+CONVERT = "convert it with `python -m train.convert CHECKPOINT... [--old-secret-file FILE]`"
+_NAME_RE = re.compile(r"checkpoint-(\d{8,})")
+_log = _logger("checkpoint")
 
 
 def dir_name(step: int) -> str:
@@ -85,8 +91,8 @@ class AsyncCheckpointer:
     """One checkpoint in flight at a time, per rank; `pg` is a gloo group used only for checkpoints,
     so the background write's collectives never interleave with training's."""
 
-    def __init__(self, model, optimizer, rank: int, pg=None):
-        self.model, self.optimizer, self.rank, self.pg = model, optimizer, rank, pg
+    def __init__(self, model, optimizer, rank: int, pg=None, run: str = ""):
+        self.model, self.optimizer, self.rank, self.pg, self.run = model, optimizer, rank, pg, run
         self.future = None
         self.pending: tuple[int, str] | None = None  # (step, local dir)
 
@@ -127,7 +133,7 @@ class AsyncCheckpointer:
         """The written checkpoint's (step, local dir), now the caller's to hand over."""
         self.wait()
         taken = self.pending
-        sign_files(taken[1], self.rank)
+        sign_files(taken[1], self.rank, run=self.run, step=taken[0])
         self.future, self.pending = None, None
         return taken
 
@@ -140,31 +146,23 @@ class AsyncCheckpointer:
                 self.future, self.pending = None, None
 
 
-def load(directory: str, model, optimizer, rank: int, pg=None) -> dict:
-    """Restore model, optimizer and this rank's RNG from a checkpoint directory; returns its meta."""
+def load(directory: str, model, optimizer, rank: int, pg=None, origin: str | None = None) -> dict:
+    """Restore model, optimizer and this rank's RNG from a checkpoint directory (`origin`: where it lies in
+    storage, when `directory` is a local copy); returns its meta."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    signed = SignedFiles(directory)
+    signed = SignedFiles(directory, origin)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = _tensors_only(model_state, optim_state)
     _dcp_load(state, signed, process_group=pg)
     groups = _groups_from_json(json.loads(signed.read(OPTIM_GROUPS)))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict={"state": state["optim"]["state"], "param_groups": groups})
-    for rng in (_rng_file(rank), f"rng-{rank}.pt"):  # absent when the world grew: seeds differ from a straight run
-        if os.path.exists(os.path.join(directory, rng)):
-            signed.verify(rng)
-            _set_rng_state(_read_rng(os.path.join(directory, rng)))
-            break
+    if os.path.exists(os.path.join(directory, _rng_file(rank))):  # absent when the world grew: seeds differ
+        from safetensors.torch import load
+
+        _set_rng_state(load(signed.read(_rng_file(rank))))
     return signed.meta()
-
-
-def _read_rng(path: str) -> dict:
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        return load_file(path)
-    return torch.load(path, weights_only=True)  # format 1: tensors only, no pickle runs
 
 
 def load_model_state(directory: str, model, signed: SignedFiles | None = None) -> dict:
@@ -211,13 +209,32 @@ def _groups_from_json(groups: list[dict]) -> list[dict]:
     return [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in groups]
 
 
-def sign_files(directory: str, rank: int) -> None:
-    """List every file this rank wrote with its SHA-256, and sign the list (signed-<rank>.json)."""
+def sign_files(directory: str, rank: int, *, run: str = "", step: int | None = None) -> None:
+    """List every file this rank wrote with its SHA-256, bind the list to its run and step, and sign it
+    (signed-<rank>.json)."""
     files = {name: _sha256(os.path.join(directory, name)) for name in sorted(os.listdir(directory))
              if not name.startswith(SIGNED)}
-    body = json.dumps(files, sort_keys=True)
+    if step is None:
+        with open(os.path.join(directory, META)) as f:
+            step = json.load(f)["step"]
+    body = {"files": files, "run": run, "step": step}
     with open(os.path.join(directory, f"{SIGNED}{rank}.json"), "w") as f:
-        json.dump({"files": files, **signature(body.encode())}, f)
+        json.dump({**body, **signature(_canonical(body))}, f)
+
+
+def _canonical(body: dict) -> bytes:
+    """What a list's signature covers: its files, and (format 2 since 2026-12-05) its run and step."""
+    return json.dumps(body if "step" in body else body["files"], sort_keys=True).encode()
+
+
+def bound_to(path: str) -> tuple[str | None, int | None]:
+    """(run, step) a checkpoint must be signed for where it lies: `.../runs/<run>/checkpoint-<step>` says
+    both; a checkpoint elsewhere is bound by its directory's name only (None where it says nothing)."""
+    parts = str(path).rstrip("/").split("/")
+    m = _NAME_RE.fullmatch(parts[-1]) if parts else None
+    step = int(m.group(1)) if m else None
+    run = parts[-2] if step is not None and len(parts) >= 3 and parts[-3] == "runs" else None
+    return run, step
 
 
 def _sha256(path: str) -> str:
@@ -238,19 +255,22 @@ class SignedFiles:
     """A checkpoint directory (local, or a storage URI) whose every file must match its rank's signed list
     before it is read.
 
-    Made from the signed lists (their HMACs checked) and the directory's listing: a file no list names is
-    refused at once; a listed one is hashed when something is about to read it."""
+    Made from the signed lists (their HMACs checked, by a key of this machine's keyring) and the directory's
+    listing: a file no list names is refused at once; a listed one is hashed when something is about to read
+    it. The lists must name one run and one step, and those must be where the checkpoint lies (`origin`, its
+    path in the storage root: `bound_to`); format 1 (DCP's pickled `.metadata`) is refused."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, origin: str | None = None):
         from strata.storage import join, list_dir, read_bytes
 
-        self.directory = directory
+        self.directory, self.origin = directory, origin or directory
         names = sorted(n for n, is_dir in list_dir(directory) if not is_dir)
         lists = [n for n in names if n.startswith(SIGNED) and n.endswith(".json")]
         if not lists:
-            raise Untrusted(f"checkpoint {directory} has no signed list of its files ({SIGNED}<rank>.json): it was "
-                            "not written by this strata on this cluster; refused")
+            raise Untrusted(f"checkpoint {self.origin} has no signed list of its files ({SIGNED}<rank>.json): it was "
+                            "not written by strata on a cluster whose key this machine holds; refused")
         self.digests: dict[str, str] = {}
+        bindings = set()
         for name in lists:
             try:
                 listed = json.loads(read_bytes(join(directory, name)))
@@ -258,15 +278,36 @@ class SignedFiles:
                 if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
                     raise TypeError(name)
             except (ValueError, KeyError, TypeError):
-                raise Untrusted(f"checkpoint {directory}: {name} is not a signed file list; refused") from None
-            check(json.dumps(files, sort_keys=True).encode(), sig, f"checkpoint {directory}: {name}",
-                  signed_by=listed.get("key"))
+                raise Untrusted(f"checkpoint {self.origin}: {name} is not a signed file list; refused") from None
+            body = {"files": files, **{k: listed[k] for k in ("run", "step") if k in listed}}
+            check(_canonical(body), sig, f"checkpoint {self.origin}: {name}", signed_by=listed.get("key"),
+                  convert=CONVERT)
+            bindings.add((body.get("run"), body.get("step")))
             self.digests.update(files)
+        self._bind(bindings)
+        if DCP_METADATA in self.digests:
+            raise Untrusted(f"checkpoint {self.origin} is of format 1 (DCP's pickled {DCP_METADATA}), which no default "
+                            f"command unpickles: {CONVERT}")
         if unlisted := [n for n in names if n not in self.digests and n not in lists]:
-            raise Untrusted(f"checkpoint {directory}: {unlisted[0]} is in no signed list of its files (added after "
+            raise Untrusted(f"checkpoint {self.origin}: {unlisted[0]} is in no signed list of its files (added after "
                             "it was written); refused")
         self.present = set(names)
         self.checked: set[str] = set()
+
+    def _bind(self, bindings: set) -> None:
+        """The run and step every list names, checked against where the checkpoint lies."""
+        run, step = next(iter(bindings)) if len(bindings) == 1 else (None, None)
+        if len(bindings) != 1 or isinstance(step, bool) or not isinstance(step, int) or not isinstance(run, str):
+            raise Untrusted(f"checkpoint {self.origin}: its signed lists name no single run and step (signed before "
+                            f"2026-12-05, or assembled from several checkpoints); refused. If you trust it, {CONVERT}")
+        want_run, want_step = bound_to(self.origin)
+        if want_step is not None and step != want_step:
+            raise Untrusted(f"checkpoint {self.origin} is signed as step {step}, not {want_step}: renamed or copied "
+                            "after it was written; refused")
+        if want_run is not None and run != want_run:
+            raise Untrusted(f"checkpoint {self.origin} is signed for run {run!r}, not {want_run!r}: copied from "
+                            "another run's folder; refused")
+        self.run, self.step = run, step
 
     def verify(self, name: str) -> None:
         from strata.storage import join
@@ -274,10 +315,10 @@ class SignedFiles:
         if name in self.checked:
             return
         if name not in self.digests or name not in self.present:
-            raise Untrusted(f"checkpoint {self.directory}: {name} is "
+            raise Untrusted(f"checkpoint {self.origin}: {name} is "
                             f"{'missing' if name in self.digests else 'in no signed list'}; refused")
         if _sha256(join(self.directory, name)) != self.digests[name]:
-            raise Untrusted(f"checkpoint {self.directory}: {name} does not match its signed SHA-256 (changed after it "
+            raise Untrusted(f"checkpoint {self.origin}: {name} does not match its signed SHA-256 (changed after it "
                             "was written); refused")
         self.checked.add(name)
 
@@ -293,14 +334,12 @@ class SignedFiles:
             meta = json.loads(self.read(META))
         except ValueError:
             meta = None
-        if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
-            raise Untrusted(f"checkpoint {self.directory}: {META} is not a checkpoint's meta (no integer step); refused")
+        if not isinstance(meta, dict) or isinstance(meta.get("step"), bool) or not isinstance(meta.get("step"), int):
+            raise Untrusted(f"checkpoint {self.origin}: {META} is not a checkpoint's meta (no integer step); refused")
+        if meta["step"] != self.step:
+            raise Untrusted(f"checkpoint {self.origin}: {META} says step {meta['step']}, its signed lists step "
+                            f"{self.step}; refused")
         return meta
-
-    @property
-    def legacy(self) -> bool:
-        """Format 1: DCP's pickled `.metadata`."""
-        return DCP_METADATA in self.digests
 
     def weight_bytes(self) -> int:
         """The size of the files that hold tensors: no model in them can have more parameters than bytes."""
@@ -310,21 +349,10 @@ class SignedFiles:
                    if n.endswith((".safetensors", ".distcp")) and not n.startswith("rng-"))
 
     def reader(self):
-        """A DCP storage reader that checks every file before it is read: format 2's safetensors as DCP is
-        about to read them; format 1's `.metadata` before it is unpickled, and each shard."""
-        from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader
+        """A DCP storage reader that checks every safetensors file as DCP is about to read it."""
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
 
         signed = self
-        if self.legacy:
-            signed.verify(DCP_METADATA)
-
-            class Legacy(FileSystemReader):
-                def read_data(self, plan, planner):
-                    for item in plan.items:
-                        signed.verify(self.storage_data[item.storage_index].relative_path)
-                    return super().read_data(plan, planner)
-
-            return Legacy(self.directory)
 
         class Reader(HuggingFaceStorageReader):
             def read_metadata(self):
@@ -390,12 +418,12 @@ def _dcp_load(state: dict, signed: SignedFiles, **kwargs) -> None:
         if refused:
             raise refused[0] from None
         first = next(iter(e.failures.values()), (e, None))[0]
-        raise Untrusted(f"checkpoint {signed.directory}: its tensors do not load ({type(first).__name__}: "
+        raise Untrusted(f"checkpoint {signed.origin}: its tensors do not load ({type(first).__name__}: "
                         f"{str(first).splitlines()[0] if str(first) else ''}); refused") from None
     except (RuntimeError, ValueError, KeyError, OSError) as e:
         if isinstance(e, Untrusted):
             raise
-        raise Untrusted(f"checkpoint {signed.directory}: its tensors do not load ({type(e).__name__}: "
+        raise Untrusted(f"checkpoint {signed.origin}: its tensors do not load ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''}); refused") from None
 
 
@@ -407,7 +435,7 @@ def model_config(meta: dict, signed: SignedFiles):
 
     from train.model import GPTConfig
 
-    cfg, where = meta.get("model_config"), f"checkpoint {signed.directory}: {META}"
+    cfg, where = meta.get("model_config"), f"checkpoint {signed.origin}: {META}"
     names = {f.name for f in fields(GPTConfig)}
     if not isinstance(cfg, dict) or not set(cfg) <= names:
         raise Untrusted(f"{where} has no model_config of GPTConfig's fields; refused")
@@ -441,12 +469,11 @@ def _check_tied(weights: dict, directory: str, meta: dict) -> None:
 
 
 def check_checkpoint(directory: str) -> None:
-    """What a run checks before it continues from a checkpoint: its signed lists, its small files
-    (meta.json, the param groups, format 1's `.metadata`; each worker checks the shards it reads), and the
-    tie."""
+    """What a run checks before it continues from a checkpoint: its signed lists (bound to where it lies),
+    its small files (meta.json, the param groups; each worker checks the shards it reads), and the tie."""
     signed = SignedFiles(directory)
-    for name in (DCP_METADATA, META, OPTIM_GROUPS) if signed.legacy else (META, OPTIM_GROUPS):
-        signed.verify(name)
+    signed.meta()
+    signed.verify(OPTIM_GROUPS)
     check_tied(directory)
 
 
@@ -461,7 +488,7 @@ def check_tied(directory: str) -> None:
         cfg = meta["model_config"]
         shape = (cfg["vocab_size"], cfg["n_embd"])
         state = {"model": {"wte.weight": torch.empty(shape), "head.weight": torch.empty(shape)}}
-        _load_one_process(state, SignedFiles(d))
+        _load_one_process(state, SignedFiles(d, directory))
     _check_tied(state["model"], directory, meta)
 
 
@@ -499,18 +526,34 @@ def read_meta(directory: str) -> dict:
 
 
 def registered_checkpoints(run_dir: str) -> list[str]:
-    """The run's checkpoints Ray Train has registered (all files were there at commit), oldest first."""
-    from strata.storage import exists, join, read_json
+    """The run's checkpoints Ray Train has registered (all files were there at commit), oldest first. Every
+    name in Ray Train's record is contained in the run's folder (strata.storage.inside) and must be a
+    checkpoint's (`checkpoint-<step>`): a record naming `../other-run/...` names nothing here."""
+    from strata.storage import PathRefused, exists, inside, join, read_json
 
     snapshot = join(run_dir, SNAPSHOT)
     if not exists(snapshot):
         return []
-    state = read_json(snapshot)
-    if isinstance(state, str):  # stored as a JSON string of the JSON
-        state = json.loads(state)
-    results = state.get("checkpoint_results", []) + [state.get("latest_checkpoint_result") or {}]
-    names = {r["checkpoint_dir_name"] for r in results if r.get("checkpoint_dir_name")}
-    return [join(run_dir, n) for n in sorted(names)]
+    try:
+        state = read_json(snapshot)
+        if isinstance(state, str):  # stored as a JSON string of the JSON
+            state = json.loads(state)
+        results = state.get("checkpoint_results", []) + [state.get("latest_checkpoint_result") or {}]
+        names = {r["checkpoint_dir_name"] for r in results if isinstance(r, dict) and r.get("checkpoint_dir_name")}
+    except (ValueError, AttributeError, TypeError) as e:
+        raise Untrusted(f"{snapshot} is not Ray Train's record of checkpoints ({type(e).__name__}); refused") from None
+    out = []
+    for n in sorted(x for x in names if isinstance(x, str)):
+        try:
+            path = inside(run_dir, n, f"{snapshot}: a checkpoint")
+        except PathRefused as e:
+            _log.warning(f"{e}: left out")
+            continue
+        if not _NAME_RE.fullmatch(n):
+            _log.warning(f"{snapshot} names {n!r}, which is not a checkpoint's name (checkpoint-<step>): left out")
+            continue
+        out.append(path)
+    return out
 
 
 def is_intact(directory: str) -> bool:
@@ -524,55 +567,80 @@ FENCES = "fences"  # <run>/fences/g<gen>.json: what a lease generation found com
 
 
 def fence(run_dir: str, gen: int) -> None:
-    """Close every earlier lease generation of the run: record the checkpoints committed now. A checkpoint
-    an earlier holder's workers hand over later (they had not yet seen the lease go, or Ray Train registers
-    it late) names that earlier generation and is not in this list, so readers ignore it: no timing lets a
-    stale holder publish."""
+    """Close every earlier lease generation of the run: record, signed and bound to the run and generation,
+    the checkpoints committed now. A checkpoint an earlier holder's workers hand over later (they had not yet
+    seen the lease go, or Ray Train registers it late) names that earlier generation and is not in this list,
+    so readers ignore it: no timing lets a stale holder publish. Only the lease's holder writes a fence, and
+    only a signing key makes one count: a fence file planted in the folder closes nothing."""
     from strata.storage import basename, join, write_json_atomic
 
-    write_json_atomic(join(run_dir, FENCES, f"g{gen:08d}.json"),
-                      {"gen": gen, "checkpoints": [basename(c) for c in committed_checkpoints(run_dir)]})
+    body = {"run": basename(run_dir), "gen": gen,
+            "checkpoints": sorted(basename(c) for c in committed_checkpoints(run_dir))}
+    write_json_atomic(join(run_dir, FENCES, f"g{gen:08d}.json"), {**body, **signature(_fence_bytes(body))})
 
 
-def _fences(run_dir: str) -> list[tuple[int, set]]:
-    import re
+def _fence_bytes(body: dict) -> bytes:
+    return json.dumps({"fence": body}, sort_keys=True).encode()
 
-    from strata.storage import join, list_dir, read_json
+
+def _fences(run_dir: str) -> list[tuple[int, set, str]]:
+    """The run's fences that its lease's holders wrote (signed by a key of the keyring, bound to this run and
+    to their generation), oldest first: (generation, checkpoints it found committed, its file's name). Any
+    other file there is named once and counts for nothing."""
+    from strata.signing import check
+    from strata.storage import basename, join, list_dir, read_json
 
     out = []
     for name, d in list_dir(join(run_dir, FENCES)):
-        if not d and (m := re.fullmatch(r"g(\d{8,})\.json", name)):
-            try:
-                listed = read_json(join(run_dir, FENCES, name)).get("checkpoints")
-            except (ValueError, AttributeError, OSError):
-                listed = None
-            out.append((int(m.group(1)), set(listed) if isinstance(listed, list) else set()))
+        if d or not (m := re.fullmatch(r"g(\d{8,})\.json", name)):
+            continue
+        try:
+            rec = read_json(join(run_dir, FENCES, name))
+            body = {k: rec[k] for k in ("run", "gen", "checkpoints")}
+            if body["run"] != basename(run_dir) or body["gen"] != int(m.group(1)) or not isinstance(
+                    body["checkpoints"], list):
+                raise Untrusted(f"it is not bound to this run and generation {int(m.group(1))}")
+            check(_fence_bytes(body), rec.get("signature"), f"fence {name}", signed_by=rec.get("key"))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, Untrusted) as e:
+            _warn_once(f"{join(run_dir, FENCES, name)} counts for nothing: {e if isinstance(e, Untrusted) else 'unreadable'}")
+            continue
+        out.append((body["gen"], set(body["checkpoints"]), name))
     return sorted(out, key=lambda f: f[0])
 
 
-def _stale(run_dir: str, checkpoints: list[str]) -> set[str]:
+_WARNED: set[str] = set()
+
+
+def _warn_once(line: str) -> None:
+    if line not in _WARNED:
+        _WARNED.add(line)
+        _log.warning(line)
+
+
+def stale_checkpoints(run_dir: str, checkpoints: list[str]) -> dict[str, str]:
     """The checkpoints written under a lease generation that a later one had closed before they were
-    committed: the first fence after their generation does not list them."""
+    committed (the first fence after their generation does not list them), each with the fence's file."""
     from strata.storage import basename
 
     fences = _fences(run_dir)
     if not fences:
-        return set()
-    stale = set()
+        return {}
+    stale = {}
     for c in checkpoints:
         try:
             gen = read_meta(c).get("lease_gen")
         except (OSError, ValueError, Untrusted):
             continue  # unreadable: loading it will say why
-        after = next((names for g, names in fences if isinstance(gen, int) and g > gen), None)
-        if after is not None and basename(c) not in after:
-            stale.add(basename(c))
+        after = next(((names, f) for g, names, f in fences if isinstance(gen, int) and g > gen), None)
+        if after is not None and basename(c) not in after[0]:
+            stale[basename(c)] = f"written under lease generation {gen}, after {FENCES}/{after[1]} closed it"
     return stale
 
 
-def forget_missing(run_dir: str) -> list[str]:
+def forget_missing(run_dir: str, also: dict[str, str] | None = None) -> dict[str, str]:
     """Drop registered checkpoints that are gone or incomplete (deleted by hand), or stale (handed over by
-    a fenced-off lease generation), from Ray Train's record, so the run continues from the newest intact one; returns the names dropped.
+    a fenced-off lease generation), from Ray Train's record, so the run continues from the newest intact
+    one; returns the names dropped, each with why. `also` names more to drop (refused by their signatures).
 
     Ray Train refuses to start a run whose record names a missing directory
     (`_assert_checkpoints_exist`), and no public API edits the record: this rewrites Ray Train's file, whose
@@ -580,9 +648,11 @@ def forget_missing(run_dir: str) -> list[str]:
     from strata.storage import join, read_bytes, write_bytes_atomic
 
     registered = registered_checkpoints(run_dir)
-    gone = {c.rsplit("/", 1)[-1] for c in registered if not is_intact(c)} | _stale(run_dir, registered)
+    gone = {c.rsplit("/", 1)[-1]: "missing or incomplete" for c in registered if not is_intact(c)}
+    gone.update(stale_checkpoints(run_dir, registered))
+    gone.update(also or {})
     if not gone:
-        return []
+        return {}
     path = join(run_dir, SNAPSHOT)
     raw = read_bytes(path)
     state = json.loads(raw)
@@ -601,7 +671,7 @@ def forget_missing(run_dir: str) -> list[str]:
     write_bytes_atomic(f"{path}.bak-{int(time.time())}", raw)
     text = json.dumps(state)
     write_bytes_atomic(path, (json.dumps(text) if wrapped else text).encode())
-    return sorted(gone)
+    return dict(sorted(gone.items()))
 
 
 def committed_checkpoints(run_dir: str) -> list[str]:
@@ -610,5 +680,32 @@ def committed_checkpoints(run_dir: str) -> list[str]:
     from strata.storage import basename
 
     registered = [c for c in registered_checkpoints(run_dir) if is_intact(c)]
-    stale = _stale(run_dir, registered)
+    stale = stale_checkpoints(run_dir, registered)
+    for name, why in stale.items():
+        _warn_once(f"{run_dir}: {name} left out: {why}")
     return [c for c in registered if basename(c) not in stale]
+
+
+def newest(run_dir: str, load=None, *, step: int | None = None, skip: set[str] = frozenset()):
+    """The newest committed checkpoint of the run (at `step`, if given) that `load` takes (default: the checks
+    a run makes before it continues, `check_checkpoint`): (its path, what `load` returned, [(name, why) of
+    each newer one refused]). A checkpoint that fails its signatures is passed over, never retried forever nor
+    hiding the good ones before it; `skip` names ones already refused. (None, None, refused) when none is left."""
+    from strata.storage import basename
+
+    load = load or check_checkpoint
+    refused = []
+    for c in reversed(committed_checkpoints(run_dir)):
+        if basename(c) in skip:
+            continue
+        if step is not None:
+            try:
+                if read_meta(c)["step"] != step:
+                    continue
+            except (OSError, Untrusted):
+                continue
+        try:
+            return c, load(c), refused
+        except (Untrusted, UntiedCheckpoint) as e:
+            refused.append((basename(c), str(e)))
+    return None, None, refused

@@ -33,7 +33,7 @@ from strata.shell import StrataError
 from strata.shell import log as _logger
 from strata.storage import Storage
 from train.model import GPT, GPTConfig
-from train.sample import latest_checkpoint, load
+from train.sample import load, load_newest
 
 _log = _logger("export")
 
@@ -67,10 +67,11 @@ def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().contiguous().clone() for k, v in sd.items()}
 
 
-def export(checkpoint: str, out: str) -> dict:
+def export(checkpoint: str, out: str, loaded: tuple | None = None) -> dict:
+    """Write `checkpoint` (`loaded`: its model, tokenizer and step, when already loaded) as a Hugging Face model."""
     from safetensors.torch import save_file
 
-    model, tok, step = load(checkpoint)
+    model, tok, step = loaded or load(checkpoint)
     if os.path.exists(out) and os.listdir(out):
         raise FileExistsError(f"{out} exists and is not empty")
     parent = os.path.dirname(os.path.abspath(out))
@@ -159,8 +160,11 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         storage = Storage.from_env(args.storage)
         storage.check_output(args.out, "--out")
-        ckpt = args.checkpoint or latest_checkpoint(storage.run(args.run))
-        result = export(ckpt, args.out)
+        if args.checkpoint:
+            ckpt, loaded = args.checkpoint, None
+        else:
+            ckpt, loaded = load_newest(storage.run(args.run), what=f"--run {args.run}")
+        result = export(ckpt, args.out, loaded)
     except (FileNotFoundError, FileExistsError, ValueError, StrataError) as e:
         sys.exit(f"error: {e}")
     _log.info(f"step {result['step']} of {ckpt} -> {args.out} ({', '.join(result['files'])})")

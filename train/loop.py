@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from strata.lease import check_held
+from strata.storage import basename
 from train.cadence import Cadence, Clock
 from train.checkpoint import AsyncCheckpointer
 from train.checkpoint import dir_name as checkpoint_dir_name
@@ -182,11 +183,11 @@ def _start(config: dict) -> _Worker:
     # Checkpoints travel on a gloo group of their own: the background write's collectives
     # must not interleave with training's.
     ckpt_pg = torch.distributed.new_group(backend="gloo") if torch.distributed.is_initialized() else None
-    checkpointer = AsyncCheckpointer(model, optimizer, rank, ckpt_pg)
+    checkpointer = AsyncCheckpointer(model, optimizer, rank, ckpt_pg, run=basename(config["run_dir"]))
     start_step, resumed_from, meta = 0, None, {}
     if checkpoint := ray.train.get_checkpoint():
         with checkpoint.as_directory() as d:
-            meta = load_checkpoint(d, model, optimizer, rank, ckpt_pg)
+            meta = load_checkpoint(d, model, optimizer, rank, ckpt_pg, origin=checkpoint.path)
         start_step, resumed_from = meta["step"], checkpoint.path
     elif spec.init is not None:  # fine-tuning: the weights the driver put in the object store
         from train.pretrained import apply

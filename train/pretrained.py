@@ -155,18 +155,14 @@ def _tokenizer_hash(directory: str) -> str | None:
 
 def read_run(run_dir: str, step: int | None, spec: str) -> Pretrained:
     """A run's newest committed checkpoint, or the one at `step`."""
-    from train.checkpoint import committed_checkpoints, read_meta
-    from train.sample import load as load_checkpoint
+    from train.sample import load_newest
 
-    found = committed_checkpoints(run_dir)
-    if step is not None:
-        found = [c for c in found if read_meta(c)["step"] == step]
-    if not found:
-        raise ValueError(f"--init-from {spec}: no committed checkpoint{f' at step {step}' if step else ''} "
-                         f"in {run_dir}")
-    model, tok, _ = load_checkpoint(found[-1])
+    try:
+        found, (model, tok, _) = load_newest(run_dir, step, what=f"--init-from {spec}")
+    except FileNotFoundError as e:
+        raise ValueError(f"--init-from {spec}: {e}") from None
     weights = {k: v.detach().float().numpy() for k, v in model.state_dict().items() if k != "head.weight"}
-    return Pretrained(f"{spec} ({found[-1]})", model.cfg, weights, tok.info().hash)
+    return Pretrained(f"{spec} ({found})", model.cfg, weights, tok.info().hash)
 
 
 def apply(model: torch.nn.Module, weights: dict[str, np.ndarray]) -> None:

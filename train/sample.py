@@ -14,32 +14,41 @@ import torch
 from strata.cli import parser as cli_parser
 from strata.dataset import TokenizerInfo
 from strata.shell import StrataError
+from strata.shell import log as _logger
 from strata.signing import Untrusted
 from strata.storage import Storage
 from strata.tokenizer import from_info
 from train.checkpoint import (
     META,
     SignedFiles,
-    committed_checkpoints,
     load_model_state,
     local_copy,
     model_config,
+    newest,
 )
 from train.model import GPT
 
+_log = _logger("sample")
 
-def latest_checkpoint(run_dir: str) -> str:
-    """The run's newest checkpoint that Ray Train registered (complete: never one being written)."""
-    found = committed_checkpoints(run_dir)
-    if not found:
-        raise FileNotFoundError(f"no committed checkpoint in {run_dir}")
-    return found[-1]
+
+def load_newest(run_dir: str, step: int | None = None, what: str = "") -> tuple[str, tuple]:
+    """The run's newest checkpoint that Ray Train registered (complete: never one being written) and that
+    verifies, loaded (`load`): (its path, (model, tokenizer, step)). Newer ones that fail their signatures
+    are named and passed over."""
+    found, loaded, refused = newest(run_dir, load, step=step)
+    for name, why in refused:
+        _log.warning(f"{what or run_dir}: skipped {name}: {why}")
+    if found is None:
+        at = f" at step {step}" if step is not None else ""
+        raise FileNotFoundError(f"no committed checkpoint{at} that verifies in {run_dir}" if refused
+                                else f"no committed checkpoint{at} in {run_dir}")
+    return found, loaded
 
 
 def load(checkpoint: str) -> tuple[GPT, object, int]:
     """Model, tokenizer and step from a checkpoint directory."""
     with local_copy(checkpoint) as d:
-        signed = SignedFiles(d)  # signatures and limits checked before the model is built
+        signed = SignedFiles(d, checkpoint)  # signatures, binding and limits checked before the model is built
         meta = signed.meta()
         model = GPT(model_config(meta, signed), init=False)  # every weight comes from the checkpoint
         load_model_state(d, model, signed)
@@ -50,8 +59,8 @@ def load(checkpoint: str) -> tuple[GPT, object, int]:
     return model.eval(), tok, meta["step"]
 
 
-def sample(checkpoint: str, prompt: str, tokens: int, samples: int, temperature: float, seed: int) -> list[str]:
-    model, tok, _ = load(checkpoint)
+def sample(loaded: tuple, prompt: str, tokens: int, samples: int, temperature: float, seed: int) -> list[str]:
+    model, tok, _ = loaded
     torch.manual_seed(seed)
     ids = tok.encode(prompt).astype("int64").tolist() if prompt else [tok.eot_id]
     idx = torch.tensor(ids, dtype=torch.long).unsqueeze(0).repeat(samples, 1)  # (K, T)
@@ -79,9 +88,12 @@ def main(argv: list[str] | None = None) -> dict:
                         "(default: 0)")
     args = parser.parse_args(argv)
     try:
-        ckpt = args.checkpoint or latest_checkpoint(Storage.from_env(args.storage).run(args.run))
+        if args.checkpoint:
+            ckpt, loaded = args.checkpoint, load(args.checkpoint)
+        else:
+            ckpt, loaded = load_newest(Storage.from_env(args.storage).run(args.run), what=f"--run {args.run}")
         torch.set_num_threads(max(1, os.cpu_count() or 1))
-        texts = sample(ckpt, args.prompt, args.tokens, args.samples, args.temperature, args.seed)
+        texts = sample(loaded, args.prompt, args.tokens, args.samples, args.temperature, args.seed)
     except (FileNotFoundError, ValueError, StrataError) as e:
         sys.exit(f"error: {e}")
     for t in texts:

@@ -16,10 +16,9 @@ from strata.shell import Job, StrataError
 from strata.shell import log as _logger
 from strata.storage import Storage, basename, exists, join, read_json
 from train.checkpoint import (
-    check_checkpoint,
-    committed_checkpoints,
     fence,
     forget_missing,
+    newest,
     read_meta,
 )
 from train.config import TrainConfig, accumulation
@@ -72,7 +71,6 @@ def _run_leased(spec: RunSpec, *, run_name, run_dir, job: Job, workers, use_gpu,
     fence(run_dir, job.lease.gen)  # before anything is read: an earlier holder's late checkpoints do not count
     resume_from = _newest_intact(run_dir)
     if resume_from:
-        check_checkpoint(resume_from)
         what = f"continuing run {run_name} from step {read_meta(resume_from)['step']} ({resume_from})"
     else:
         what = f"{'restarting' if launches else 'starting'} run {run_name} (no checkpoint yet)"
@@ -322,11 +320,15 @@ def _schedule(before: dict, run_name: str, train_cfg: TrainConfig, reschedule: b
 
 
 def _newest_intact(run_dir: str) -> str | None:
-    """The newest registered checkpoint whose files are all there. Ones deleted by hand are dropped
-    from Ray Train's record (it would refuse the run otherwise), and the run says so."""
+    """The newest registered checkpoint whose files are all there and verify. Ones deleted by hand, or handed
+    over by a fenced-off lease generation, are dropped from Ray Train's record (it would refuse the run
+    otherwise); ones that fail their signatures are passed over. The run names each, with why."""
     gone = forget_missing(run_dir)
-    intact = committed_checkpoints(run_dir)
-    if gone:
-        _log.info(f"checkpoint(s) {', '.join(gone)} are registered but missing or incomplete: continuing "
-                  f"from {basename(intact[-1]) if intact else 'step 0'}")
-    return intact[-1] if intact else None
+    found, _, refused = newest(run_dir)
+    if refused:  # Ray Train would hand its newest registered checkpoint to the workers: not a refused one
+        forget_missing(run_dir, dict(refused))
+    for name, why in [*gone.items(), *refused]:
+        _log.info(f"checkpoint {name} left out: {why}")
+    if gone or refused:
+        _log.info(f"continuing from {basename(found) if found else 'step 0'}")
+    return found

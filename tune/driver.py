@@ -354,8 +354,8 @@ def collect(grid, cfg: SweepConfig, space: dict) -> list[dict]:
     """Every config of a sweep with a Tune trial per config, from each trial's last checkpoint."""
     out = []
     for r in grid:
-        book = _book(r.checkpoint)
         tid = r.metrics.get("trial_id") or os.path.basename(r.path or "")
+        book = _book(r.checkpoint, r.metrics.get("trial_id"))
         error = f"{type(r.error).__name__}: {r.error}"[:500] if r.error else None
         rec = book["current"] or {"config": r.config, "curve": []}
         status = ("error" if r.error else "completed" if len(rec["curve"]) == cfg.reports else "stopped early")
@@ -379,15 +379,23 @@ def collect_queued(sweep_dir: str, cfg: SweepConfig, space: dict, grid) -> list[
     return out
 
 
-def _book(checkpoint) -> dict:
+def _book(checkpoint, trial_id: str | None) -> dict:
+    """A trial's book of results from its last checkpoint, checked against the checkpoint's signed list."""
+    from tune.trust import trial_files
+
     empty = {"current": None, "restores": []}
     if checkpoint is None:
         return empty
+
+    def read(name: str) -> bytes:
+        with checkpoint.filesystem.open_input_stream(join(checkpoint.path, name)) as f:
+            return f.read()
+
     try:
-        with checkpoint.filesystem.open_input_stream(join(checkpoint.path, "pack.json")) as f:
-            return json.loads(f.read())
+        read("pack.json")
     except FileNotFoundError:
         return empty
+    return json.loads(trial_files(read, checkpoint.path, trial_id)["pack.json"])
 
 
 def _record(trial_id: str, rec: dict, status: str, error: str | None, restores: int,

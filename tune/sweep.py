@@ -19,6 +19,7 @@ Tune's own scheduler and a checkpoint at every report.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -250,11 +251,13 @@ def run_trial(config: dict, *, sweep: SweepConfig, make_fit, out: str = "") -> N
     node = ray.get_runtime_context().get_node_id()
     book, state = {"current": None, "restores": []}, None
     if (ckpt := tune.get_checkpoint()) is not None:
+        from tune.trust import trial_files
+
         with ckpt.as_directory() as d:
-            with open(os.path.join(d, "pack.json")) as f:
-                book = json.load(f)
-            if os.path.exists(os.path.join(d, STATE_FILE)):
-                state = torch.load(os.path.join(d, STATE_FILE), weights_only=True)  # tensors, numbers, dicts
+            files = trial_files(lambda n: _read_local(os.path.join(d, n)), ckpt.path, tune.get_context().get_trial_id())
+        book = json.loads(files["pack.json"])
+        if STATE_FILE in files:  # tensors, numbers, dicts: weights_only unpickles nothing else
+            state = torch.load(io.BytesIO(files[STATE_FILE]), weights_only=True)
         book["restores"].append(node)
     log = _log_for(out)
     clock = {"started": time.monotonic(), "report_s": 0.0}  # how much of the trial's wall time reports block
@@ -274,11 +277,18 @@ def run_trial(config: dict, *, sweep: SweepConfig, make_fit, out: str = "") -> N
                 clock)
 
 
+def _read_local(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def _report(metrics: dict, book: dict, state: dict | None, clock: dict) -> None:
     """tune.report with a checkpoint of the book (pack.json: the config's curve so far) and the model state;
     Tune persists it before returning.
     The book keeps the share of this trial's wall time spent in reports before this one (`report_share`)."""
     from ray import tune
+
+    from tune.trust import sign_trial
 
     started = time.monotonic()
     book["report_share"] = clock["report_s"] / max(started - clock["started"], 1e-9)
@@ -288,6 +298,7 @@ def _report(metrics: dict, book: dict, state: dict | None, clock: dict) -> None:
             json.dump(book, f)
         if state is not None:
             torch.save(state, os.path.join(d, STATE_FILE))
+        sign_trial(d, tune.get_context().get_trial_id())
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
     finally:
         shutil.rmtree(d, ignore_errors=True)

@@ -1,11 +1,14 @@
-"""Signatures over the experiment state Ray Tune unpickles when a sweep resumes.
+"""Signatures over the experiment state Ray Tune unpickles when a sweep resumes, and over each trial's
+checkpoint (its book of results and model state).
 
 `Tuner.restore` unpickles `tuner.pkl`, the newest `experiment_state-*.json`
 (cloudpickled trials and controller state) and the searcher's and
 callbacks' `*-state-*` files. strata signs each of them with
 `strata.signing`'s key as they are written, and checks every such file in
 the sweep directory before a resume, so a file planted in the storage root
-is refused before Tune reads it.
+is refused before Tune reads it. Only a signing key verifies (strata.signing): state signed in the format
+before 2026-12-04, without a key's fingerprint, is refused until `python -m tune.convert` re-signs it with
+the old secret the user names.
 
 Where the signatures are made: Tune writes its state into a driver staging
 directory and then uploads that directory. The callbacks' `get_state` runs
@@ -19,12 +22,17 @@ from __future__ import annotations
 
 import fnmatch
 import glob
+import hashlib
+import json
 import os
 
 from ray.tune import Callback
 
-from strata.signing import Untrusted, check, key_id, sign
+from strata.signing import Untrusted, check, key_id, sign, signature
 from strata.storage import join, list_dir, read_bytes, read_json, write_json_atomic
+
+CONVERT = "re-sign it with `python -m tune.convert SWEEP_DIR --old-secret-file FILE`"
+TRIAL_SIGNED = "signed.json"  # in a trial's checkpoint: its files' SHA-256, bound to the trial, signed
 
 # What Tune reads back with pickle from an experiment directory's top level.
 UNPICKLED = ("tuner.pkl", "*.pkl", "experiment_state-*", "*-state-*", "search_gen_state-*")
@@ -58,7 +66,7 @@ def check_tune_state(sweep_dir: str) -> None:
         errors = []
         for sig, by in sigs:
             try:
-                check(data, sig, f"sweep state {join(sweep_dir, name)}", signed_by=by)
+                check(data, sig, f"sweep state {join(sweep_dir, name)}", signed_by=by, convert=CONVERT)
                 break
             except Untrusted as e:
                 errors.append(e)
@@ -101,3 +109,39 @@ def sign_tuner(sweep_dir: str) -> None:
     """Sign the tuner.pkl a new Tuner has just written to the sweep directory."""
     sign_files(sweep_dir, ["tuner.pkl"], "tuner")
 
+
+
+def sign_trial(directory: str, trial_id: str) -> None:
+    """Sign a trial checkpoint's files (local `directory`, before Tune persists it), bound to its trial."""
+    files = {n: hashlib.sha256(read_bytes(os.path.join(directory, n))).hexdigest() for n in sorted(os.listdir(directory))
+             if n != TRIAL_SIGNED}
+    body = {"files": files, "trial": trial_id}
+    with open(os.path.join(directory, TRIAL_SIGNED), "w") as f:
+        json.dump({**body, **signature(json.dumps(body, sort_keys=True).encode())}, f)
+
+
+def trial_files(read, where: str, trial_id: str | None) -> dict[str, bytes]:
+    """A trial checkpoint's files, each checked against its signed list (`read(name)` gives a file's bytes;
+    FileNotFoundError for one that is not there): {name: bytes}. Refused (Untrusted, one line) unless the list
+    is signed by a key of the keyring, for this trial (when `trial_id` is known), and every file matches."""
+    try:
+        listed = json.loads(read(TRIAL_SIGNED))
+        body = {"files": listed["files"], "trial": listed["trial"]}
+        if not isinstance(body["files"], dict):
+            raise TypeError
+    except FileNotFoundError:
+        raise Untrusted(f"trial checkpoint {where} has no signed list ({TRIAL_SIGNED}): not written by this strata; "
+                        "refused") from None
+    except (ValueError, KeyError, TypeError):
+        raise Untrusted(f"trial checkpoint {where}: {TRIAL_SIGNED} is not a signed file list; refused") from None
+    check(json.dumps(body, sort_keys=True).encode(), listed.get("signature"), f"trial checkpoint {where}",
+          signed_by=listed.get("key"))
+    if trial_id is not None and body["trial"] != trial_id:
+        raise Untrusted(f"trial checkpoint {where} is signed for trial {body['trial']!r}, not {trial_id!r}; refused")
+    out = {}
+    for name, sha in body["files"].items():
+        data = read(name)
+        if hashlib.sha256(data).hexdigest() != sha:
+            raise Untrusted(f"trial checkpoint {where}: {name} does not match its signed SHA-256; refused")
+        out[name] = data
+    return out
