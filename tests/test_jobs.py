@@ -4,6 +4,7 @@ import datetime as dt
 import fnmatch
 import json
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -93,18 +94,28 @@ def _strata(args: list[str], env: dict) -> subprocess.CompletedProcess:
 def _strata_head(line: str, env: dict) -> tuple[subprocess.CompletedProcess, str]:
     """`strata head start` (the README's line) on free ports; returns (its run, the dashboard address) once
     the job server answers."""
-    port, dash, agent = _free_port(), _free_port(), _free_port()
+    out, address = _strata_head_started(line, env)
+    _wait_for_jobs(address, env)
+    return out, address
+
+
+def _strata_head_started(line: str, env: dict) -> tuple[subprocess.CompletedProcess, str]:
+    """`strata head start` (the README's line) on free ports, once it says "head up"."""
+    port, dash, agent, client = _free_port(), _free_port(), _free_port(), _free_port()
     out = _strata([*shlex.split(line)[1:], f"--port={port}", f"--dashboard-port={dash}", f"--agent-port={agent}",
-                   "--num-cpus=2"], env)
+                   f"--client-port={client}", "--num-cpus=2"], env)
     assert out.returncode == 0, out.stderr[-3000:]
     address = f"http://127.0.0.1:{dash}"
     assert f"export RAY_API_SERVER_ADDRESS={address}" in out.stdout
+    return out, address
+
+
+def _wait_for_jobs(address: str, env: dict) -> None:
     deadline = time.time() + 120
     while subprocess.run([os.path.join(BIN, "ray"), "job", "list", "--address", address], env=env,
                          capture_output=True, text=True).returncode != 0:
         assert time.time() < deadline, "the head's job server never answered"
         time.sleep(2)
-    return out, address
 
 
 @pytest.mark.slow
@@ -123,14 +134,32 @@ def test_stopping_the_head_stops_it_alone_and_another_ray_on_the_machine_runs_on
         "for i in range(100000):\n"
         f"    open({str(beat)!r}, 'w').write(str(ray.get(f.remote(i)))); time.sleep(0.3)")],
         env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}, start_new_session=True)
+    home = tmp_path / "home"
+    env = {**{k: v for k, v in _head_env(short).items() if k != "RAY_AUTH_TOKEN"}, "HOME": str(home)}
     try:
         deadline = time.time() + 120
         while not beat.exists():
             assert other.poll() is None and time.time() < deadline, "the other Ray never ran a task"
             time.sleep(0.5)
-        env = {**_head_env(short), "HOME": str(tmp_path / "home")}
-        os.makedirs(env["HOME"])
-        _, address = _strata_head(readme_command(".venv/bin/strata head start"), env)
+        # Issue 57, 7: as after `make demo`, whose embedded Ray leaves a world-readable ~/.ray/auth_token, and with
+        # no token given: the head makes ~/.strata/ray-token (0600), the one the README's export line names.
+        (home / ".ray").mkdir(parents=True)
+        (home / ".ray" / "auth_token").write_text("the demo's token\n")
+        os.chmod(home / ".ray" / "auth_token", 0o644)
+        _, address = _strata_head_started(readme_command(".venv/bin/strata head start"), env)
+        token = home / ".strata" / "ray-token"
+        assert token.stat().st_mode & 0o777 == 0o600 and token.read_text().strip() != "the demo's token"
+        exported = shlex.split(readme_command("export RAY_API_SERVER_ADDRESS="))[1:]  # the README's line, as written
+        env.update({k: v.replace("~", str(home), 1) for k, v in (a.split("=", 1) for a in exported)})
+        env["RAY_API_SERVER_ADDRESS"] = address  # the test's head is on a free port, not 8265
+        _wait_for_jobs(address, env)
+        job = _submit({"env": env}, "preprocess", "--no-wait", "--", "--input", str(tmp_path), "--dataset", "x",
+                      env={**env, "STRATA_STORAGE": str(tmp_path / "storage")})
+        sub_id = re.search(r"submitted (raysubmit_\w+)", job.stderr)
+        assert job.returncode == 0 and sub_id, job.stderr[-2000:]
+        stop = subprocess.run([os.path.join(BIN, "ray"), "job", "stop", sub_id.group(1)], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert stop.returncode == 0 and "Traceback" not in stop.stderr, stop.stderr[-2000:]
         rec = json.loads((tmp_path / "home" / ".strata" / "head.json").read_text())
         group = [p for p in psutil.process_iter() if _pgid(p.pid) == rec["pgid"]]
         listening = {c.laddr.ip for p in group for c in _connections(p) if c.status == psutil.CONN_LISTEN}
@@ -144,9 +173,65 @@ def test_stopping_the_head_stops_it_alone_and_another_ray_on_the_machine_runs_on
         time.sleep(3)
         assert other.poll() is None and beat.read_text() != seen, "the other Ray stopped with the head"
     finally:
+        if (home / ".strata" / "head.json").exists():  # a failed assertion above: the head goes too
+            _strata(["head", "stop"], env)
         other.terminate()
         other.wait(timeout=60)
         shutil.rmtree(short, ignore_errors=True)
+
+
+def test_head_start_refuses_a_port_someone_else_holds_and_stop_kills_only_the_live_head(tmp_path, monkeypatch):
+    """Issue 57, 5 and 7: `strata head start` said "head up" while another Ray held the job agent's port (the
+    first submit failed after 73 s), and a plain HTTP server on the dashboard port passed as the head; two heads
+    shared Ray Client's port; `strata head stop` killed whatever process group head.json named; and a token
+    file others can read was adopted. Each is refused now, before anything starts, in one line."""
+    import http.server
+    import threading
+
+    home = tmp_path / "home"
+    env = {**{k: v for k, v in _head_env(tempfile.mkdtemp(prefix="rayh-", dir="/tmp")).items()
+              if k != "RAY_AUTH_TOKEN"}, "HOME": str(home)}
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    taken = server.server_address[1]
+    try:
+        for flag in ("--dashboard-port", "--agent-port", "--client-port", "--metrics-port", "--port"):
+            ports = {f: _free_port() for f in ("--port", "--dashboard-port", "--agent-port", "--client-port",
+                                                "--metrics-port")}
+            ports[flag] = taken
+            out = _strata(["head", "start", *[f"{f}={p}" for f, p in ports.items()]], env)
+            assert out.returncode == 1 and f"port {taken} ({flag}) is taken by pid {os.getpid()}" in out.stderr, \
+                out.stderr[-2000:]
+            assert "head up" not in out.stderr and not (home / ".strata" / "head.json").exists()
+    finally:
+        server.shutdown()
+        server.server_close()
+    # A token file others can read is never adopted.
+    loose = tmp_path / "loose-token"
+    loose.write_text("a token\n")
+    os.chmod(loose, 0o644)
+    out = _strata(["head", "start", f"--port={_free_port()}", f"--dashboard-port={_free_port()}"],
+                  {**env, "RAY_AUTH_TOKEN_PATH": str(loose)})
+    assert out.returncode == 1 and f"the token file {loose} can be read by others" in out.stderr, out.stderr[-2000:]
+    # A crafted record: a process that looks like the head, and another group's id. Only a live head that leads
+    # its own group is stopped; the group the record names is never touched.
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    fake_temp = tempfile.mkdtemp(prefix="strata-head-")
+    lookalike = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "start", "--block",
+                                  f"--temp-dir={fake_temp}"])  # not a group leader
+    try:
+        (home / ".strata").mkdir(parents=True, exist_ok=True)
+        (home / ".strata" / "head.json").write_text(json.dumps({
+            "pid": lookalike.pid, "pgid": victim.pid, "gcs": "127.0.0.1:1", "dashboard": "http://127.0.0.1:1",
+            "temp": fake_temp, "started_at": time.time()}))
+        out = _strata(["head", "stop"], env)
+        assert out.returncode == 0 and "already gone" in out.stderr, out.stderr
+        assert victim.poll() is None and lookalike.poll() is None
+    finally:
+        for p in (victim, lookalike):
+            p.kill()
+            p.wait()
+        shutil.rmtree(fake_temp, ignore_errors=True)
 
 
 def _pgid(pid: int) -> int | None:
@@ -209,6 +294,26 @@ def test_submitted_training_job_reads_the_submitted_dataset(head, dataset, stora
     summary = json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith("{")))
     assert (summary["run"], summary["start_step"], summary["steps"]) == ("submitted", 0, 2)
     assert {"meta.json", "signed-0.json"} <= set(os.listdir(summary["checkpoint"]))
+    # Issue 57, 3: another cluster verifies what this one trained when both read the one provisioned key file
+    # (a Kubernetes Secret in every pod), and only then. Here: infer's embedded Ray in a home of its own.
+    key = os.path.join(head["env"]["HOME"], ".strata", "signing-key")  # the file `strata head start` provisioned
+    prompts = os.path.join(tempfile.mkdtemp(prefix="prompts-"), "p.jsonl")
+    with open(prompts, "w") as f:
+        f.write('{"prompt": "data "}\n')
+    other = {**{k: v for k, v in os.environ.items() if not k.startswith("STRATA_SIGNING")},
+             "STRATA_STORAGE": storage_root, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+    def generate(name: str, **env):
+        home = tempfile.mkdtemp(prefix="cluster-b-")
+        return subprocess.run([sys.executable, "-m", "infer", "generate", "--model", "submitted@latest", "--prompts",
+                               prompts, "--max-tokens", "2", "--name", name], cwd=REPO, capture_output=True, text=True,
+                              env={**other, "HOME": home, **env}, timeout=600)
+
+    served = generate("cluster-b", STRATA_SIGNING_KEY_FILE=key)
+    assert served.returncode == 0, served.stderr[-3000:]
+    unkeyed = generate("cluster-c")  # a cluster given no key: its embedded Ray makes one of its own
+    assert unkeyed.returncode != 0 and "signed with key" in unkeyed.stderr and "Traceback" not in unkeyed.stderr, \
+        unkeyed.stderr[-3000:]
 
 
 def _submit(head, *args, env=None):
@@ -255,6 +360,15 @@ def test_strata_submit_runs_a_scheduled_slot_once(head, corpus, storage_root, tm
                 with open(os.path.join(dirpath, name), errors="replace") as f:
                     seen[os.path.join(dirpath, name)] = f.read()
     assert len(seen) > 5 and not [where for where, text in seen.items() if token in text]
+    # Issue 57, 2: nor the signing key: the job API shows every token holder each job's runtime env.
+    import urllib.request
+
+    with open(os.path.join(head["env"]["HOME"], ".strata", "signing-key")) as f:
+        key = f.read().strip()
+    request = urllib.request.Request(f"{head['address']}/api/jobs/", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=60) as r:  # noqa: S310 - the test's own head on loopback
+        listed = r.read().decode()
+    assert sub_id in listed and key not in listed and not [where for where, text in seen.items() if key in text]
 
 
 def test_slot_ids_are_distinct_per_dataset_and_stable_within_a_slot():
