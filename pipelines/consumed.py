@@ -51,18 +51,25 @@ def lookup(files: list[dict], candidates: list[Identity]) -> set[Identity]:
     for f in files:
         if not f["rows"] or not _meets(paths, f["lo"], f["hi"]):
             continue
-        if f["rows"] <= ROW_GROUP:  # one row group: read whole, in one request
-            pf = pq.ParquetFile(pa.BufferReader(read_bytes(f["path"])))
-        else:
-            fs, p = filesystem(f["path"])
-            pf = pq.ParquetFile(fs.open_input_file(p))
-        for g in range(pf.metadata.num_row_groups):
-            stats = pf.metadata.row_group(g).column(0).statistics
-            if stats is not None and stats.has_min_max and not _meets(paths, stats.min, stats.max):
-                continue
-            t = pf.read_row_group(g)
-            found.update(r for r in zip(*(t.column(i).to_pylist() for i in range(3)), strict=True) if r in wanted)
+        with _opened(f) as source:  # checked against its commit's digest, whole (strata/integrity.py)
+            pf = pq.ParquetFile(source)
+            for g in range(pf.metadata.num_row_groups):
+                stats = pf.metadata.row_group(g).column(0).statistics
+                if stats is not None and stats.has_min_max and not _meets(paths, stats.min, stats.max):
+                    continue
+                t = pf.read_row_group(g)
+                found.update(r for r in zip(*(t.column(i).to_pylist() for i in range(3)), strict=True) if r in wanted)
     return found
+
+
+def _opened(f: dict):
+    """A segment file to read: an earlier version's, checked against the digest its commit names (`named`);
+    this run's own (a merge's input), as written."""
+    import contextlib
+
+    if (named := f.get("named")) is not None:
+        return named.opened()
+    return contextlib.nullcontext(pa.BufferReader(read_bytes(f["path"])))
 
 
 def merge(files: list[dict], path: str) -> dict:
@@ -70,6 +77,7 @@ def merge(files: list[dict], path: str) -> dict:
     rows = []
     for f in files:
         if f["rows"]:
-            t = pq.read_table(pa.BufferReader(read_bytes(f["path"])))  # small: one request
+            with _opened(f) as source:  # small: one request
+                t = pq.read_table(source)
             rows.extend(zip(*(t.column(i).to_pylist() for i in range(3)), strict=True))
     return write(path, rows)

@@ -94,6 +94,8 @@ def _forget(storage: Storage, args) -> None:
               + "".join(f"; used by {u['kind']} {u['name']}" for u in r["used_by"]))
     for s in out["sweeps"]:
         print(f"read them: sweep {s['sweep']} ({', '.join(s['datasets'])})")
+    if out.get("finished"):
+        print(f"finished the purge of {', '.join(out['finished'])}, which a crash had cut short")
     if out["purged"]:
         print(f"purged {len(out['purged'])} file(s): earlier versions holding them can no longer be read")
     if out["scrubbed"]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from strata.cli import NON_NEGATIVE, check_fields
+from strata.integrity import IntegrityError
 from strata.lineage import doc_key
 
 _WORD = re.compile(r"\w+", re.UNICODE)
@@ -219,8 +220,14 @@ class DedupIndex:
                                   "against": np.zeros(n, bool),
                                   "earlier_docs": np.full(n, np.iinfo(np.uint64).max, np.uint64)}
             for segment in prior.get(table, []):
-                for keys, docs in segment_rows(segment, self.lo, self.hi):
-                    self._mark_earlier(table, keys, docs, bool(segment.get("against")))
+                try:
+                    for keys, docs in segment_rows(segment, self.lo, self.hi):
+                        self._mark_earlier(table, keys, docs, bool(segment.get("against")))
+                except IntegrityError as e:  # said by the first call, as the error it is (an actor that died in
+                    self.refused = e  # its creation would say only that it died)
+                    return
+
+    refused: Exception | None = None
 
     def owns(self, keys: np.ndarray) -> np.ndarray:
         return (keys >= np.uint64(self.lo)) & (keys <= np.uint64(self.hi - 1))
@@ -237,6 +244,8 @@ class DedupIndex:
         np.minimum.at(t["earlier_docs"], i[hit], docs[hit])
 
     def sizes(self) -> dict[str, int]:
+        if self.refused is not None:
+            raise self.refused
         return {t: len(v["keys"]) for t, v in self.tables.items()}
 
     def cpu_s(self) -> float:
@@ -331,21 +340,32 @@ def segment_rows(segment: dict, lo: int, hi: int):
     meets it, and in them only the row groups whose key statistics do."""
     import pyarrow.parquet as pq
 
-    from strata.storage import filesystem
-
     for f in segment["files"]:
         if f["hi"] <= lo or f["lo"] >= hi:
             continue
-        fs, p = filesystem(f["path"])
-        pf = pq.ParquetFile(fs.open_input_file(p))
-        for g in range(pf.metadata.num_row_groups):
-            stats = pf.metadata.row_group(g).column(0).statistics
-            if stats is not None and stats.has_min_max and (stats.max < lo or stats.min >= hi):
-                continue
-            t = pf.read_row_group(g, columns=["key", "doc"])
-            keys, docs = t.column("key").to_numpy(), t.column("doc").to_numpy()
-            mine = (keys >= np.uint64(lo)) & (keys <= np.uint64(hi - 1))
-            yield keys[mine], docs[mine]
+        with _opened(f) as source:
+            pf = pq.ParquetFile(source)
+            for g in range(pf.metadata.num_row_groups):
+                stats = pf.metadata.row_group(g).column(0).statistics
+                if stats is not None and stats.has_min_max and (stats.max < lo or stats.min >= hi):
+                    continue
+                t = pf.read_row_group(g, columns=["key", "doc"])
+                keys, docs = t.column("key").to_numpy(), t.column("doc").to_numpy()
+                mine = (keys >= np.uint64(lo)) & (keys <= np.uint64(hi - 1))
+                yield keys[mine], docs[mine]
+
+
+def _opened(f: dict):
+    """An index file to read: checked against the digest its commit names (`named`, strata/integrity.py) when it
+    is an earlier version's or another dataset's; this run's own, as it wrote it."""
+    import contextlib
+
+    from strata.storage import filesystem
+
+    if (named := f.get("named")) is not None:
+        return named.opened()
+    fs, p = filesystem(f["path"])
+    return contextlib.closing(fs.open_input_file(p))
 
 
 def _sub_ranges(segments: list[dict], lo: int, hi: int) -> list[tuple[int, int]]:

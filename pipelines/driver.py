@@ -41,7 +41,7 @@ from strata.dataset import (
     token_dtype,
 )
 from strata.lineage import FILE as LINEAGE_FILE
-from strata.shell import Job
+from strata.shell import Job, StrataError
 from strata.shell import log as _logger
 from strata.sources import (
     InputMissing,
@@ -124,11 +124,15 @@ def _quality_model(cfg: PreprocessConfig, storage: Storage):
     return resolve(cfg.quality.quality_model, storage, flag="--quality-model")
 
 
-def _as_user_error(e: BaseException) -> DatasetError | None:
+def _as_user_error(e: BaseException) -> StrataError | None:
     """An unreadable input or a tokenizer mismatch a worker raised, as the one line the user acts on."""
-    if (cause := _worker_error(e, (InputUnreadable, TokenizerMismatch))) is None:
+    from strata.integrity import IntegrityError
+
+    if (cause := _worker_error(e, (InputUnreadable, TokenizerMismatch, IntegrityError))) is None:
         return None
     first = str(cause).split("\n")[0]  # without the traceback and Ray's retry advice
+    if isinstance(cause, IntegrityError):
+        return IntegrityError(f"{first}. Nothing was committed")
     if isinstance(cause, (InputMissing, TokenizerMismatch)):
         return DatasetError(f"{first}. Nothing was committed")
     return DatasetError(
@@ -231,8 +235,8 @@ class Preprocess:
     def consumed_segments(self) -> list[dict]:
         """The parent's index of consumed inputs (paths made whole)."""
         p = self.parent
-        return [{**seg, "files": [{**f, "path": p.file(f["path"])} for f in seg["files"]]}
-                for seg in (p.manifest.consumed or [])] if p else []
+        return [{**seg, "files": [{**f, "path": p.file(f["path"]), "named": p.named(f["path"], legacy_ok=True)}
+                                  for f in seg["files"]]} for seg in (p.manifest.consumed or [])] if p else []
 
     @functools.cache  # noqa: B019 - one run, one walk
     def legacy_consumed(self) -> set[tuple]:
@@ -283,7 +287,7 @@ class Preprocess:
         listed = self.parent.manifest.forgotten.get("list") if self.parent else None
         if not listed:
             return None
-        keys = read_list(self.parent.file(listed))
+        keys = read_list(self.parent.named(listed, legacy_ok=True))
         _say(f"forget list: {len(keys):,} keys of documents taken down; pass 1 drops them")
         return {"ref": ray.put(keys)}
 
@@ -503,7 +507,7 @@ class Preprocess:
         from pipelines.pack import pack_tails
 
         p = self.parent
-        carried = p.file(p.manifest.tails) if p and p.manifest.tails else None
+        carried = p.named(p.manifest.tails, legacy_ok=True) if p and p.manifest.tails else None
         # No CPU asked for: it packs less than a row per unit, and waiting for pass 2's actors to give theirs
         # back cost 1.3 s on 2 cores (measured; the task itself took 0.03 s).
         task = ray.remote(pack_tails).options(label_selector=tiers.selector(tiers.Tier.CPU), num_cpus=0)
@@ -659,12 +663,11 @@ class Preprocess:
         record.update(finished_at=time.time(), work_nodes=sorted(self.tally.nodes))
         tails = TAILS_FILE if exists(join(self.staging, TAILS_FILE)) else ""
         root = self.storage.dataset(self.cfg.dataset)
-        index = {t: [{**seg, "files": [{**f, "path": f["path"][len(root):].strip("/").replace(os.sep, "/")}
-                                       for f in seg["files"]]} for seg in segs] for t, segs in self.segments.items()}
+        index = {t: [{**seg, "files": [_relative(f, root) for f in seg["files"]]} for seg in segs]
+                 for t, segs in self.segments.items()}
         dedup = {"params": self.cfg.dedup.params(), "index": index, "index_entries": self.sizes,
                  "window": self.window_record(), **({"against": self.against_record()} if self.against else {}), **audit}
-        consumed = [{**seg, "files": [{**f, "path": f["path"][len(root):].strip("/").replace(os.sep, "/")}
-                                      for f in seg["files"]]} for seg in self.save_consumed(files)]
+        consumed = [{**seg, "files": [_relative(f, root) for f in seg["files"]]} for seg in self.save_consumed(files)]
         # A version made without --quality-model carries its parent's score cache on, for a later one with it.
         quality = {**self.quality.state, "scores": [f[len(root):].strip("/").replace(os.sep, "/")
                                                     for f in self.quality.state["scores"]]} if self.quality else \
@@ -734,6 +737,13 @@ class Preprocess:
                 "stats": table, "run_id": "", "already_existed": False, "note": why, "units": self.unit_counts()}
 
 
+def _relative(f: dict, root: str) -> dict:
+    """A segment file's entry as the manifest keeps it: its path in the dataset (its digest goes to the
+    manifest's `digests`, not beside it)."""
+    return {**{k: v for k, v in f.items() if k not in ("named", "sha256")},
+            "path": f["path"][len(root):].strip("/").replace(os.sep, "/")}
+
+
 def _identity(f: dict) -> tuple:
     return f["path"], f["size"], f["mtime_ns"]
 
@@ -758,8 +768,9 @@ def _index_segments(parent, earlier, cfg: PreprocessConfig) -> dict[str, list[di
 
     state = parent.manifest.dedup if parent else {}
     if "index" in state:
-        segments = {t: [{**seg, "files": [{**f, "path": parent.file(f["path"])} for f in seg["files"]]} for seg in segs]
-                    for t, segs in state["index"].items()}
+        segments = {t: [{**seg, "files": [{**f, "path": parent.file(f["path"]),
+                                           "named": parent.named(f["path"], legacy_ok=True)} for f in seg["files"]]}
+                        for seg in segs] for t, segs in state["index"].items()}
     else:
         versions = earlier() if parent else []
         segments = {t: [legacy_segment([v.file(p) for p in v.manifest.dedup["files"][t]], v.manifest.dedup.get("params"))
@@ -809,7 +820,9 @@ def _against(storage: Storage, cfg: PreprocessConfig) -> tuple[dict, dict[str, l
     if not isinstance(state.get("index"), dict) or not any(state["index"].get(t) for t in ("exact", "band")):
         raise DatasetError(f"--dedup-against {other.ref}: it has no dedup index (it was made with dedup off, or "
                            "before the index): there is nothing to deduplicate against")
-    segments = {t: [{**seg, "against": True, "files": [{**f, "path": other.file(f["path"])} for f in seg["files"]]}
+    # Another dataset's index: every file must match the digest its commit names (strata/integrity.py).
+    segments = {t: [{**seg, "against": True, "files": [{**f, "path": other.file(f["path"]),
+                                                        "named": other.named(f["path"])} for f in seg["files"]]}
                     for seg in state["index"].get(t, [])] for t in ("exact", "band")}
     if (band := segments["band"]) and (mismatch := [s for s in band if s.get("params") != cfg.dedup.params()]):
         _say(f"--dedup-against {other.ref}: its near-dedup keys were made with MinHash/LSH parameters "

@@ -13,16 +13,24 @@ Under the dataset's lease, in one Delta commit that makes the next version:
 - The commit records the reason and the ids (the manifest's `forget`), and every later version carries the
   takedown on (`forgotten`): training refuses, in one line, a snapshot that still holds the rows.
 
-Earlier versions keep their files for time travel; `--purge`, after the commit, deletes every earlier file
-holding the documents' tokens (shards and tails) and scrubs their text samples from the rejects reports,
-and those versions then say so when opened. A crash before the commit leaves only files of an uncommitted
-run directory, which the next writer deletes.
+Earlier versions keep their files for time travel; `--purge` deletes every earlier file holding the
+documents' tokens (shards and tails) and scrubs their text samples from the rejects reports, and those
+versions then say so when opened. The purge is planned before the commit and the commit records the plan
+(each file to delete, and each scrubbed report's new SHA-256), so it either finishes after the commit, or
+the next `forget` on the dataset (a rerun of this one) finishes it. A crash before the commit leaves only
+files of an uncommitted run directory, which the next writer deletes.
+
+Nothing is acted on that is not verified first (strata/integrity.py): lineage, tails, forget list, dedup's
+removed lists and rejects reports are read only as the commits that made them name them, and every
+document's spans are checked against the version that added it (strata.lineage.check_spans). Versions
+made before file digests are not searched (as versions made before lineage are not), and said so.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import time
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
@@ -40,6 +48,7 @@ from strata.dataset import (
     latest,
     version_at,
 )
+from strata.integrity import file_sha256, sha256
 from strata.shell import log as _logger
 from strata.storage import (
     Storage,
@@ -47,10 +56,8 @@ from strata.storage import (
     exists,
     filesystem,
     join,
-    list_dir,
     make_dirs,
-    read_json,
-    write_json_atomic,
+    write_bytes_atomic,
 )
 
 _say = _logger("forget").info
@@ -58,10 +65,10 @@ LIST_FILE = "forget-list.parquet"
 LIST_SCHEMA = pa.schema([("key", pa.uint64()), ("kind", pa.string()), ("version", pa.string())])
 
 
-def read_list(path: str) -> np.ndarray:
-    """A forget list's keys (record and exact keys together), sorted: what pass 1 drops."""
-    fs, p = filesystem(path)
-    return np.unique(pq.read_table(fs.open_input_file(p), columns=["key"])["key"].to_numpy())
+def read_list(named) -> np.ndarray:
+    """A forget list's keys (record and exact keys together), sorted: what pass 1 drops. `named`: the list as
+    its version's commit names it (strata.integrity.Named), checked against its digest."""
+    return np.unique(named.parquet(columns=["key"])["key"].to_numpy())
 
 
 def forget(storage: Storage, name: str, *, doc_ids: list[str] | None = None, source: str | None = None,
@@ -99,30 +106,39 @@ class Forget:
     def run(self) -> dict:
         from strata.lineage import doc_key, find
 
-        found = find(self.storage, self.doc_ids, self.source, self.name)
+        finished = finish_purges(self.storage, self.newest)  # a purge a crash cut short, from its commit's plan
+        found = find(self.storage, self.doc_ids, self.source, self.name, verified_only=True)
         docs = {d["doc_id"]: d for d in found["documents"]}
         if blind := found["without_lineage"]:
-            _say(f"WARNING: {len(blind)} version(s) were made before lineage ({', '.join(blind[:3])}"
+            _say(f"WARNING: {len(blind)} version(s) were made before lineage or file digests ({', '.join(blind[:3])}"
                  f"{' ...' if len(blind) > 3 else ''}): their rows cannot be searched, so any of these documents "
                  "there stays; the forget list still keeps them out of every later run")
         if self.source is not None and not docs:
+            if finished:
+                return self.nothing_more(finished)
             raise DatasetError(f"no document of dataset {self.name} comes from a file matching {self.source!r} "
                                "(by lineage): nothing was changed")
         ids = sorted(set(self.doc_ids or []) | set(docs))
-        learned = self.learned_from(ids)  # before anything changes: the runs read the versions as they were
         doc_keys = {doc_key(i) for i in ids}
-        exact = {int(d["exact"]) for d in docs.values()}
         held = next((h["rows"] for h in found["versions"] if h["ref"] == self.newest.ref), [])
+        if finished and not held and doc_keys <= self.listed():  # a rerun of the takedown a crash cut short
+            return self.nothing_more(finished)
+        learned = self.learned_from(ids)  # before anything changes: the runs read the versions as they were
+        exact = {int(d["exact"]) for d in docs.values()}
         try:
             make_dirs(self.own, self.storage.run_shards(self.name, self.tag))
             removed, added, lineage, co_packed = self.rewrite(held, doc_keys)
             tails = self.rewrite_tails(doc_keys, exact)
             forget_list = self.write_list(doc_keys, exact)
-            version = self.commit(ids, removed, added, lineage, co_packed, tails, forget_list, len(held))
+            plan = self.plan_purge(removed, added, tails, found, doc_keys, exact) if self.purge else None
+            version = self.commit(ids, removed, added, lineage, co_packed, tails, forget_list, len(held), plan)
         except BaseException:
             delete_run(self.storage, self.name, self.tag)  # nothing half-made is left
             raise
-        purged = self.purge_files(version, removed, found, doc_keys, exact) if self.purge else {}
+        purged = carry_out(version, plan) if plan else {}
+        for f in finished:
+            purged.setdefault("deleted", []).extend(f["deleted"])
+            purged.setdefault("scrubbed", []).extend(f["scrubbed"])
         not_found = sorted(set(self.doc_ids or []) - set(docs))
         return {"dataset": self.name, "version": version.manifest.version, "ref": version.ref,
                 "not_searched": found["without_lineage"],
@@ -130,6 +146,20 @@ class Forget:
                 "rows_removed": len({(r["shard"], r["row"]) for r in held}),
                 "shards_rewritten": len(removed), "co_packed": co_packed, "purged": purged.get("deleted", []),
                 "scrubbed": purged.get("scrubbed", []), **learned}
+
+    def listed(self) -> set[int]:
+        """The keys the newest version's forget list holds (checked against its commit's digest)."""
+        listed = self.newest.manifest.forgotten.get("list")
+        return {int(k) for k in read_list(self.newest.named(listed, legacy_ok=True))} if listed else set()
+
+    def nothing_more(self, finished: list[dict]) -> dict:
+        """A rerun after a purge a crash cut short: the purge is finished, and nothing else changes."""
+        _say(f"these documents were forgotten already; finished the purge of {', '.join(f['version'] for f in finished)}")
+        return {"dataset": self.name, "version": self.newest.manifest.version, "ref": self.newest.ref,
+                "not_searched": [], "reason": self.reason, "documents": [], "not_in_any_version": [],
+                "rows_removed": 0, "shards_rewritten": 0, "co_packed": [], "runs": [], "sweeps": [],
+                "purged": [p for f in finished for p in f["deleted"]],
+                "scrubbed": [p for f in finished for p in f["scrubbed"]], "finished": [f["version"] for f in finished]}
 
     def learned_from(self, ids: list[str]) -> dict:
         """The runs, checkpoints, exports and sweeps that learned from the documents: `strata lineage doc`
@@ -160,12 +190,15 @@ class Forget:
         """Each shard of the newest snapshot holding a forgotten row, written again without those rows (in
         data/<tag>); its lineage, the rows renumbered; and the other documents the dropped rows held."""
         from pipelines.pack import ROW_GROUP_ROWS
-        from strata.lineage import FILE, SCHEMA, read, write
+        from strata.lineage import FILE, SCHEMA, check_spans, read, write
 
         drop: dict[str, set[int]] = {}
         for r in held:
             drop.setdefault(r["shard"], set()).add(r["row"])
         shards = {s.path: s for s in self.newest.shards}
+        if outside := [(p, r) for p, rows in drop.items() for r in rows if p not in shards or r >= shards[p].rows]:
+            raise DatasetError(f"forget: lineage names row {outside[0][1]} of {outside[0][0]}, which {self.newest.ref} "
+                               "does not hold: refused before anything changed")
         removed, added, parts, co_packed = [], [], [], {}
         row_len = self.newest.manifest.seq_len + 1
         by_version = {}  # the lineage file of each version that added an affected shard
@@ -188,7 +221,8 @@ class Forget:
             if old.version not in by_version:
                 owner = version_at(self.storage, self.name, int(old.version[1:]))
                 lf = owner.manifest.lineage.get("file")
-                by_version[old.version] = read(owner.file(lf)) if lf else SCHEMA.empty_table()
+                by_version[old.version] = read(owner.named(lf)) if lf else SCHEMA.empty_table()
+                check_spans(owner, by_version[old.version])
             spans = by_version[old.version].filter(pc.equal(by_version[old.version]["shard"], path))
             rows = spans["row"].to_numpy()
             dropped = np.isin(rows, gone)
@@ -209,10 +243,6 @@ class Forget:
                        "documents": len(np.unique(table["doc"].to_numpy()))}
         return removed, added, lineage, [{"doc_id": k, "tokens_lost": v} for k, v in sorted(co_packed.items())]
 
-    def forgotten_run(self, doc_id: str, exact_key: int, doc_keys: set[int], exact: set[int]) -> bool:
-        """Whether a run of tails tokens is a forgotten document's (its id, its exact key or its file)."""
-        return bool(doc_id) and (exact_key in exact or self.named(doc_id, doc_keys))
-
     def named(self, doc_id: str, keys: set[int]) -> bool:
         """Whether record `doc_id` has one of the record keys `keys`, or is of a file --source matches."""
         from strata.lineage import doc_key
@@ -231,7 +261,7 @@ class Forget:
             return ""
         from pipelines.pack import read_tails
 
-        tails = read_tails(self.newest.file(m.tails))
+        tails = read_tails(self.newest.named(m.tails, legacy_ok=True))
         changed, carry, runs = False, {}, {}
         for split, (tokens, docs) in tails.items():
             keep, at, kept = np.ones(len(tokens), bool), 0, DocRuns()
@@ -256,8 +286,7 @@ class Forget:
         m = self.newest.manifest
         parts = []
         if m.forgotten.get("list"):
-            fs, p = filesystem(self.newest.file(m.forgotten["list"]))
-            parts.append(pq.read_table(fs.open_input_file(p)).cast(LIST_SCHEMA))
+            parts.append(self.newest.named(m.forgotten["list"], legacy_ok=True).parquet().cast(LIST_SCHEMA))
         new = [(k, "doc") for k in sorted(doc_keys)] + [(k, "exact") for k in sorted(exact)]
         parts.append(pa.table({"key": pa.array([k for k, _ in new], pa.uint64()), "kind": [k for _, k in new],
                                "version": [self.label] * len(new)}, schema=LIST_SCHEMA))
@@ -266,7 +295,7 @@ class Forget:
         pq.write_table(pa.concat_tables(parts).sort_by("key"), p, filesystem=fs)
         return rel
 
-    def commit(self, ids, removed, added, lineage, co_packed, tails, forget_list, spans):
+    def commit(self, ids, removed, added, lineage, co_packed, tails, forget_list, spans, plan=None):
         m = self.newest.manifest
         rows = dict(m.totals.get("rows", {}))
         for s in removed:
@@ -279,7 +308,7 @@ class Forget:
                   "shards": m.totals.get("shards", 0) - len(removed) + len(added)}
         forgets = [*m.forgotten.get("forgets", []),
                    {"version": self.label, "reason": self.reason, "removed": [s.path for s in removed],
-                    "purged": self.purge, "documents": len(ids)}]
+                    "purged": self.purge, "documents": len(ids), **({"purge": plan["record"]} if plan else {})}]
         fields = dict(tokenizer=m.tokenizer, seq_len=m.seq_len, dtype=m.dtype, documents=DocumentCounts(), tokens=0,
                       inputs=[], run={"command": "forget", "at": time.time(), "lease_gen": self.lease.gen},
                       totals=totals, stats={}, dedup=m.dedup, consumed=m.consumed, tails=tails, quality=m.quality,
@@ -290,47 +319,148 @@ class Forget:
         return commit_rewrite(self.storage, self.name, self.tag, fields, removed=removed, added=added,
                               lease=self.lease, head=self.head)
 
-    def purge_files(self, version, removed: list[Shard], found: dict, doc_keys: set[int], exact: set[int]) -> dict:
-        """--purge, once the commit stands: every file of an earlier version that holds the documents'
-        tokens is deleted (the shards lineage names in any version, those an earlier takedown without
-        --purge left included, and every tails file holding them), and each version's rejects report loses
-        the text samples of them and of the copies dedup removed in their favour. {"deleted", "scrubbed"}."""
+    def plan_purge(self, removed: list[Shard], added: list[Shard], tails: str, found: dict, doc_keys: set[int],
+                   exact: set[int]) -> dict:
+        """--purge, planned before the commit: every file of an earlier version that holds the documents'
+        tokens (the shards verified lineage names in any version, those an earlier takedown without --purge
+        left included, and every tails file holding them), and each rejects report without the text samples
+        of them and of the copies dedup removed in their favour. Everything it reads is checked against its
+        commit's digest; a version made before digests is left out, and said so. {"record": what the commit
+        keeps (files to delete; reports with their scrubbed SHA-256), "reports": {path: scrubbed bytes}}."""
         from pipelines.pack import read_tails
         from strata.dataset import history
         from strata.lineage import doc_key
 
-        live = {s.path for s in version.shards}  # the new snapshot holds none of their rows
-        rel = {s.path for s in removed} | {r["shard"] for h in found["versions"] for r in h["rows"]}
-        earlier = [v for v in history(self.storage, self.name) if v.number < version.number]
+        live = ({s.path for s in self.newest.shards} - {s.path for s in removed}) | {s.path for s in added}
+        doomed = {s.path for s in removed} | {r["shard"] for h in found["versions"] for r in h["rows"]}
+        earlier = [v for v in history(self.storage, self.name)]
+        unverified = [v.ref for v in earlier if not v.manifest.digests]
+        if unverified:
+            _say(f"WARNING: --purge leaves the files of {len(unverified)} version(s) made before file digests as they are "
+                 f"({', '.join(unverified[:3])}{' ...' if len(unverified) > 3 else ''}): they cannot be verified")
+        earlier = [v for v in earlier if v.manifest.digests]
         copies = set()  # record keys of the documents dedup removed as copies of a forgotten one
         for v in earlier:
             d = v.manifest.dedup.get("removed")
-            for part, is_dir in sorted(list_dir(v.file(d))) if d else []:
-                if not is_dir:
-                    fs, p = filesystem(join(v.file(d), part))
-                    t = pq.read_table(fs.open_input_file(p), columns=["doc_id", "kept"])
-                    copies |= {doc_key(i) for i, k in zip(t["doc_id"].to_pylist(), t["kept"].to_pylist(), strict=True)
-                               if k in doc_keys}
-        tails = {v.manifest.tails for v in earlier if v.manifest.tails} - {version.manifest.tails}
-        for t in sorted(tails):
-            held = read_tails(self.newest.file(t)) if exists(self.newest.file(t)) else {}
-            if any(self.forgotten_run(i, k, doc_keys, exact) for _, runs in held.values()
-                   for i, k in zip(runs.ids, runs.exact, strict=True)):
-                rel.add(t)
-        deleted = []
-        for r in sorted(rel - live):
-            if exists(f := self.newest.file(r)):
-                delete(f)
-                deleted.append(f)
-        named = doc_keys | copies
-        scrubbed = []
-        for r in sorted({v.manifest.rejects for v in earlier if v.manifest.rejects}):
-            if not exists(f := self.newest.file(r)):
+            for part in sorted(p for p in v.manifest.digests if d and p.startswith(f"{d}/")):
+                t = v.named(part).parquet(columns=["doc_id", "kept"])
+                copies |= {doc_key(i) for i, k in zip(t["doc_id"].to_pylist(), t["kept"].to_pylist(), strict=True)
+                           if k in doc_keys}
+        for v in earlier:
+            t = v.manifest.tails
+            if t and t != tails and t not in doomed and v.named(t).exists():  # (`tails`: the new version's)
+                held = read_tails(v.named(t))
+                if any(self.forgotten_run(i, k, doc_keys, exact) for _, runs in held.values()
+                       for i, k in zip(runs.ids, runs.exact, strict=True)):
+                    doomed.add(t)
+        named = sorted(doc_keys | copies)
+        reports, scrub, rewritten = {}, {}, scrubbed_so_far(self.newest)
+        for v in earlier:
+            if not (r := v.manifest.rejects) or r in scrub or not v.named(r).exists():
                 continue
-            report = read_json(f)
-            samples = {k: [x for x in v if not (isinstance(x, dict) and self.named(str(x.get("doc_id", "")), named))]
-                       for k, v in (report.get("samples") or {}).items()}
-            if samples != report.get("samples"):
-                write_json_atomic(f, {**report, "samples": samples})
-                scrubbed.append(f)
-        return {"deleted": deleted, "scrubbed": scrubbed}
+            report = replace(v.named(r), sha256=rewritten.get(r, v.named(r).sha256))  # as an earlier purge left it
+            new = scrubbed_report(report.json(), set(named), self.source, report.what)
+            if new is not None:
+                reports[v.file(r)], scrub[r] = new, {"sha256": sha256(new), "version": v.manifest.version}
+        return {"record": {"delete": sorted(doomed - live), "scrub": scrub, "keys": [str(k) for k in named],
+                           "source": self.source},
+                "reports": reports}
+
+    def forgotten_run(self, doc_id: str, exact_key: int, doc_keys: set[int], exact: set[int]) -> bool:
+        """Whether a run of tails tokens is a forgotten document's (its id, its exact key or its file)."""
+        return bool(doc_id) and (exact_key in exact or self.named(doc_id, doc_keys))
+
+
+def scrubbed_report(report, keys: set[int], source: str | None, what: str) -> bytes | None:
+    """A rejects report without the samples of the documents `keys` names (or of files `source` matches), as
+    the bytes strata writes; None when it holds none of them. A report that is not one is an error naming it."""
+    from strata.lineage import doc_key
+    from strata.storage import json_bytes
+
+    samples = report.get("samples") if isinstance(report, dict) else None
+    if not isinstance(samples, dict) or not all(isinstance(v, list) for v in samples.values()):
+        raise DatasetError(f"{what} is not a rejects report (no samples by reason); refused")
+
+    def named(x) -> bool:
+        doc_id = str(x.get("doc_id", "")) if isinstance(x, dict) else ""
+        return doc_key(doc_id) in keys or (source is not None and fnmatch.fnmatchcase(doc_id.rpartition(":")[0], source))
+
+    kept = {k: [x for x in v if not named(x)] for k, v in samples.items()}
+    return None if kept == samples else json_bytes({**report, "samples": kept})
+
+
+def scrubbed_so_far(newest) -> dict[str, str]:
+    """The rejects reports earlier purges rewrote, with the SHA-256 their plans recorded: what they hold now."""
+    out = {}
+    for f in newest.manifest.forgotten.get("forgets") or []:
+        scrub = (f.get("purge") or {}).get("scrub") if isinstance(f, dict) else None
+        for rel, s in (scrub or {}).items() if isinstance(scrub, dict) else ():
+            if isinstance(s, dict) and isinstance(s.get("sha256"), str):
+                out[rel] = s["sha256"]
+    return out
+
+
+def rewritten_before(newest, version, rel: str) -> str | None:
+    """The SHA-256 `rel` had after the purges before takedown `version` (None: as its own commit made it)."""
+    sha = None
+    for f in newest.manifest.forgotten.get("forgets") or []:
+        if not isinstance(f, dict) or f.get("version") == version:
+            break
+        s = ((f.get("purge") or {}).get("scrub") or {}).get(rel)
+        if isinstance(s, dict) and isinstance(s.get("sha256"), str):
+            sha = s["sha256"]
+    return sha
+
+
+def carry_out(version, plan: dict) -> dict:
+    """Do what a purge's plan says, now that its commit stands: {"deleted", "scrubbed"} (paths)."""
+    from strata.dataset import failpoint
+
+    deleted, scrubbed = [], []
+    for rel in plan["record"]["delete"]:
+        if exists(f := version.file(rel)):
+            delete(f)
+            deleted.append(f)
+            failpoint(f"purge:{len(deleted)}")  # a crash part way (tests): the next forget finishes it
+    for path, data in plan["reports"].items():
+        write_bytes_atomic(path, data)
+        scrubbed.append(path)
+    return {"deleted": deleted, "scrubbed": scrubbed}
+
+
+def finish_purges(storage: Storage, newest) -> list[dict]:
+    """Finish every purge whose commit stands but which a crash cut short (its plan is in the takedown record
+    every later version carries on): files still there are deleted, reports not yet scrubbed are. A report is
+    scrubbed again only from the bytes its own version's commit names, and only to the SHA-256 the plan
+    recorded. [{"version", "deleted", "scrubbed"}] of each purge that had something left."""
+    from strata.integrity import IntegrityError
+
+    out = []
+    for f in newest.manifest.forgotten.get("forgets") or []:
+        plan = f.get("purge") if isinstance(f, dict) else None
+        if not isinstance(plan, dict):
+            continue
+        left = [rel for rel in plan.get("delete") or [] if isinstance(rel, str) and exists(newest.file(rel))]
+        todo = {rel: s for rel, s in (plan.get("scrub") or {}).items() if isinstance(rel, str) and isinstance(s, dict)
+                and exists(newest.file(rel)) and file_sha256(newest.file(rel)) != s.get("sha256")}
+        if not left and not todo:
+            continue
+        deleted, scrubbed = [], []
+        for rel in left:
+            delete(newest.file(rel))
+            deleted.append(newest.file(rel))
+        keys = {int(k) for k in plan.get("keys") or []}
+        for rel, s in todo.items():
+            owner = version_at(storage, newest.manifest.dataset, int(str(s.get("version", "v0"))[1:] or 0))
+            before = rewritten_before(newest, f.get("version"), rel) or owner.named(rel).sha256
+            report = replace(owner.named(rel), sha256=before)
+            new = scrubbed_report(report.json(), keys, plan.get("source"), report.what)
+            if new is None or sha256(new) != s.get("sha256"):
+                raise IntegrityError(f"the purge of {newest.manifest.dataset}@{f.get('version')}: {rel} does not scrub "
+                                     "to the SHA-256 its plan recorded; refused")
+            write_bytes_atomic(newest.file(rel), new)
+            scrubbed.append(newest.file(rel))
+        _say(f"finished the purge of {newest.manifest.dataset}@{f.get('version')} a crash cut short: deleted "
+             f"{len(deleted)} file(s), scrubbed {len(scrubbed)} report(s)")
+        out.append({"version": f.get("version"), "deleted": deleted, "scrubbed": scrubbed})
+    return out

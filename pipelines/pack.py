@@ -462,7 +462,7 @@ def write_tails(path: str, carry: dict[str, np.ndarray], runs: dict[str, DocRuns
 
 
 def pack_tails(work_dir: str, names: list[str], *, seq_len: int, dtype: str, seed: int, eot_id: int,
-               carried: str | None = None, final: bool = False, tails_out: str | None = None) -> Output:
+               carried=None, final: bool = False, tails_out: str | None = None) -> Output:
     """The tails the previous version could not pack (`carried`, a tails file), first, then every unit's, in
     name order, packed together into `packed/packed-tails.parquet`: the same input always packs the same.
 
@@ -521,12 +521,16 @@ def pack_tails(work_dir: str, names: list[str], *, seq_len: int, dtype: str, see
     return Output(tally=Tally(**figures, cpu_s={"pack": time.process_time() - cpu0}), packed_file=packed_file)
 
 
-def read_tails(path: str) -> dict[str, tuple[np.ndarray, DocRuns]]:
+def read_tails(path) -> dict[str, tuple[np.ndarray, DocRuns]]:
     """A tails file's tokens by split, with the documents they are of (a file made before lineage has
-    none: its tokens are of documents unknown, "")."""
+    none: its tokens are of documents unknown, ""). `path`: a work file of this run's, or an earlier
+    version's tails as its commit names them (strata.integrity.Named: checked against their digest)."""
     ids = {v: k for k, v in SPLIT_IDS.items()}
-    fs, p = filesystem(path)
-    t = pq.read_table(p, filesystem=fs)
+    if isinstance(path, str):
+        fs, p = filesystem(path)
+        t = pq.read_table(p, filesystem=fs)
+    else:
+        t = path.parquet()
     out = {}
     for i, (split, tokens) in enumerate(zip(t["split"].to_pylist(), t["tokens"].to_numpy(zero_copy_only=False),
                                             strict=True)):

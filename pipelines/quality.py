@@ -101,10 +101,14 @@ def model_id(weights: dict[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
-def read_scores(paths: list[str]) -> pa.Table:
-    """The cache files as one table sorted by key."""
+def read_scores(paths: list[str], checked: dict[str, bytes] | None = None) -> pa.Table:
+    """The cache files as one table sorted by key (`checked`: the bytes of those already read and checked
+    against their digests, parsed as they are: nothing is read twice)."""
     tables = []
     for path in paths:
+        if checked and path in checked:
+            tables.append(pq.read_table(pa.BufferReader(checked[path]), schema=SCHEMA))
+            continue
         fs, p = filesystem(path)
         tables.append(pq.read_table(p, filesystem=fs, schema=SCHEMA))
     return pa.concat_tables(tables).sort_by("key") if tables else SCHEMA.empty_table()
@@ -119,26 +123,29 @@ def digest(path: str) -> str:
     return hashlib.sha256(read_bytes(path)).hexdigest()
 
 
-def _checked_cache(parent: dict) -> list[str]:
-    """The parent's cache files that match the digests its manifest keeps. A cache is only a cache: a file
-    that was changed, cannot be read, or has no digest (a version made before digests) is left out with a
-    warning, and its documents are scored again."""
+def _checked_cache(parent: dict) -> dict[str, bytes]:
+    """The parent's cache files that match the digests its manifest keeps, with their checked bytes. A cache is
+    only a cache: a file that was changed, cannot be read, or has no digest (a version made before digests) is
+    left out with a warning, and its documents are scored again."""
+    import hashlib
+
+    from strata.storage import read_bytes
+
     scores, digests = list(parent.get("scores") or []), parent.get("digests")
     if not isinstance(digests, list) or len(digests) != len(scores):
         if scores:
             _warn(f"quality: the score cache of {len(scores)} file(s) has no digests in its manifest (made before "
                   "2026-12-04); its documents are scored again")
-        return []
-    kept = []
+        return {}
+    kept = {}
     for path, want in zip(scores, digests, strict=True):
         try:
-            ok = digest(path) == want
+            data = read_bytes(path)
         except OSError as e:
-            ok = False
             _warn(f"quality: score cache file {path} cannot be read ({e}); its documents are scored again")
             continue
-        if ok:
-            kept.append(path)
+        if hashlib.sha256(data).hexdigest() == want:
+            kept[path] = data
         else:
             _warn(f"quality: score cache file {path} does not match the digest in its manifest (changed since it "
                   "was written); its documents are scored again")
@@ -195,13 +202,14 @@ def score(cfg: QualityConfig, model, docs_files: list[str], *, exact: bool, pare
 
     started = time.time()
     mid = model_id(model.weights)
-    carried = _checked_cache(parent) if parent and parent.get("model_id") == mid else []
+    checked = _checked_cache(parent) if parent and parent.get("model_id") == mid else {}
+    carried = list(checked)
     known = dict(zip(parent.get("scores") or [], parent.get("digests") or [], strict=False)) if parent else {}
     mine = join(out_dir, "scores.parquet")
     had = exists(mine)
     before = _read_or_none(mine) if had else SCHEMA.empty_table()  # what a killed run of this work scored
     had = had and before.num_rows > 0
-    cache = pa.concat_tables([read_scores(carried), before])
+    cache = pa.concat_tables([read_scores(carried, checked), before])
     cache_keys = cache.column("key").to_numpy()
     actors = cfg.quality_actors or max(1, int(cpus) - 1)
     stride = max(1, model.cfg.seq_len // 2)
@@ -224,7 +232,7 @@ def score(cfg: QualityConfig, model, docs_files: list[str], *, exact: bool, pare
         files = files[-window:]
     elif len(files) > QUALITY_SEGMENTS:
         make_dirs(out_dir)
-        files = [write_scores(join(out_dir, "scores-merged.parquet"), read_scores(files))]
+        files = [write_scores(join(out_dir, "scores-merged.parquet"), read_scores(files, checked))]
     seconds = time.time() - started
     tokens = int(np.sum(new_scores.column("tokens").to_numpy())) if new_scores.num_rows else 0
     decision.figures.update(model=model.source, model_id=mid, scored=new_scores.num_rows,

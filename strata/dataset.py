@@ -36,6 +36,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from strata.integrity import Named, file_sha256
 from strata.shell import StrataError
 from strata.storage import (
     S3_ATTEMPTS,
@@ -217,6 +218,10 @@ class Manifest:
     """Every takedown so far, carried on by each later version: `list`, the forget list (exact and record
     keys pass 1 drops), relative to the dataset directory, and `forgets`: per takedown its `version`,
     `reason`, the shard files it `removed` from the snapshot, and whether they were `purged`."""
+    digests: dict = field(default_factory=dict)
+    """SHA-256 of every file this manifest names that strata reads back, by its path in the dataset: its own
+    and those it carries on (strata/integrity.py: nothing else read back is trusted). Empty in versions made
+    before 2026-12-05."""
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict:
@@ -311,6 +316,15 @@ class DatasetVersion:
         except PathRefused as e:
             raise DatasetError(str(e)) from None
 
+    def named(self, rel: str, legacy_ok: bool = False) -> Named:
+        """A file this version's manifest names, with the SHA-256 its commit gives it (strata/integrity.py): read
+        it only through `Named`. `legacy_ok` reads the file of a version made before digests (with a warning)
+        instead of refusing it; a version with digests that names none for `rel` is refused either way."""
+        if not isinstance(self.manifest.digests, dict) or not all(isinstance(v, str) for v in self.manifest.digests.values()):
+            raise DatasetError(f"{self.ref}: its manifest's digests are not a map of paths to SHA-256s; refused")
+        return Named(self.file(rel), self.manifest.digests.get(rel), f"{self.ref}: {rel}",
+                     legacy_ok and not self.manifest.digests)
+
     def shard_paths(self, split: str) -> list[str]:
         return [self.file(s.path) for s in self.shards if s.split == split]
 
@@ -318,7 +332,7 @@ class DatasetVersion:
         """The tokenizer file's text, for tokenizers that have one."""
         if not self.manifest.tokenizer.file:
             return None
-        return read_bytes(self.file(self.manifest.tokenizer.file)).decode()
+        return self.named(self.manifest.tokenizer.file, legacy_ok=True).read().decode()
 
 
 def _footer_rows(path: str) -> int:
@@ -680,6 +694,7 @@ def commit(storage: Storage, name: str, tag: str, manifest_fields: dict, *, leas
 
     path, rel = storage.dataset(name), f"_strata/{tag}"
     fields = dict(manifest_fields)
+    reported = {f"{rel}/{k}": v for k, v in fields.pop("digests", {}).items()}  # what the run hashed as it wrote
     new = [replace(s, path=f"data/{tag}/{s.path}") for s in fields.pop("shards")]
     if (tok := fields["tokenizer"]).file:
         fields["tokenizer"] = replace(tok, file=f"{rel}/{tok.file}")
@@ -711,6 +726,7 @@ def commit(storage: Storage, name: str, tag: str, manifest_fields: dict, *, leas
         manifest = Manifest(dataset=name, version=label(number), created_at=time.time(), files=rel,
                             parent=parent.manifest.version if parent else "",
                             totals=_totals(parent, new, fields), **_named(fields, label(number)))
+        manifest = replace(manifest, digests=digests_of(path, manifest, reported, parent))
         if lease is not None:
             lease.check()
         done = DatasetVersion(path, manifest, tuple(replace(s, version=manifest.version) for s in new))
@@ -745,8 +761,11 @@ def commit_rewrite(storage: Storage, name: str, tag: str, manifest_fields: dict,
     path = storage.dataset(name)
     parent = _load(path, head.live, name, head)
     number = head.table.version() + 1
+    fields = dict(manifest_fields)
+    reported = fields.pop("digests", {})
     manifest = Manifest(dataset=name, version=label(number), created_at=time.time(), files=f"_strata/{tag}",
-                        parent=parent.manifest.version, **manifest_fields)
+                        parent=parent.manifest.version, **fields)
+    manifest = replace(manifest, digests=digests_of(path, manifest, reported, parent))
     now_ms = int(time.time() * 1000)
     actions = [RemoveAction(s.path, True, now_ms, s.bytes, {"split": s.split, "version": str(int(s.version[1:]))})
                for s in removed] + add_actions(added, number)
@@ -765,6 +784,47 @@ def commit_rewrite(storage: Storage, name: str, tag: str, manifest_fields: dict,
             if not transient(e) or attempt == S3_ATTEMPTS - 1:
                 raise
     raise AssertionError("unreachable")
+
+
+def named_files(m: Manifest, root: str) -> list[str]:
+    """Every file manifest `m` names that strata reads back, by its path in the dataset at `root`: the tokenizer,
+    rejects report, tails, dedup audit, removed lists (each file of the directory), dedup index segments
+    (`files` in versions made before the index), consumed index, quality cache, lineage and forget list."""
+    from strata.storage import list_files
+
+    out = [m.tokenizer.file, m.rejects, m.tails, m.dedup.get("audit"), m.lineage.get("file"), m.forgotten.get("list")]
+    if removed := m.dedup.get("removed"):
+        out += [f"{removed}/{f}" for f in list_files(inside(root, removed, f"{m.dataset}@{m.version}: removed"))]
+    for segs in (m.dedup.get("index") or {}).values():
+        out += [f["path"] for seg in segs for f in seg["files"]]
+    for files in (m.dedup.get("files") or {}).values():
+        out += list(files)
+    out += [f["path"] for seg in (m.consumed or []) for f in seg["files"]]
+    out += list(m.quality.get("scores") or [])
+    return sorted({p for p in out if isinstance(p, str) and p})
+
+
+def digests_of(root: str, m: Manifest, reported: dict[str, str], parent: DatasetVersion | None) -> dict[str, str]:
+    """The `digests` of manifest `m`: for each file it names, the SHA-256 its writer reported, or the one its
+    parent's commit names (a file carried on), or, for a file this run wrote without reporting one, its hash
+    now. A file carried on from a parent made before digests is hashed now too: trusted as it is, said once."""
+    out, adopted = {}, []
+    known = parent.manifest.digests if parent is not None else {}
+    for rel in named_files(m, root):
+        if rel in reported:
+            out[rel] = reported[rel]
+        elif rel in known:
+            out[rel] = known[rel]
+        else:
+            out[rel] = file_sha256(inside(root, rel, f"{m.dataset}@{m.version}"))
+            if not rel.startswith(f"{m.files}/"):
+                adopted.append(rel)
+    if adopted:
+        from strata.shell import log
+
+        log("dataset").warning(f"dataset {m.dataset}: {len(adopted)} file(s) carried on from {parent.ref if parent else ''} "
+                               f"(made before file digests) are named by {m.version}'s commit as they are now")
+    return out
 
 
 THIS_VERSION = "@this"  # what a run calls the version it is making, in its dedup index, until the commit

@@ -115,13 +115,20 @@ def _spans(stored: pa.Table, meta: dict) -> pa.Table:
                                  pa.array(length.astype(np.int32))], schema=SCHEMA)
 
 
-def _open(path: str) -> tuple[pq.ParquetFile, dict | None]:
-    fs, p = filesystem(path)
+def _open(src) -> tuple[pq.ParquetFile, dict | None]:
+    """A lineage file and its footer's meta (None: format 1). `src`: a version's lineage as its commit names it
+    (strata.integrity.Named: read whole and checked against its digest first), or a path (a run's own)."""
+    if isinstance(src, str):
+        path = src
+        fs, p = filesystem(src)
+        source = fs.open_input_file(p)
+    else:
+        path, source = src.what, pa.BufferReader(src.read())
     try:
-        f = pq.ParquetFile(fs.open_input_file(p))
+        f = pq.ParquetFile(source)
         raw = (f.schema_arrow.metadata or {}).get(META)
         meta = json.loads(raw) if raw is not None else None
-    except (pa.ArrowInvalid, ValueError) as e:  # damaged, or not parquet: one line naming the file
+    except (pa.ArrowInvalid, ValueError, OSError) as e:  # damaged, or not parquet: one line naming the file
         raise LineageError(f"{path} is not a readable lineage file: {e}") from None
     if meta is None:
         if f.schema_arrow.names != SCHEMA.names:
@@ -130,16 +137,41 @@ def _open(path: str) -> tuple[pq.ParquetFile, dict | None]:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else meta
         raise LineageError(f"{path}: lineage format {found!r}; this strata reads formats 1 and {FORMAT}")
-    if len(meta["first"]) != f.metadata.num_row_groups:
-        raise LineageError(f"{path}: its footer names {len(meta['first'])} row groups, the file has "
-                           f"{f.metadata.num_row_groups}")
+    _check_footer(path, meta, f)
     return f, meta
 
 
-def read(path: str) -> pa.Table:
-    """Every span of lineage file `path` (SCHEMA)."""
-    f, meta = _open(path)
-    return f.read() if meta is None else _spans(f.read(), meta)
+def _pair(x, kinds) -> bool:
+    return (isinstance(x, list) and len(x) == 2 and isinstance(x[0], kinds[0]) and isinstance(x[1], kinds[1])
+            and not isinstance(x[1], bool))
+
+
+def _check_footer(path: str, meta: dict, f: pq.ParquetFile) -> None:
+    """Every field format 2's footer must hold, with its type: a damaged or crafted one is one line."""
+    row_len, shards, first = meta.get("row_len"), meta.get("shards"), meta.get("first")
+    if isinstance(row_len, bool) or not isinstance(row_len, int) or row_len < 2:
+        raise LineageError(f"{path}: its footer has no row length (row_len {row_len!r})")
+    if not isinstance(shards, list) or not all(_pair(x, (str, int)) for x in shards):
+        raise LineageError(f"{path}: its footer's shards are not [name, first row] pairs")
+    bases = [b for _, b in shards]
+    if bases != sorted(bases) or (bases and bases[0] != 0):
+        raise LineageError(f"{path}: its footer's shards do not number rows in order")
+    if not isinstance(first, list) or not all(_pair(x, (str, int)) for x in first):
+        raise LineageError(f"{path}: its footer's row-group index is not [source, position] pairs")
+    if len(first) != f.metadata.num_row_groups:
+        raise LineageError(f"{path}: its footer names {len(first)} row groups, the file has "
+                           f"{f.metadata.num_row_groups}")
+    if f.schema_arrow.names != STORED.names:
+        raise LineageError(f"{path} is not a lineage file of format {FORMAT} (columns {f.schema_arrow.names})")
+
+
+def read(src) -> pa.Table:
+    """Every span of lineage file `src` (a path, or a version's file as its commit names it: SCHEMA)."""
+    f, meta = _open(src)
+    try:
+        return f.read() if meta is None else _spans(f.read(), meta)
+    except (pa.ArrowInvalid, ValueError, IndexError, TypeError) as e:
+        raise LineageError(f"{getattr(src, 'what', src)}: its spans do not read ({type(e).__name__}: {e})") from None
 
 
 def doc_key(doc_id: str) -> int:
@@ -152,7 +184,7 @@ def _split_id(doc_id: str) -> tuple[str, int] | None:
     return (source, int(position)) if source and position.isdigit() else None
 
 
-def lookup(path: str, doc_ids: list[str] | None = None, source: str | None = None) -> tuple[pa.Table, int]:
+def lookup(path, doc_ids: list[str] | None = None, source: str | None = None) -> tuple[pa.Table, int]:
     """The spans (SCHEMA) in lineage file `path` of records `doc_ids`, or of input files matching the glob
     `source`, and how many row groups were read: by id, only the row group whose range holds each (the
     footer says); by source, the `source` column, then only the row groups holding a match."""
@@ -190,12 +222,14 @@ def _lookup_format1(f: pq.ParquetFile, doc_ids, source) -> tuple[pa.Table, int]:
 
 
 def find(storage: Storage, doc_ids: list[str] | None = None, source: str | None = None,
-         dataset: str | None = None) -> dict:
+         dataset: str | None = None, verified_only: bool = False) -> dict:
     """Where documents are, by record id or input-file glob, in every dataset (or `dataset`): each
     document's place in its input (file size, mtime and digest from the manifest of the version that added it) and
     every version whose snapshot holds one of its rows: {"documents", "versions": [{"dataset", "version",
     "ref", "rows": [{"doc_id", "shard", "row", "start", "length", "split"}]}], "row_groups_read",
-    "without_lineage": versions made before lineage}."""
+    "without_lineage": versions made before lineage (and, `verified_only`, before file digests: a takedown acts
+    only on lineage whose commit names its digest)}. Every document's spans are checked against the version
+    that added it (`check_spans`): a lineage file that names more than its documents can hold is an error."""
     from strata.dataset import DatasetError, history
 
     if (doc_ids is None) == (source is None):
@@ -211,10 +245,11 @@ def find(storage: Storage, doc_ids: list[str] | None = None, source: str | None 
             continue  # a dataset that does not read (its own commands say why)
         found = []
         for v in versions:
-            if not v.manifest.lineage.get("file"):
+            if not v.manifest.lineage.get("file") or (verified_only and not v.manifest.digests):
                 missing.append(v.ref)
                 continue
-            table, groups = lookup(v.file(v.manifest.lineage["file"]), doc_ids, source)
+            table, groups = lookup(v.named(v.manifest.lineage["file"], legacy_ok=not verified_only), doc_ids, source)
+            check_spans(v, table)
             row_groups += groups
             inputs = {f["path"]: f for f in v.manifest.inputs}
             for r in table.to_pylist():
@@ -236,6 +271,29 @@ def find(storage: Storage, doc_ids: list[str] | None = None, source: str | None 
             "row_groups_read": row_groups, "without_lineage": missing}
 
 
+def check_spans(v, spans: pa.Table) -> None:
+    """Refuse (LineageError, one line) spans that version `v`'s documents cannot have: each lies in a shard `v`
+    added, in a row that shard holds, within the row; and a document touches no more rows than its tokens fill
+    (ceil(tokens / row length) + 1). What a takedown removes is then what its documents and the documents
+    packed beside them in the same rows explain, never more."""
+    if not spans.num_rows:
+        return
+    row_len = v.manifest.seq_len + 1
+    added = {sh.path: sh.rows for sh in v.added}
+    where = f"{v.ref}: lineage {v.manifest.lineage.get('file')}"
+    per_doc: dict[int, list] = {}
+    for r in spans.select(["doc", "shard", "row", "start", "length"]).to_pylist():
+        if r["shard"] not in added:
+            raise LineageError(f"{where} places a document in {r['shard']}, which {v.ref} did not add; refused")
+        if not (0 <= r["row"] < added[r["shard"]] and 0 <= r["start"] < row_len and 0 < r["length"] <= row_len - r["start"]):
+            raise LineageError(f"{where} places a document at row {r['row']} ({r['start']}+{r['length']} tokens) of "
+                               f"{r['shard']}, which holds {added[r['shard']]} rows of {row_len} tokens; refused")
+        per_doc.setdefault(r["doc"], []).append(r["length"])
+    for lengths in per_doc.values():
+        if len(lengths) > -(-sum(lengths) // row_len) + 1:
+            raise LineageError(f"{where} places a document of {sum(lengths)} tokens in {len(lengths)} rows; refused")
+
+
 def row_documents(storage: Storage, version, rows: set[tuple[str, int]]) -> dict[tuple[str, int], list[dict]]:
     """The documents each of `rows` ((shard path in the dataset, row)) of `version`'s snapshot holds, in the
     row's order: {"doc_id", "source", "position", "start", "length"}. Read from the lineage files of the
@@ -249,7 +307,7 @@ def row_documents(storage: Storage, version, rows: set[tuple[str, int]]) -> dict
         owner = resolve(storage, f"{name}@{label}") if label != version.manifest.version else version
         if not (rel := owner.manifest.lineage.get("file")):
             continue
-        table = read(owner.file(rel))
+        table = read(owner.named(rel, legacy_ok=True))
         shards = pa.array(sorted({shard for shard, _ in rows if added_in.get(shard) == label}))
         for r in table.filter(pc.is_in(table["shard"], shards)).to_pylist():
             if (key := (r["shard"], r["row"])) in out:

@@ -304,10 +304,10 @@ def list_files(path: str) -> list[str]:
 
 def write_json_atomic(path: str, obj: dict) -> None:
     """Write JSON so a reader sees the old file, or the whole new one, never a part."""
-    write_bytes_atomic(path, _json_bytes(obj))
+    write_bytes_atomic(path, json_bytes(obj))
 
 
-def _json_bytes(obj) -> bytes:
+def json_bytes(obj) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
 
 

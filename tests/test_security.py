@@ -625,3 +625,89 @@ def test_sampling_a_refused_checkpoint_is_one_line(checkpoint, tmp_path):
                          text=True, timeout=120)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.strip().splitlines() == [x for x in out.stderr.strip().splitlines() if "signed with key" in x]
+
+
+def test_sweep_state_signed_without_a_key_is_refused_until_converted_with_its_old_secret(tmp_path):
+    """Issue 57, 1: Tune's saved state (which `Tuner.restore` unpickles) had the same fallback to the Ray token.
+    A list that names no key is refused, naming the command that re-signs it; that command checks every file
+    against the old secret first, and signs nothing when one does not match."""
+    import hashlib
+    import hmac
+
+    from tune.convert import main as resign
+    from tune.trust import check_tune_state
+
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "tuner.pkl").write_bytes(pickle.dumps({"a": 1}))
+    old = b"the ray token of the cluster that ran it"
+    k = hmac.new(old, b"strata file signatures v1", hashlib.sha256).digest()
+    sig = hmac.new(k, (sweep / "tuner.pkl").read_bytes(), hashlib.sha256).hexdigest()
+    (sweep / "strata-signatures-tuner.json").write_text(json.dumps({"files": {"tuner.pkl": sig}}))
+    with pytest.raises(Untrusted, match=r"without a key fingerprint.*python -m tune\.convert"):
+        check_tune_state(str(sweep))
+    (tmp_path / "wrong").write_text("another secret")
+    with pytest.raises(SystemExit, match="does not verify under the secret"):
+        resign([str(sweep), "--old-secret-file", str(tmp_path / "wrong")])
+    with pytest.raises(Untrusted):
+        check_tune_state(str(sweep))
+    (tmp_path / "old").write_bytes(old)
+    assert resign([str(sweep), "--old-secret-file", str(tmp_path / "old")]) == 0
+    check_tune_state(str(sweep))
+    (sweep / "tuner.pkl").write_bytes(pickle.dumps({"a": 2}))
+    with pytest.raises(Untrusted, match="does not match its signature"):
+        check_tune_state(str(sweep))
+
+
+def test_a_trial_checkpoint_is_signed_for_its_trial(tmp_path):
+    """A trial's checkpoint (its book of results and model state) was read as it was: a swapped pack.json changed
+    a sweep's results. Its files are signed for the trial, and checked before a restore or the sweep's summary."""
+    import shutil
+
+    from tune.trust import sign_trial, trial_files
+
+    d = tmp_path / "checkpoint_000001"
+    d.mkdir()
+    (d / "pack.json").write_text(json.dumps({"current": {"curve": [2.5]}, "restores": []}))
+    torch.save({"step": torch.tensor(3)}, d / "state.pt")
+    sign_trial(str(d), "trial_a")
+
+    def read(directory):
+        return lambda name: (directory / name).read_bytes()
+
+    assert json.loads(trial_files(read(d), str(d), "trial_a")["pack.json"])["current"]["curve"] == [2.5]
+    with pytest.raises(Untrusted, match="signed for trial 'trial_a', not 'trial_b'"):
+        trial_files(read(d), str(d), "trial_b")
+    swapped = tmp_path / "swapped"
+    shutil.copytree(d, swapped)
+    (swapped / "pack.json").write_text(json.dumps({"current": {"curve": [0.1]}, "restores": []}))
+    with pytest.raises(Untrusted, match="pack.json does not match its signed SHA-256"):
+        trial_files(read(swapped), str(swapped), "trial_a")
+    (swapped / "signed.json").unlink()
+    with pytest.raises(Untrusted, match="has no signed list"):
+        trial_files(read(swapped), str(swapped), None)
+
+
+def test_a_follower_passes_over_a_bad_newest_checkpoint_and_finds_later_good_ones(checkpoint, tmp_path):
+    """Issue 57, 6: a bad newest checkpoint was retried forever by RUN@latest and hid every later good one. The
+    follower skips what fails (naming it once) and moves to the newest checkpoint that verifies."""
+    from infer.serve import _newest
+    from strata.storage import Storage
+
+    d, cfg, model, opt = checkpoint
+    meta = json.loads((d / "meta.json").read_text())
+    root = tmp_path / "storage"
+    run = root / "runs" / "r"
+    for step in (1, 2):
+        write_checkpoint(run / f"checkpoint-{step:08d}", model, step, {**meta, "step": step}, opt)
+        _register(run, f"checkpoint-{step:08d}")
+    write_checkpoint(run / "checkpoint-00000099", model, 99, {**meta, "step": 99}, opt)
+    (run / "checkpoint-00000099" / "meta.json").write_text(json.dumps({**meta, "step": 99, "x": 1}))  # tampered
+    _register(run, "checkpoint-00000099")
+    spec, found, refused = _newest("r", Storage(str(root)), frozenset())
+    assert spec == "r@2" and [n for n, _ in refused] == ["checkpoint-00000099"]
+    assert "meta.json does not match its signed SHA-256" in refused[0][1]
+    write_checkpoint(run / "checkpoint-00000003", model, 3, {**meta, "step": 3}, opt)  # a later good one
+    _register(run, "checkpoint-00000003")
+    assert _newest("r", Storage(str(root)), frozenset({"checkpoint-00000099"}))[:2] == (
+        "r@3", str(run / "checkpoint-00000003"))
