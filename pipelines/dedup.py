@@ -283,11 +283,13 @@ class DedupIndex:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
+        from strata.integrity import HashingSink
         from strata.storage import filesystem
 
         fs, target = filesystem(path)
         rows = 0
-        with pq.ParquetWriter(target, pa.schema([("key", pa.uint64()), ("doc", pa.uint64())]), filesystem=fs) as w:
+        with fs.open_output_stream(target) as raw, pq.ParquetWriter(
+                sink := HashingSink(raw), pa.schema([("key", pa.uint64()), ("doc", pa.uint64())])) as w:
             for lo, hi in _sub_ranges(segments, self.lo, self.hi):
                 parts = [kd for segment in segments for kd in segment_rows(segment, lo, hi)]
                 keys, docs = (np.concatenate([p[i] for p in parts]) if parts else np.zeros(0, np.uint64) for i in (0, 1))
@@ -297,7 +299,7 @@ class DedupIndex:
                 first[1:] = keys[1:] != keys[:-1]
                 w.write_table(pa.table({"key": keys[first], "doc": docs[first]}), row_group_size=INDEX_ROW_GROUP)
                 rows += int(first.sum())
-        return {"path": path, "lo": self.lo, "hi": self.hi, "rows": rows}
+        return {"path": path, "lo": self.lo, "hi": self.hi, "rows": rows, "sha256": sink.hexdigest()}
 
 
 def _read(path: str, columns: list[str]):
@@ -328,11 +330,14 @@ def write_index_file(path: str, keys: np.ndarray, docs: np.ndarray, lo: int, hi:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from strata.integrity import HashingSink
     from strata.storage import filesystem
 
     fs, target = filesystem(path)
-    pq.write_table(pa.table({"key": keys, "doc": docs}), target, filesystem=fs, row_group_size=INDEX_ROW_GROUP)
-    return {"path": path, "lo": lo, "hi": hi, "rows": len(keys)}
+    with fs.open_output_stream(target) as raw:
+        sink = HashingSink(raw)
+        pq.write_table(pa.table({"key": keys, "doc": docs}), sink, row_group_size=INDEX_ROW_GROUP)
+    return {"path": path, "lo": lo, "hi": hi, "rows": len(keys), "sha256": sink.hexdigest()}
 
 
 def segment_rows(segment: dict, lo: int, hi: int):

@@ -676,8 +676,18 @@ class Preprocess:
             tokenizer=self.tok.info(), seq_len=self.cfg.pack.seq_len, dtype=token_dtype(self.tok.vocab_size),
             shards=shards, documents=docs, tokens=table["tokens"], inputs=files, run=record, stats=table,
             rejects="rejects.json", run_id=self.run_id, tails=tails, dedup=dedup, consumed=consumed,
-            quality=quality, forgotten=self.parent.manifest.forgotten if self.parent else {}, lineage={**self.lineage, "file": LINEAGE_FILE} if self.lineage else {}),
+            quality=quality, forgotten=self.parent.manifest.forgotten if self.parent else {}, lineage={**{k: v for k, v in self.lineage.items() if k != "sha256"}, "file": LINEAGE_FILE}
+            if self.lineage else {}, digests=self.reported_digests(root)),
             lease=self.job.lease, built_on=self.parent.manifest.version if self.parent else None, head=self.head)
+
+    def reported_digests(self, root: str) -> dict[str, str]:
+        """The SHA-256s its writers took as they wrote (the dedup index's files, the lineage file), by path in the
+        dataset: the commit hashes the rest of what its manifest names."""
+        reported = {_relative(f, root)["path"]: f["sha256"] for segs in self.segments.values() for seg in segs
+                    for f in seg["files"] if f.get("sha256")}
+        if self.lineage:
+            reported[f"_strata/{self.tag}/{LINEAGE_FILE}"] = self.lineage["sha256"]
+        return reported
 
     def window_record(self) -> dict:
         """What the manifest says of the window: its size and the versions this run compared with."""

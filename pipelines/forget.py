@@ -98,6 +98,7 @@ class Forget:
         self.newest = latest(storage, name, self.head)
         self.label = f"v{self.head.table.version() + 1:04d}"  # the version the commit makes (no one else commits)
         self.tag = f"g{lease.gen:08d}-forget-{int(time.time())}"
+        self.digests: dict[str, str] = {}  # of the files it writes, as it writes them
         self.own = storage.run_files(name, self.tag)
         for leftover in abandoned_runs(storage, name, lease.gen, self.head):  # crashed or killed before a commit
             _say(f"deleting run {leftover}'s files: it ended before its commit")
@@ -238,7 +239,7 @@ class Forget:
         lineage = {}
         if parts:
             table = pa.concat_tables(parts)
-            size = write(table, join(self.own, FILE), row_len)
+            size, self.digests[f"_strata/{self.tag}/{FILE}"] = write(table, join(self.own, FILE), row_len)
             lineage = {"file": f"_strata/{self.tag}/{FILE}", "spans": table.num_rows, "bytes": size,
                        "documents": len(np.unique(table["doc"].to_numpy()))}
         return removed, added, lineage, [{"doc_id": k, "tokens_lost": v} for k, v in sorted(co_packed.items())]
@@ -315,7 +316,7 @@ class Forget:
                       lineage=lineage,
                       forget={"reason": self.reason, "doc_ids": ids, "rows_removed": sum(s.rows for s in removed) -
                               sum(s.rows for s in added), "spans": spans, "co_packed": co_packed},
-                      forgotten={"list": forget_list, "forgets": forgets})
+                      forgotten={"list": forget_list, "forgets": forgets}, digests=self.digests)
         return commit_rewrite(self.storage, self.name, self.tag, fields, removed=removed, added=added,
                               lease=self.lease, head=self.head)
 

@@ -118,6 +118,6 @@ def build(work_dir: str, shard_prefix: str, out: str, row_len: int) -> dict:
         pa.array([int(p) if p.isdigit() else -1 for p in position], pa.int64()).take(ids.indices),
         pc.binary_join_element_wise(pa.scalar(shard_prefix), joined["shard"], "/"),
         joined["row"], joined["start"], joined["length"]], schema=SCHEMA)  # `doc`: write() keys by source, position
-    size = write(table, out, row_len)
-    return {"documents": len(ids.dictionary),
-            "spans": table.num_rows, "bytes": size, "unplaced": spans.num_rows - joined.num_rows}
+    size, sha = write(table, out, row_len)
+    return {"documents": len(ids.dictionary), "spans": table.num_rows, "bytes": size, "sha256": sha,
+            "unplaced": spans.num_rows - joined.num_rows}

@@ -694,7 +694,7 @@ def commit(storage: Storage, name: str, tag: str, manifest_fields: dict, *, leas
 
     path, rel = storage.dataset(name), f"_strata/{tag}"
     fields = dict(manifest_fields)
-    reported = {f"{rel}/{k}": v for k, v in fields.pop("digests", {}).items()}  # what the run hashed as it wrote
+    reported = fields.pop("digests", {})  # what the run hashed as it wrote (paths in the dataset)
     new = [replace(s, path=f"data/{tag}/{s.path}") for s in fields.pop("shards")]
     if (tok := fields["tokenizer"]).file:
         fields["tokenizer"] = replace(tok, file=f"{rel}/{tok.file}")

@@ -49,6 +49,36 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
+class HashingSink:
+    """A file-like sink for pyarrow writers (a ParquetWriter's `where`) that hashes what it passes on to `raw`, a
+    pyarrow output stream: the writer learns the SHA-256 of what it wrote without reading it back."""
+
+    def __init__(self, raw):
+        self.raw, self.h, self.pos, self.closed = raw, hashlib.sha256(), 0, False
+
+    def write(self, data) -> int:
+        data = bytes(data)
+        self.h.update(data)
+        self.raw.write(data)
+        self.pos += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.closed = True  # the raw stream is its owner's to close
+
+    def hexdigest(self) -> str:
+        return self.h.hexdigest()
+
+
 _WARNED: set[str] = set()
 
 

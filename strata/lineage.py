@@ -50,9 +50,10 @@ class LineageError(ValueError):
     """A lineage file that does not hold what its format says."""
 
 
-def write(table: pa.Table, path: str, row_len: int) -> int:
+def write(table: pa.Table, path: str, row_len: int) -> tuple[int, str]:
     """A lineage file at `path` of the spans `table` (SCHEMA, any order; rows of `row_len` tokens); returns
-    its size. A document whose spans do not all run to their row's end but one is a bug upstream: refused."""
+    its size and SHA-256 (its version's commit names it). A document whose spans do not all run to their row's
+    end but one is a bug upstream: refused."""
     t = table.select(["source", "position", "exact", "shard", "row", "start", "length"])
     by_shard = t.group_by("shard").aggregate([("row", "max")]).sort_by("shard")
     shards = by_shard["shard"].to_pylist()
@@ -79,15 +80,18 @@ def write(table: pa.Table, path: str, row_len: int) -> int:
     firsts_of_groups = docs.select(["source", "position"]).take(pa.array(np.arange(0, len(firsts), LOOKUP_ROWS)))
     meta = {"format": FORMAT, "row_len": row_len, "shards": [[s, int(b)] for s, b in zip(shards, bases, strict=True)],
             "first": [[r["source"], r["position"]] for r in firsts_of_groups.to_pylist()]}
+    from strata.integrity import HashingSink
+
     fs, p = filesystem(path)
     with fs.open_output_stream(p) as f:
-        with pq.ParquetWriter(f, out.schema.with_metadata({META: json.dumps(meta)}), compression="zstd",
+        sink = HashingSink(f)
+        with pq.ParquetWriter(sink, out.schema.with_metadata({META: json.dumps(meta)}), compression="zstd",
                               use_dictionary=["source", "start.list.element"],
                               column_encoding={"position": "DELTA_BINARY_PACKED", "tokens": "DELTA_BINARY_PACKED",
                                                "place.list.element": "BYTE_STREAM_SPLIT", "exact": "PLAIN"}) as w:
             for i in range(0, out.num_rows, LOOKUP_ROWS):  # one row group each: the footer's `first` says so
                 w.write_table(out.slice(i, LOOKUP_ROWS), row_group_size=LOOKUP_ROWS)
-        return f.tell()
+        return sink.tell(), sink.hexdigest()
 
 
 def _spans(stored: pa.Table, meta: dict) -> pa.Table:

@@ -285,16 +285,23 @@ class HostCluster:
         return f"http://{self.host('s3').ip}:{S3_PORT}"
 
     def env(self, host: str, **extra) -> dict:
-        """What a process on `host` runs with: its own home, the cluster's token, the S3 server."""
+        """What a process on `host` runs with: its own home, the cluster's token and signing key (a file
+        provisioned with the cluster, as a Secret or a file mount provisions it), the S3 server."""
         home = os.path.join(self.workdir, "home", host)
         os.makedirs(home, exist_ok=True)
+        key = os.path.join(self.workdir, "signing-key")
+        if not os.path.exists(key):
+            fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32) + "\n")
         keep = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_", "STRATA_"))}
         return {**keep, "HOME": home, "PATH": BIN + os.pathsep + os.environ.get("PATH", ""),
                 "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",  # a cluster of hosts: Ray must not pin itself to loopback
                 "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token, "RAY_USAGE_STATS_ENABLED": "0",
                 "AWS_ENDPOINT_URL": self.s3, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
-                "STRATA_STORAGE": f"s3://{self.bucket}/strata", "PYTHONUNBUFFERED": "1", **ray_network_env(), **extra}
+                "STRATA_STORAGE": f"s3://{self.bucket}/strata", "STRATA_SIGNING_KEY_FILE": key, "PYTHONUNBUFFERED": "1",
+                **ray_network_env(), **extra}
 
     def log(self, name: str) -> str:
         os.makedirs(os.path.join(self.workdir, "logs"), exist_ok=True)

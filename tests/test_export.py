@@ -174,8 +174,11 @@ def untied_checkpoint(tmp_path):
     model = GPT(cfg)
     model.head.weight = torch.nn.Parameter(torch.randn_like(model.wte.weight) * 0.02)
     d = tmp_path / "checkpoint-00000005"
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(d), no_dist=True)
-    (d / "meta.json").write_text(json.dumps({"step": 5, "model_config": asdict(cfg),
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    dcp.save({"model": model.state_dict()}, storage_writer=HuggingFaceStorageWriter(str(d), save_distributed=True),
+             no_dist=True)
+    (d / "meta.json").write_text(json.dumps({"format": 2, "step": 5, "model_config": asdict(cfg),
                                              "tokenizer": asdict(ByteTokenizer().info())}))
     sign_files(str(d), 0)
     return str(d)

@@ -147,7 +147,9 @@ def test_a_takedown_removes_a_document_from_the_newest_version_and_every_later_r
     purged = _forget(any_root, "--doc-ids", str(ids), "--reason", "copyright claim 3", "--purge", "--json")
     assert purged.returncode == 0, purged.stderr
     out = json.loads(purged.stdout)
-    assert {other, in_tails, doc} <= set(out["documents"]) and out["purged"] and out["scrubbed"]
+    # (`in_tails` may be wholly in the tails, in no row lineage knows: whether depends on the layout the temp
+    # path's hash gives, so it is checked below by what the tails hold, not by lineage.)
+    assert {other, doc} <= set(out["documents"]) and out["purged"] and out["scrubbed"]
     assert not any(exists(v1.file(p)) for p in held_by)  # every shard file that held them, in any version
     assert not {dup, copy} & sampled()
     with pytest.raises(DatasetError, match=r"takedown@v0001 cannot be read: `forget --purge` at takedown@v0004"):

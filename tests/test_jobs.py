@@ -210,7 +210,8 @@ def test_head_start_refuses_a_port_someone_else_holds_and_stop_kills_only_the_li
     loose = tmp_path / "loose-token"
     loose.write_text("a token\n")
     os.chmod(loose, 0o644)
-    out = _strata(["head", "start", f"--port={_free_port()}", f"--dashboard-port={_free_port()}"],
+    out = _strata(["head", "start", *[f"{f}={_free_port()}" for f in ("--port", "--dashboard-port", "--agent-port",
+                                                                       "--client-port", "--metrics-port")]],
                   {**env, "RAY_AUTH_TOKEN_PATH": str(loose)})
     assert out.returncode == 1 and f"the token file {loose} can be read by others" in out.stderr, out.stderr[-2000:]
     # A crafted record: a process that looks like the head, and another group's id. Only a live head that leads
@@ -305,7 +306,7 @@ def test_submitted_training_job_reads_the_submitted_dataset(head, dataset, stora
 
     def generate(name: str, **env):
         home = tempfile.mkdtemp(prefix="cluster-b-")
-        return subprocess.run([sys.executable, "-m", "infer", "generate", "--model", "submitted@latest", "--prompts",
+        return subprocess.run([sys.executable, "-m", "infer", "generate", "--model", "submitted", "--prompts",
                                prompts, "--max-tokens", "2", "--name", name], cwd=REPO, capture_output=True, text=True,
                               env={**other, "HOME": home, **env}, timeout=600)
 

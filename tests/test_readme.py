@@ -13,9 +13,9 @@ import sys
 from conftest import REPO, readme_blocks
 
 # How a command line names a strata command, and the `--help` that lists its flags.
-STRATA_COMMANDS = {"demo", "submit", "head", "runs", "report", "ledger", "lineage", "plan", "migrate"}
+STRATA_COMMANDS = {"demo", "submit", "head", "keys", "runs", "report", "ledger", "lineage", "plan", "migrate"}
 SUBCOMMANDS = {"pipelines.datasets": {"list", "show", "delete", "forget"}}
-STRATA_SUBCOMMANDS = {"lineage": {"step", "doc"}}  # strata commands with subcommands of their own
+STRATA_SUBCOMMANDS = {"lineage": {"step", "doc"}, "keys": {"show", "trust", "rotate"}}  # strata commands with subcommands of their own
 
 
 @functools.cache
@@ -119,6 +119,7 @@ def test_every_flag_the_readme_names_is_a_flag_of_a_command():
                                            ("pipelines.datasets", "forget"), ("strata", "lineage", "doc"), ("train",),
                                            ("train.sample",), ("train.export",), ("tune",), ("infer",), ("strata", "submit"),
                                            ("strata", "report"), ("strata", "plan"), ("strata", "demo"),
+                                           ("strata", "keys", "trust"), ("train.convert",), ("tune.convert",),
                                            ("bench",), ("bench.peer",), ("bench.lid",), ("bench.scale",), ("bench.train.gpu",)))
     with open(os.path.join(REPO, "bench", "train", "gpu.sh")) as f:  # its own flag, --smoke, in its usage lines
         known += "\n".join(line for line in f if line.startswith("#   bench/train/gpu.sh"))
@@ -126,7 +127,7 @@ def test_every_flag_the_readme_names_is_a_flag_of_a_command():
     others = {"--head", "--address", "--block", "--labels", "--node-ip-address", "--dashboard-host",
               "--dashboard-port", "--dashboard-agent-listen-port", "--num-cpus", "--num-gpus", "--disable-usage-stats",
               "--working-dir", "--runtime-env", "--runtime-env-json", "--logdir", "--nodes", "--gpus-per-node",
-              "--export", "--from-literal", "--reason", "--deadline-remaining-seconds", "--shm-size", "--port",
+              "--export", "--from-literal", "--from-file", "--reason", "--deadline-remaining-seconds", "--shm-size", "--port",
               "--autoscaling-config", "--follow", "--log"}
     unknown = sorted(f for f in named if f not in others and not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", known))
     assert not unknown, f"the README names flags no command has: {unknown}"

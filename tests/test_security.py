@@ -483,7 +483,6 @@ def test_the_signing_key_never_travels_in_a_jobs_environment_and_never_follows_t
     """Issue 57, 2: `strata submit` put the key in the job's runtime env, which `GET /api/jobs/` shows every token
     holder; and a driver joining a cluster with no key minted one of its own."""
     from strata import signing
-    from strata.connect import connect
     from strata.submit import runtime_env
 
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -491,8 +490,16 @@ def test_the_signing_key_never_travels_in_a_jobs_environment_and_never_follows_t
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(signing.NoKey, match="no signing key"):
         signing.key_id()  # nothing is minted behind the user's back
-    with pytest.raises(signing.NoKey, match="the Ray cluster at 127.0.0.1:1 holds no signing key"):
-        connect(address="127.0.0.1:1")  # refused before it even tries the address
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    joined = subprocess.run([sys.executable, "-c", "from strata.connect import connect; connect(address='127.0.0.1:1')"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "HOME": str(tmp_path)})  # a driver of its own: none connected yet
+    assert joined.returncode == 1 and "the Ray cluster at 127.0.0.1:1 holds no signing key" in joined.stderr, \
+        joined.stderr[-2000:]  # refused before it even tries the address
     assert not (tmp_path / ".strata").exists()
     signing.ensure_local_key()  # a laptop's first embedded run
     mine = signing.key_id()
@@ -711,3 +718,21 @@ def test_a_follower_passes_over_a_bad_newest_checkpoint_and_finds_later_good_one
     _register(run, "checkpoint-00000003")
     assert _newest("r", Storage(str(root)), frozenset({"checkpoint-00000099"}))[:2] == (
         "r@3", str(run / "checkpoint-00000003"))
+
+
+def test_ray_trains_record_names_nothing_outside_its_run(checkpoint, tmp_path, caplog):
+    """Issue 57, 6: Ray Train's record was read without the containment check: `../r1/checkpoint-...` served r1's
+    weights as r9's. Every name in it goes through strata.storage.inside and must be a checkpoint's."""
+    from train.checkpoint import committed_checkpoints
+
+    d, cfg, model, opt = checkpoint
+    meta = json.loads((d / "meta.json").read_text())
+    runs = tmp_path / "runs"
+    write_checkpoint(runs / "r1" / "checkpoint-00000007", model, 7, {**meta, "step": 7}, opt)
+    _register(runs / "r1", "checkpoint-00000007")
+    (runs / "r9").mkdir()
+    for name in ("../r1/checkpoint-00000007", "/etc", "checkpoint-00000001/../../r1/checkpoint-00000007", "junk"):
+        _register(runs / "r9", name)
+    assert committed_checkpoints(str(runs / "r9")) == []
+    assert "left out" in caplog.text
+    assert [pathlib.Path(c).name for c in committed_checkpoints(str(runs / "r1"))] == ["checkpoint-00000007"]

@@ -59,8 +59,20 @@ def load(checkpoint: str) -> tuple[GPT, object, int]:
     return model.eval(), tok, meta["step"]
 
 
-def sample(loaded: tuple, prompt: str, tokens: int, samples: int, temperature: float, seed: int) -> list[str]:
-    model, tok, _ = loaded
+def latest_checkpoint(run_dir: str) -> str:
+    """The run's newest checkpoint that Ray Train registered and whose signed lists verify (those refused are
+    named and passed over)."""
+    found, _, refused = newest(run_dir)
+    for name, why in refused:
+        _log.warning(f"{run_dir}: skipped {name}: {why}")
+    if found is None:
+        raise FileNotFoundError(f"no committed checkpoint{' that verifies' if refused else ''} in {run_dir}")
+    return found
+
+
+def sample(checkpoint, prompt: str, tokens: int, samples: int, temperature: float, seed: int) -> list[str]:
+    """`samples` continuations of `prompt` from `checkpoint` (a path, or what `load` returned for one)."""
+    model, tok, _ = checkpoint if isinstance(checkpoint, tuple) else load(checkpoint)
     torch.manual_seed(seed)
     ids = tok.encode(prompt).astype("int64").tolist() if prompt else [tok.eot_id]
     idx = torch.tensor(ids, dtype=torch.long).unsqueeze(0).repeat(samples, 1)  # (K, T)

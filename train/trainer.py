@@ -327,8 +327,11 @@ def _newest_intact(run_dir: str) -> str | None:
     found, _, refused = newest(run_dir)
     if refused:  # Ray Train would hand its newest registered checkpoint to the workers: not a refused one
         forget_missing(run_dir, dict(refused))
-    for name, why in [*gone.items(), *refused]:
+    missing = [name for name, why in gone.items() if why == "missing or incomplete"]
+    for name, why in [*((n, w) for n, w in gone.items() if n not in missing), *refused]:
         _log.info(f"checkpoint {name} left out: {why}")
     if gone or refused:
-        _log.info(f"continuing from {basename(found) if found else 'step 0'}")
+        since = basename(found) if found else "step 0"
+        _log.info(f"checkpoint(s) {', '.join(missing)} are registered but missing or incomplete: continuing from {since}"
+                  if missing else f"continuing from {since}")
     return found
