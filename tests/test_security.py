@@ -606,14 +606,16 @@ def test_a_planted_fence_closes_nothing(checkpoint, tmp_path, caplog):
     write_checkpoint(run / "checkpoint-00000001", model, 1, {**meta, "lease_gen": 1}, opt)  # lease generation 1's
     _register(run, "checkpoint-00000001")
     fence(str(run), 2)
+    write_checkpoint(run / "checkpoint-00000002", model, 2, {**meta, "lease_gen": 2}, opt)  # the holder's own
+    _register(run, "checkpoint-00000002")
     fence(str(other), 7)  # signed, but another run's
     (run / "fences" / "g99999999.json").write_text(json.dumps({"gen": 99999999, "checkpoints": []}))
     shutil.copy(other / "fences" / "g00000007.json", run / "fences" / "g00000007.json")
     forged = json.loads((run / "fences" / "g00000002.json").read_text())
     (run / "fences" / "g00000003.json").write_text(json.dumps({**forged, "gen": 3, "checkpoints": []}))
     names = [pathlib.Path(c).name for c in committed_checkpoints(str(run))]
-    assert names == ["checkpoint-00000001"]
-    assert forget_missing(str(run)) == {}
+    assert names == ["checkpoint-00000001", "checkpoint-00000002"]
+    assert not forget_missing(str(run))
     said = caplog.text
     assert "g99999999.json counts for nothing" in said and "g00000007.json counts for nothing" in said
     assert "g00000003.json counts for nothing" in said
