@@ -16,7 +16,9 @@ import tempfile
 import time
 import uuid
 
+import guard
 import pytest
+from guard import marks_are_true  # noqa: F401 - an autouse fixture: every test's marks are checked
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 # Tests never write to the real home (~/.ray, ~/.strata): every process they start gets a temporary one.
@@ -107,7 +109,9 @@ def _free_port() -> int:
 # The S3 API server (moto, as Ray's own tests use) for s3:// storage. Set before any Ray starts, so
 # every Ray worker, and every subprocess, reaches it through the standard variables.
 # A subprocess that imports this module keeps its parent's endpoint.
-S3_ENDPOINT = os.environ.setdefault("STRATA_TEST_S3_ENDPOINT", f"http://127.0.0.1:{_free_port()}")
+# Each pytest-xdist worker runs its own server (the variable names the worker).
+_S3_VAR = "STRATA_TEST_S3_ENDPOINT" + (f"_{os.environ['PYTEST_XDIST_WORKER']}" if os.environ.get("PYTEST_XDIST_WORKER") else "")
+S3_ENDPOINT = os.environ.setdefault(_S3_VAR, f"http://127.0.0.1:{_free_port()}")
 os.environ.update({"AWS_ENDPOINT_URL": S3_ENDPOINT, "AWS_ACCESS_KEY_ID": "testing",
                    "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
                    "AWS_EC2_METADATA_DISABLED": "true"})
@@ -187,6 +191,7 @@ def s3_root(s3_server):
     """A fresh bucket for this test; returns the storage root URI inside it."""
     import boto3
 
+    guard.uses("s3")  # the test's mark is checked against it
     bucket = f"strata-{uuid.uuid4().hex[:10]}"
     boto3.client("s3").create_bucket(Bucket=bucket)
     return f"s3://{bucket}/strata"
@@ -242,6 +247,19 @@ def wait_for(predicate, what: str, timeout: float = 300) -> None:
     raise TimeoutError(f"timed out waiting for {what}")
 
 
+def _kill_under(temp: str) -> None:
+    """SIGKILL every process whose command line names `temp` (a Ray's processes name their temp dir)."""
+    import signal
+
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if temp.encode() in f.read():
+                    os.kill(int(d), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
+
+
 @contextlib.contextmanager
 def simulated_cluster(nodes: list[tuple[tuple, int]]):
     """A multi-node Ray cluster on 127.0.0.1: a head with no CPUs and no tier, plus
@@ -250,18 +268,23 @@ def simulated_cluster(nodes: list[tuple[tuple, int]]):
     from ray.cluster_utils import Cluster
 
     from strata import tiers
-    from strata.connect import dashboard_port, shutdown, state_api_at, stop_monitor
+    from strata.connect import shutdown, state_api_at, stop_monitor
 
     shutdown()  # replaces the session's local Ray; ensure_local_ray() brings it back
     temp = tempfile.mkdtemp(prefix="rayc-", dir="/tmp")
     os.makedirs(os.path.join(temp, "ray"))
     old_tmpdir = os.environ.get("RAY_TMPDIR")
     os.environ["RAY_TMPDIR"] = temp  # every node, and the cluster's address file, under our own dir
-    port = dashboard_port()
-    with state_api_at(port):  # as strata.connect does for an embedded Ray
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 0, "object_store_memory": 100 << 20, "include_dashboard": True,
-            "dashboard_host": "127.0.0.1", "dashboard_port": port})
+    port = _free_port()  # not 8265: another pytest process (an xdist worker) may be starting a Ray on it
+    try:
+        with state_api_at(port):  # as strata.connect does for an embedded Ray
+            cluster = Cluster(initialize_head=True, head_node_args={
+                "num_cpus": 0, "object_store_memory": 100 << 20, "include_dashboard": True,
+                "dashboard_host": "127.0.0.1", "dashboard_port": port})
+    except BaseException:  # a head half started: its processes go with its dir
+        _kill_under(temp)
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
     try:
         with state_api_at(port):
             added = [cluster.add_node(num_cpus=cpus, labels=tiers.node_labels(*node_tiers),
@@ -280,8 +303,25 @@ def simulated_cluster(nodes: list[tuple[tuple, int]]):
         shutil.rmtree(temp, ignore_errors=True)
 
 
+def pytest_configure(config):
+    guard.configure(config)
+    if not guard.WATCHER.is_alive():
+        guard.WATCHER.start()
+
+
+def pytest_collection_modifyitems(config, items):
+    guard.modify_items(items)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    guard.setup_begins(item)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_ray_at_end():
+    """The shared Ray stopped and its temp dir gone; then nothing the session started may be left
+    (tests/guard.py): a process still alive or a Ray temp dir still there fails the run."""
     yield
     from strata.connect import shutdown
 
@@ -289,6 +329,8 @@ def _stop_ray_at_end():
     for d in _ray_dirs:
         shutil.rmtree(d, ignore_errors=True)
     shutil.rmtree(TEST_HOME, ignore_errors=True)
+    if left := guard.end_of_session():
+        pytest.fail("the tests left behind:\n" + "\n".join(left), pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -54,14 +54,13 @@ def test_gpu_benchmark_on_a_gpu():
     assert result["inference"]["device"].startswith("cuda") and result["inference"]["score_tokens_per_s"] > 0
 
 
-@pytest.mark.slow
+@pytest.mark.ray
 def test_ingest_benchmark_prints_its_ratio_last(tmp_path):
     lines = _run("bench.train.ingest", "--seconds", "0.5", "--steps", "3", "--workdir", str(tmp_path))
     assert lines[-1].startswith("ratio delivered/consumed: ")
     assert float(lines[-1].rsplit(" ", 1)[1]) > 0
 
 
-@pytest.mark.slow
 @pytest.mark.bench  # about 3 minutes: make test-bench runs it, keeping make test within CI's time
 def test_tune_benchmark_lists_its_targets_and_extrapolates_to_50000_configs_last():
     lines = _run("bench.tune", "--trials", "200", "--baseline-trials", "10", "--asha-trials", "0", "--rounds", "1",
@@ -105,7 +104,6 @@ def test_the_results_table_has_a_row_per_benchmark_run():
     assert "FAILED" in rows[1] and "boom" in rows[1]
 
 
-@pytest.mark.slow
 @pytest.mark.bench
 def test_end_to_end_benchmark_times_the_real_command(tmp_path):
     lines = _run("bench.train.e2e", "--steps", "12", "--short-steps", "4", "--log-every", "1", "--workdir",

@@ -146,7 +146,7 @@ def _follow(cmd: list[str], env: dict, until: str) -> tuple[subprocess.Popen, li
     raise AssertionError(f"{until!r} never came:\n{''.join(lines)[-3000:]}")
 
 
-@pytest.mark.slow
+@pytest.mark.slow("trains twice, Ctrl-C between, each its own Ray")
 def test_training_prints_its_progress_and_no_ray_noise_and_ctrl_c_says_how_to_continue(local_ray, dataset,
                                                                                          storage_root):
     """What a person sees: one line per log point, no Ray internals, no error-level line; the run's record counts
@@ -188,7 +188,7 @@ def test_training_prints_its_progress_and_no_ray_noise_and_ctrl_c_says_how_to_co
     assert "Traceback" not in rest and "KeyboardInterrupt" not in rest
 
 
-@pytest.mark.slow
+@pytest.mark.ray
 def test_ctrl_c_in_preprocessing_keeps_nothing_and_the_printed_command_continues(corpus, tmp_path):
     import signal
 
@@ -208,7 +208,7 @@ def test_ctrl_c_in_preprocessing_keeps_nothing_and_the_printed_command_continues
     assert json.loads(out.stdout.strip().splitlines()[-1])["version"] == "v0001"
 
 
-@pytest.mark.slow
+@pytest.mark.ray
 def test_sigterm_stops_a_command_as_ctrl_c_does_and_its_ray_temp_dir_goes(corpus, tmp_path):
     """m9: SIGTERM (a job manager, Kubernetes, kill) gave Ray's C++ abort, exit 134; m11: the embedded Ray's
     temp dir was left behind, mode 0777."""
@@ -286,7 +286,7 @@ def test_a_reader_that_goes_away_ends_a_command_quietly(tmp_path, command):
     assert out.returncode == 141, out.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.ray
 def test_every_console_line_of_tier_1_and_a_sweep_is_strata_s(corpus, tmp_path):
     """Ray Data's executor lines (about 40 a pass), the driver's `E core_worker.cc` line and Ray Tune's
     experiment box reached the console: every line a command prints is now its own (tagged, or its summary
@@ -312,6 +312,7 @@ def test_every_console_line_of_tier_1_and_a_sweep_is_strata_s(corpus, tmp_path):
     assert "Configuration for experiment" not in sweep.stderr + sweep.stdout
 
 
+@pytest.mark.ray
 def test_a_dataset_without_validation_rows_says_so(tmp_path):
     """A 7-document dataset got 0 validation rows with no warning."""
     src = tmp_path / "seven"
@@ -365,6 +366,7 @@ Command("python -m lost").run(body)
 """
 
 
+@pytest.mark.ray
 def test_the_cluster_failing_under_a_command_is_one_line_not_a_bug(tmp_path):
     """A peer the run worked with died (its node cut off, say): Ray's ActorDiedError ended the command as a
     bug in strata (exit 70, a traceback). It is one line naming what Ray lost, exit 1."""

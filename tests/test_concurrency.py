@@ -14,8 +14,6 @@ from strata.dataset import list_versions, resolve
 from strata.shell import EXIT_BUSY
 from strata.storage import Storage
 
-pytestmark = pytest.mark.slow
-
 
 def _start(root: str, raw: str, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "pipelines.preprocess", "--input", raw, "--dataset", "web", "--incremental",
@@ -30,6 +28,8 @@ def _both(*procs):
     return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs, strict=True)]
 
 
+@pytest.mark.ray
+@pytest.mark.slow("two tier-1 commands at once, each its own Ray")
 def test_overlapping_runs_publish_each_input_once(tmp_path):
     root, raw = str(tmp_path / "storage"), str(tmp_path / "raw")
     made = make_corpus(raw, docs=30, seed=5)

@@ -42,7 +42,7 @@ def _check_record(record: dict, kind: str):
     assert record["nodes"][0]["samples"], "the sampler took no samples"
 
 
-@pytest.mark.slow
+@pytest.mark.slow("a training run and a sweep, each a command")
 def test_train_and_sweep_runs_write_priced_records_and_reports(local_ray, dataset, priced):
     from strata.records import find_record, list_records
     from train.__main__ import main as train_main

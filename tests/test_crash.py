@@ -21,13 +21,12 @@ from strata import tiers
 from strata.dataset import list_versions, resolve
 from strata.storage import Storage
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def crash_env(storage_root, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("crash-corpus"))
     make_corpus(root, docs=1500, seed=3)
+    # Its own cluster (the module's): its tests kill worker nodes and drivers.
     with simulated_cluster([((tiers.Tier.CPU,), 2), ((tiers.Tier.CPU,), 2)]) as (cluster, nodes):
         storage = Storage.from_env()
         reference = run(_cfg("undisturbed", root), storage)
@@ -61,6 +60,7 @@ def _wait_for_work(storage, name, timeout=120):
     raise TimeoutError(f"run {name} wrote no work file in {timeout} s")
 
 
+@pytest.mark.slow("kills a node of a simulated cluster mid-pass")
 def test_a_killed_worker_node_changes_nothing(crash_env):
     storage, ref = crash_env["storage"], crash_env["reference"]
     result = {}
@@ -99,6 +99,7 @@ def test_a_killed_driver_publishes_nothing_and_a_rerun_is_correct(crash_env):
 
 
 @pytest.mark.parametrize("point", ["pass1:3", "pass2:2", "before-commit"])
+@pytest.mark.slow("kills a run at a failpoint and reruns it")
 def test_a_rerun_after_a_kill_redoes_only_the_unfinished_units(crash_env, point):
     """Killed (kill -9, by itself) at `point`, then rerun with the same arguments: it reuses the units the
     killed run finished and commits the very version an undisturbed run of the same input committed into

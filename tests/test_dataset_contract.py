@@ -14,7 +14,7 @@ import uuid
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO, edit_manifest
+from conftest import REPO, edit_manifest, wait_for
 
 from strata.dataset import (
     DatasetError,
@@ -339,21 +339,24 @@ def test_a_lease_survives_storage_errors_and_its_holder_stops_when_it_cannot_ren
             raise OSError("connection reset by peer (injected)")
         return real_list(path)
 
+    renewed = []
+
     def flaky_write(path, obj):
         if failures["write"] > 0:
             raise OSError("service unavailable (injected)")
-        return real_write(path, obj)
+        real_write(path, obj)
+        if failures["list"] == 0:
+            renewed.append(obj["expires_at"])
 
     held = Lease(d, "dataset ds", ttl_s=1.2).acquire()
     monkeypatch.setattr(lease_mod, "list_dir", flaky_list)
     monkeypatch.setattr(lease_mod, "write_json_atomic", flaky_write)
-    time.sleep(2.5)  # two ttls: renewal must have gone on after the failed listing
+    wait_for(lambda: len(renewed) >= 2, "two renewals after the failed listing", 60)
     assert failures["list"] == 0 and held.check() and held._thread.is_alive()
     with pytest.raises(LeaseBusy):
         Lease(d, "dataset ds").acquire(wait=False)  # still held: nobody else gets in
     failures["write"] = 1  # from now on every renewal fails
-    time.sleep(2.0)
-    assert not held._thread.is_alive()
+    wait_for(lambda: not held._thread.is_alive(), "the holder to stop renewing", 60)
     with pytest.raises(LeaseLost, match="renewal kept failing: OSError: service unavailable"):
         held.check()
     held.release()

@@ -121,7 +121,6 @@ def test_a_hugging_face_gpt2_imports_with_the_same_logits(tmp_path):
         read_gpt2(str(tmp_path / "hf"))
 
 
-@pytest.mark.slow
 def test_fine_tuning_from_a_gpt2_and_exporting_again_round_trips_exactly(local_ray, dataset, tmp_path):
     from train.__main__ import main as train_main
     from train.pretrained import load, read_gpt2
@@ -197,7 +196,6 @@ def test_a_checkpoint_trained_untied_is_refused_never_silently_retied(tmp_path, 
     assert load_for_sampling(checkpoint[0])[0].tied
 
 
-@pytest.mark.slow
 def test_the_model_trained_is_the_model_sampled_and_exported(local_ray, dataset, tmp_path):
     """Training's reported validation loss equals the loss of the checkpoint as `train.sample` loads it and
     of the export as transformers loads it, on the same validation rows."""

@@ -23,8 +23,6 @@ from pipelines.driver import run as preprocess
 from strata.dataset import resolve
 from strata.storage import Storage
 
-pytestmark = pytest.mark.slow
-
 
 def _upload(bucket: str, local: str, prefix: str) -> list[str]:
     s3 = boto3.client("s3")
@@ -35,6 +33,8 @@ def _upload(bucket: str, local: str, prefix: str) -> list[str]:
     return uris
 
 
+@pytest.mark.ray
+@pytest.mark.slow("two tier-1 runs through a resetting proxy")
 def test_resets_are_retried_and_an_unreadable_file_is_left_for_a_later_run(s3_root, tmp_path):
     bucket = s3_root.split("/")[2]
     raw = tmp_path / "raw"

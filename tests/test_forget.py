@@ -31,7 +31,7 @@ def _text_docs(v) -> dict[tuple[str, int], str]:
     return {(r["shard"], r["row"]): f"{r['source']}:{r['position']}" for r in _spans(v) if r["source"].endswith(".txt")}
 
 
-@pytest.mark.slow
+@pytest.mark.slow("tier 1, training and a takedown, on local disk and S3")
 def test_a_takedown_removes_a_document_from_the_newest_version_and_every_later_run(local_ray, any_root, tmp_path,
                                                                                   monkeypatch):
     """A run trains on a version and is scored; a document of its first step is forgotten (after a forget killed before

@@ -176,7 +176,6 @@ def test_evaluation_runs_one_forward_per_micro_batch_without_grad_or_per_batch_s
     assert evaluate(model, batches, CPU)[1] is None  # no token bytes: no bits per byte
 
 
-@pytest.mark.slow
 def test_compiled_evaluation_never_recompiles_training():
     """Training compiles each block; evaluation (no grad, eval mode, a shorter last batch) has its own
     compiled graph, so after warm-up neither recompiles, evaluation after evaluation or training after it."""

@@ -27,7 +27,7 @@ def _preprocess(proxy, s3_root: str, inputs: str, *flags: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow
+@pytest.mark.ray
 def test_the_final_pass_reads_each_packed_file_once(s3_root):
     bucket = s3_root.split("/")[2]
     rng = random.Random(7)

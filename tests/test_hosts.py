@@ -19,8 +19,9 @@ import pytest
 from conftest import WORDS, make_corpus
 from hosts import HostCluster, _children, missing
 
-pytestmark = pytest.mark.slow
 WHY = missing()
+
+pytestmark = [pytest.mark.hosts, pytest.mark.xdist_group("hosts")]  # fixed addresses and namespace names
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +126,7 @@ def hosts_of(cluster, alive: dict, rec: dict) -> set:
     return {alive.get(n["node_id"], n["node_id"]) for n in rec["nodes"]}
 
 
+@pytest.mark.slow("tier 1 across hosts, one cut off mid-pass")
 def test_tier1_on_the_cpu_hosts_survives_one_cut_off_mid_pass(cluster):  # its version feeds training below
     """A cpu host's link goes down in pass 1 and stays down: the run commits once, with every document
     counted, from the host left; it names the host it lost."""
@@ -173,6 +175,7 @@ def losses(cluster, run: str) -> dict[int, list[float]]:
     return out
 
 
+@pytest.mark.slow("DDP across two hosts, one cut off, and a resume")
 def test_training_on_two_hosts_resumes_after_one_is_cut_off_with_the_same_losses(cluster):
     """2 workers on the 2 gpu-labelled hosts (gloo across the bridge). A reference run, then the same run
     with gpu-b cut off after its first checkpoint; gpu-b comes back as a new node and the run resumes

@@ -85,6 +85,7 @@ def test_a_model_directory_without_its_tokenizer_is_refused(tmp_path, exported):
         resolve("no-such-run", Storage(str(tmp_path)))
 
 
+@pytest.mark.ray
 def test_score_command_writes_a_table_keyed_by_document(tmp_path, exported):
     corpus = {"path": str(tmp_path / "corpus"), **make_corpus(str(tmp_path / "corpus"), docs=24, seed=3)}
     env = {**os.environ, "STRATA_STORAGE": str(tmp_path / "storage"), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -150,6 +151,7 @@ def test_multiple_choice_accuracy_equals_the_one_from_transformers_logits(export
     assert ours["acc_stderr"] == pytest.approx(np.std(acc, ddof=1) / math.sqrt(len(acc)))
 
 
+@pytest.mark.ray
 def test_eval_command_reports_accuracy_and_heldout_bits_per_byte_and_refuses_a_bad_task(tmp_path, exported):
     (tmp_path / "held").mkdir()
     (tmp_path / "held" / "a.txt").write_text("held-out text that the model never saw. " * 20)
@@ -212,6 +214,7 @@ def test_sampling_depends_on_the_seed_only(exported):
     assert all(t < tok.vocab_size for t in alone)
 
 
+@pytest.mark.ray
 def test_generate_command_writes_a_completion_per_prompt(tmp_path, exported):
     (tmp_path / "p.jsonl").write_text('{"prompt": "hello"}\n{"prompt": ""}\n')
     env = {**os.environ, "STRATA_STORAGE": str(tmp_path / "storage")}

@@ -16,7 +16,7 @@ import tempfile
 import time
 
 import pytest
-from conftest import REPO, readme_command
+from conftest import REPO, readme_command, wait_for
 
 from strata import tiers
 from strata.dataset import list_versions
@@ -118,7 +118,8 @@ def _wait_for_jobs(address: str, env: dict) -> None:
         time.sleep(2)
 
 
-@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.slow("starts a head beside another Ray and stops it")
 def test_stopping_the_head_stops_it_alone_and_another_ray_on_the_machine_runs_on(tmp_path):
     """The README's recipe once ended in Ray's own stop command, which stopped every Ray on the machine (another user's
     embedded Ray among them). `strata head stop` stops the head `strata head start` recorded, and nothing else;
@@ -170,7 +171,7 @@ def test_stopping_the_head_stops_it_alone_and_another_ray_on_the_machine_runs_on
         assert not [p for p in group if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert not os.path.exists(rec["temp"]) and _strata(["head", "status"], env).returncode == 1
         seen = beat.read_text()
-        time.sleep(3)
+        wait_for(lambda: beat.read_text() != seen or other.poll() is not None, "the other Ray's next task", 60)
         assert other.poll() is None and beat.read_text() != seen, "the other Ray stopped with the head"
     finally:
         if (home / ".strata" / "head.json").exists():  # a failed assertion above: the head goes too
@@ -189,7 +190,7 @@ def test_head_start_refuses_a_port_someone_else_holds_and_stop_kills_only_the_li
     import threading
 
     home = tmp_path / "home"
-    env = {**{k: v for k, v in _head_env(tempfile.mkdtemp(prefix="rayh-", dir="/tmp")).items()
+    env = {**{k: v for k, v in _head_env(str(tmp_path)).items()
               if k != "RAY_AUTH_TOKEN"}, "HOME": str(home)}
     server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -261,7 +262,7 @@ def _job(head, command, *args, env=None):
         time.sleep(2)
 
 
-@pytest.mark.slow
+@pytest.mark.ray
 def test_submitted_preprocessing_job_succeeds_and_commits_a_version(head, corpus, storage_root):
     runtime_env = {"env_vars": {"STRATA_STORAGE": storage_root}, "excludes": [".git/", "strata-data/"]}
     out = _job(head, "submit", "--working-dir", ".", "--submission-id", "strata-test-preprocess",
@@ -276,7 +277,6 @@ def test_submitted_preprocessing_job_succeeds_and_commits_a_version(head, corpus
     assert "succeeded" in status.stdout.lower()
 
 
-@pytest.mark.slow
 def test_the_cluster_refuses_a_client_without_the_token(head):
     env = {k: v for k, v in head["env"].items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
     env["HOME"] = tempfile.mkdtemp(prefix="notoken-")  # no ~/.ray/auth_token to fall back on
@@ -285,7 +285,7 @@ def test_the_cluster_refuses_a_client_without_the_token(head):
     assert "401" in out.stderr or "authentication" in out.stderr.lower()
 
 
-@pytest.mark.slow
+@pytest.mark.slow("ray job submit of tier 1 then training")
 def test_submitted_training_job_reads_the_submitted_dataset(head, dataset, storage_root):
     runtime_env = {"env_vars": {"STRATA_STORAGE": storage_root}}
     out = _job(head, "submit", "--working-dir", ".", "--runtime-env-json", json.dumps(runtime_env), "--",
@@ -322,7 +322,6 @@ def _submit(head, *args, env=None):
                           capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.slow
 def test_strata_submit_runs_a_scheduled_slot_once(head, corpus, storage_root, tmp_path):
     # The token without RAY_AUTH_MODE (strata submit sends it anyway), and a head whose PATH finds no Python
     # with strata's packages (one started from .venv/bin/ray unactivated): the job runs the submitter's.
@@ -393,7 +392,6 @@ SECRET_LIKE = [  # every kind a working tree has been seen to hold, at the top a
 ]
 
 
-@pytest.mark.slow
 def test_a_submitted_working_dir_uploads_the_code_and_nothing_else(head, tmp_path):
     from strata.submit import runtime_env
 
@@ -424,7 +422,7 @@ def test_a_submitted_working_dir_uploads_the_code_and_nothing_else(head, tmp_pat
         assert arrived == set(code), f"{how}: uploaded {sorted(arrived - set(code))}, missing {sorted(set(code) - arrived)}"
 
 
-@pytest.mark.slow
+@pytest.mark.ray
 def test_strata_submit_refuses_a_head_no_job_could_run_on(tmp_path, corpus):
     """A plain `ray start --head` has no tier label: a job would wait PENDING forever. strata submit refuses,
     naming the label and the command that adds it; without a storage root for a remote cluster, it refuses
@@ -452,7 +450,6 @@ def test_strata_submit_refuses_a_head_no_job_could_run_on(tmp_path, corpus):
     assert out.returncode == 2 and "set STRATA_STORAGE (or --storage) to storage every node" in out.stderr
 
 
-@pytest.mark.slow
 def test_a_plain_ray_job_submit_without_a_storage_root_refuses_to_start(head, corpus):
     """The shipped runtime env names no bucket: a job submitted with it alone says what is missing."""
     env = {k: v for k, v in head["env"].items() if k != "STRATA_STORAGE"}
@@ -463,7 +460,6 @@ def test_a_plain_ray_job_submit_without_a_storage_root_refuses_to_start(head, co
     assert "Traceback" not in out.stdout + out.stderr
 
 
-@pytest.mark.slow
 def test_strata_submit_runs_infer_and_no_wait_says_how_to_follow(head, exported_model, storage_root, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "def "}\n{"prompt": "import "}\n')

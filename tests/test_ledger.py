@@ -26,7 +26,7 @@ def _record(records: list[dict], part: dict) -> dict:
     return next(r for r in records if (r["kind"], r["name"], r["started_at"]) == (kind, name, part["started_at"]))
 
 
-@pytest.mark.slow
+@pytest.mark.slow("tier 1, a sweep and training, each a command")
 def test_a_models_ledger_is_the_sum_of_the_records_it_names(local_ray, corpus, priced, tmp_path, s3_root,
                                                             monkeypatch):
     """Two dataset versions, a sweep on them, a run trained from its best config in two launches, a

@@ -23,7 +23,7 @@ def _logged_losses(run_dir: str) -> dict[int, float]:
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.slow("trains, kills and resumes")
 def test_a_steps_rows_are_the_ones_the_loop_trained_on_across_a_resume(local_ray, dataset, storage_root, tmp_path):
     """Two workers, 4 steps, then continued to 8 (a resume). For a step of each launch, the rows lineage
     names, under the checkpoint saved just before the step, give the very loss the loop logged for it:

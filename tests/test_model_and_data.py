@@ -221,7 +221,6 @@ def test_bad_strategy_or_precision_is_a_clear_error():
         TrainConfig(precision="fp8")
 
 
-@pytest.mark.slow
 def test_compiled_step_matches_eager():
     cfg = preset("debug", seq_len=SEQ, n_layer=1, n_embd=32, n_head=2)
     batch = np.random.default_rng(2).integers(0, 257, (4, SEQ + 1))

@@ -9,8 +9,6 @@ import shutil
 import pytest
 from conftest import REPO
 
-pytestmark = pytest.mark.slow
-
 
 def _execute(nb, env: dict) -> str:
     """Run `nb` in a fresh kernel with `env` set; its stdout."""
@@ -35,6 +33,8 @@ def _images(nb) -> list:
     return [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
 
 
+@pytest.mark.ray
+@pytest.mark.slow("runs a notebook's sweep in a kernel")
 def test_sweep_notebook_runs_top_to_bottom_and_shows_an_ended_sweep_without_running_it_again(storage_root, tmp_path):
     nbformat = pytest.importorskip("nbformat")
     import ray

@@ -140,7 +140,6 @@ def _shuffled(storage, name, root, seed):
     return out, {os.path.basename(s.path): _rows(v.file(s.path)) for s in v.shards}
 
 
-@pytest.mark.slow
 def test_shuffle_is_global_deterministic_and_bounded(local_ray, split_corpus):
     storage = Storage.from_env()
     root, made = split_corpus
@@ -157,7 +156,6 @@ def test_shuffle_is_global_deterministic_and_bounded(local_ray, split_corpus):
     assert len([k for k in rows_a if k.startswith("train-")]) == -(-a["stats"]["rows"]["train"] // per_shard)
 
 
-@pytest.mark.slow
 def test_mixed_compressed_inputs_and_a_trained_tokenizer(local_ray, tmp_path, tmp_path_factory):
     texts = [f"document {i}: " + " ".join(f"word{(i * 7 + j) % 50}" for j in range(80)) for i in range(60)]
     lines = b"".join(json.dumps({"text": t}).encode() + b"\n" for t in texts[:20])

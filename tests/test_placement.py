@@ -19,6 +19,7 @@ from strata.storage import Storage
 @pytest.fixture(scope="module")
 def tiered_cluster(storage_root):
     tiers_ = (tiers.Tier.CPU, tiers.Tier.GPU, tiers.Tier.SPOT)
+    # Its own cluster (the module's): nodes of each tier, to see where each tier's work ran.
     with simulated_cluster([((tiers.Tier.CPU,), 2), ((tiers.Tier.GPU,), 1), ((tiers.Tier.SPOT,), 2)]) as (c, nodes):
         yield {"cluster": c, **{t: n.node_id for t, n in zip(tiers_, nodes, strict=True)}}
 
@@ -29,7 +30,7 @@ def _labels_of(node_id):
     return next(n["Labels"] for n in ray.nodes() if n["NodeID"] == node_id)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("a simulated cluster of tiers, each tier's work on it")
 def test_each_tier_runs_only_on_its_nodes(tiered_cluster, corpus):
     from conftest import train_run as train
 
@@ -101,7 +102,7 @@ def _announce_gpu_node_type(gpus: int) -> None:
                      namespace=ray._raylet.GCS_AUTOSCALER_STATE_NAMESPACE.encode())
 
 
-@pytest.mark.slow
+@pytest.mark.ray
 def test_a_cold_cluster_waits_for_gpus_and_never_trains_on_cpu_silently(tiered_cluster, capfd):
     """The simulated cluster's gpu-tier node has no GPU. Without an autoscaler that could start one, training
     fails at once naming --no-use-gpu; with one, it waits, says what ends the wait, then fails, saying so.

@@ -81,6 +81,7 @@ def _corpus_texts(root):
     return out
 
 
+@pytest.mark.slow("trains a scorer, then two tier-1 versions")
 def test_preprocess_filters_by_score_and_the_next_version_reuses_the_scores(tmp_path, local_ray, exported_model,
                                                                             any_root, capfd):
     """Version 1 keeps the best half of its documents by bits per byte under the model; the scores it
@@ -182,7 +183,7 @@ def test_preprocess_filters_by_score_and_the_next_version_reuses_the_scores(tmp_
     assert q6["reused"] == 0 and q6["scored"] == 3
 
 
-@pytest.mark.slow
+@pytest.mark.slow("scores, is killed, and reruns")
 def test_a_run_killed_after_scoring_is_rerun_without_scoring_again(tmp_path, local_ray, exported_model):
     """Killed (kill -9, by itself) in pass 2, after the scores were written: the rerun of the same work
     reuses every score and keeps exactly the documents the undisturbed rule keeps."""

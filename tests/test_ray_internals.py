@@ -91,6 +91,7 @@ def test_the_state_api_finds_the_embedded_ray_from_inside_it(local_ray):
     assert local_ray.get(asker.state_of.remote(asker._actor_id.hex()), timeout=60) == "ALIVE"
 
 
+@pytest.mark.ray
 def test_without_a_dashboard_the_state_api_refuses_at_once(tmp_path):
     """A training run's embedded Ray starts without its dashboard (strata.connect, dashboard=False): the
     state API is then named at a port where nothing answers, so the placement-group cleaner's ask is
@@ -130,6 +131,7 @@ def test_without_a_dashboard_the_state_api_refuses_at_once(tmp_path):
     assert out.stdout.strip().splitlines()[-1] == "refused", out.stdout[-2000:]
 
 
+@pytest.mark.ray
 def test_a_ray_started_from_a_thread_outlives_the_start():
     """Ray starts GCS and the raylet with PR_SET_PDEATHSIG, which Linux fires when the *thread* that started
     them ends: strata.connect.connect_early keeps its thread for the life of the process."""
@@ -137,13 +139,14 @@ def test_a_ray_started_from_a_thread_outlives_the_start():
     script = os.path.join(temp, "early.py")
     with open(script, "w") as f:
         f.write(textwrap.dedent(f"""
-        import threading, time
+        import threading
         import ray
         from strata.connect import connect, connect_early, shutdown
 
         connect_early(dashboard=False, num_cpus=1, temp_dir={temp!r}, quiet=True)
         print(connect(), flush=True)  # waits for the start in the thread
-        time.sleep(2)  # a killed GCS or raylet would be gone by now
+        # The kernel kills GCS and the raylet the moment their starting thread ends: that thread is still
+        # there (below), and they answer.
         print(ray.get(ray.remote(lambda: "answered").remote(), timeout=60), flush=True)
         print([t.name for t in threading.enumerate()], flush=True)
         shutdown()

@@ -17,7 +17,6 @@ from collections import Counter
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 import zstandard
 
 from pipelines.config import debug
@@ -26,7 +25,6 @@ from strata.dataset import read_rows, resolve
 from strata.storage import Storage
 from strata.tokenizer import ByteTokenizer
 
-pytestmark = pytest.mark.slow
 DOC_BYTES, CAP = 255, 64 << 10
 MARK = re.compile(r"<g(\d{5})>", re.IGNORECASE)
 

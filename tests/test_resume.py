@@ -23,8 +23,6 @@ from train.checkpoint import committed_checkpoints, read_meta
 from train.config import TrainConfig
 from train.model import preset
 
-pytestmark = pytest.mark.slow
-
 MODEL = preset("debug", n_layer=2, n_embd=64, n_head=4)
 STEPS = 60
 
@@ -43,6 +41,7 @@ def _run(env, name, cfg):
 def train_cluster(dataset, storage_root):
     os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "0.5"  # Ray Train's drain watcher, every node
     try:
+        # Its own cluster (the module's): its tests kill and drain nodes mid-run.
         with simulated_cluster([((tiers.Tier.GPU,), 1)] * 3) as (cluster, nodes):
             env = {"cluster": cluster, "nodes": list(nodes), "storage": Storage.from_env(), "dataset": dataset["ref"]}
             straight = _run(env, "straight", _cfg())
@@ -91,6 +90,7 @@ def _assert_matches_reference(env, run_dir, resumed_at):
         assert losses[s] == pytest.approx(env["reference"][s], rel=1e-5, abs=1e-6), f"step {s}"
 
 
+@pytest.mark.slow("kills a node mid-run and resumes")
 def test_a_lost_node_resumes_from_the_latest_checkpoint_exactly(train_cluster):
     env = train_cluster
     run_dir = env["storage"].run("node-lost")
@@ -110,6 +110,7 @@ def test_a_lost_node_resumes_from_the_latest_checkpoint_exactly(train_cluster):
     _assert_matches_reference(env, run_dir, resumed_at)
 
 
+@pytest.mark.slow("drains a node of a simulated cluster mid-run")
 def test_a_drained_node_checkpoints_before_it_goes_and_the_run_resumes_from_it(train_cluster):
     from ray._raylet import GcsClient
     from ray.core.generated import autoscaler_pb2

@@ -23,8 +23,6 @@ from strata.storage import Storage, exists, is_uri, list_files, read_jsonl
 from train.config import TrainConfig
 from train.model import preset
 
-pytestmark = pytest.mark.slow
-
 
 def _paths(obj, bucket: str):
     """Every string in a summary or record that names something in the bucket."""
@@ -44,6 +42,8 @@ def _assert_uris(obj, bucket: str) -> None:
         assert exists(p), f"names nothing: {p!r}"
 
 
+@pytest.mark.ray
+@pytest.mark.slow("tier 1, training, a sweep and inference on S3")
 def test_the_whole_path_on_s3(s3_root, tmp_path, monkeypatch, capsys):
     bucket = s3_root.split("/")[2]
     monkeypatch.setenv("STRATA_STORAGE", s3_root)

@@ -121,7 +121,7 @@ def _openai(server):
     return openai, openai.OpenAI(base_url=server.url + "/v1", api_key=TOKEN, max_retries=0)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("starts the module's server (four models)")
 def test_the_openai_client_completes_streams_and_embeds_as_transformers_computes(server, models, built):
     transformers = pytest.importorskip("transformers")
     openai, client = _openai(server)
@@ -159,7 +159,6 @@ def test_the_openai_client_completes_streams_and_embeds_as_transformers_computes
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
 
 
-@pytest.mark.slow
 def test_the_same_seed_gives_the_same_text_whatever_else_is_in_the_batch(server, built):
     net, tok = built
     body = {"model": "m1", "prompt": ["once upon", "a time"], "max_tokens": 16, "temperature": 0.9, "top_k": 40,
@@ -188,7 +187,6 @@ def test_the_same_seed_gives_the_same_text_whatever_else_is_in_the_batch(server,
     assert m1["rows"] > m1["steps"]  # requests from different clients shared decode steps
 
 
-@pytest.mark.slow
 def test_a_model_loading_never_holds_up_the_models_already_loaded(server):
     assert server.call("POST", "/v1/completions", {"model": "m1", "prompt": "warm", "max_tokens": 2})[0] == 200
     box = {}
@@ -207,7 +205,6 @@ def test_a_model_loading_never_holds_up_the_models_already_loaded(server):
     assert answered_meanwhile >= 3  # m1 kept answering while big loaded on the same replica
 
 
-@pytest.mark.slow
 def test_scores_are_infer_scores_figures(server, built):
     from infer.score import score_ids
 
@@ -222,7 +219,6 @@ def test_scores_are_infer_scores_figures(server, built):
         assert got["bpb"] == pytest.approx(w.nll / 0.6931471805599453 / len(text.encode()), rel=1e-4)
 
 
-@pytest.mark.slow
 def test_bad_requests_get_openai_errors_and_never_a_500(server):
     cases = [
         ({"model": "m1", "prompt": "x", "max_tokens": "3"}, 400, "max_tokens must be an integer"),
@@ -258,7 +254,6 @@ def test_bad_requests_get_openai_errors_and_never_a_500(server):
     assert server.call("GET", "/healthz", token=None)[0] == 200  # health checks need no token
 
 
-@pytest.mark.slow
 def test_lm_evaluation_harness_local_completions_gets_infer_evals_accuracy(server, models, built, tmp_path,
                                                                            monkeypatch):
     lm_eval = pytest.importorskip("lm_eval")
@@ -288,7 +283,6 @@ def test_lm_evaluation_harness_local_completions_gets_infer_evals_accuracy(serve
         assert theirs[k] == pytest.approx(ll, abs=1e-3)
 
 
-@pytest.mark.slow
 def test_sigterm_stops_the_server_and_its_record_counts_what_it_served(server, tmp_path):
     import re
     import urllib.request
@@ -323,7 +317,9 @@ def test_sigterm_stops_the_server_and_its_record_counts_what_it_served(server, t
 
 # ---- many models, following a run, scaling and back-pressure ----------------------------------------------
 
-@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.serve
+@pytest.mark.slow("twelve models and a run followed")
 def test_twelve_models_on_two_replicas_of_three_slots_and_a_run_followed_without_a_failed_request(tmp_path):
     from serving import commit_checkpoint
 
@@ -384,7 +380,9 @@ def test_twelve_models_on_two_replicas_of_three_slots_and_a_run_followed_without
     assert code == 0 and summary["models"] == 12 and summary["by_status"].get("200", 0) == summary["requests"]
 
 
-@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.serve
+@pytest.mark.slow("waits for Serve's autoscaler both ways")
 def test_replicas_scale_up_under_load_and_down_after_it_and_overload_gets_503_at_once(tmp_path, models):
     from conftest import simulated_cluster, wait_for
     from ray import serve
@@ -394,6 +392,7 @@ def test_replicas_scale_up_under_load_and_down_after_it_and_overload_gets_503_at
         dep = app.deployments.get("Api") if app else None  # one model: the ingress holds it (one hop)
         return dep.replica_states.get("RUNNING", 0) if dep else 0
 
+    # Its own cluster: replicas on two nodes, scaled by Serve's autoscaler under load.
     with simulated_cluster([(("cpu",), 1), (("cpu",), 1)]) as (cluster, _):
         srv = Server(["--model", f"m1={models['m1']}", "--address", cluster.address, "--min-replicas", "1",
                       "--max-replicas", "2", "--target-ongoing", "1", "--max-ongoing", "4", "--max-queued", "8",
@@ -438,6 +437,7 @@ def test_replicas_scale_up_under_load_and_down_after_it_and_overload_gets_503_at
         assert code == 0 and summary["replica_hours"] > 0
 
 
+@pytest.mark.serve
 def test_listening_beyond_loopback_needs_a_token(models, tmp_path):
     import subprocess
     import sys

@@ -19,7 +19,6 @@ from strata.dataset import pad_value, read_rows, resolve
 from strata.storage import Storage
 from strata.tokenizer import ByteTokenizer
 
-pytestmark = pytest.mark.slow
 EOT = ByteTokenizer().eot_id
 
 

@@ -17,7 +17,6 @@ from train.tasks import EVENT, TaskError, evaluate, load_task
 TASK = os.path.join(REPO, "infer", "tasks", "arithmetic.jsonl")
 
 
-@pytest.mark.slow
 def test_task_evaluations_land_at_their_steps_and_a_dead_one_never_stops_training(local_ray, dataset, monkeypatch):
     from train.sample import load
 

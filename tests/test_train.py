@@ -30,7 +30,7 @@ def _metrics(path):
     return read_metrics(path)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("DDP on two workers, then a rerun")
 def test_ddp_run_checkpoints_and_a_rerun_continues(local_ray, dataset, capfd):
     storage = Storage.from_env()
     ref = dataset["ref"]
@@ -127,7 +127,6 @@ class _Payload:
         return (open, (self.marker, "w"))
 
 
-@pytest.mark.slow
 def test_reports_to_ray_never_throttle_the_loop(local_ray, dataset):
     """--log-every 1 keeps every step's metrics on the worker; Ray hears from the loop on a timer no
     shorter than its controller's poll interval (every report would otherwise block up to 2 s)."""
@@ -161,7 +160,6 @@ def test_a_dataset_that_does_not_fit_the_model_is_refused(local_ray, dataset):
     assert not os.path.exists(Storage.from_env().run("refused"))
 
 
-@pytest.mark.slow
 def test_a_mixture_trains_in_proportion_reports_each_source_and_refuses_what_does_not_mix(local_ray, dataset,
                                                                                             second_dataset):
     storage = Storage.from_env()
@@ -201,7 +199,7 @@ def test_a_mixture_trains_in_proportion_reports_each_source_and_refuses_what_doe
     assert not os.path.exists(storage.run("mix-bad")) and not os.path.exists(storage.run("mix-long"))
 
 
-@pytest.mark.slow
+@pytest.mark.slow("FSDP2 and DDP runs, then a continued one")
 def test_fsdp2_matches_ddp_and_continues_from_its_checkpoint(local_ray, dataset):
     storage = Storage.from_env()
     model = preset("debug", n_layer=2, n_embd=32, n_head=2)
@@ -236,7 +234,7 @@ def test_a_run_continues_only_with_its_model_and_tokenizer(local_ray, dataset, t
                             "0123456789abcdef", False)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("three training runs")
 def test_a_continued_run_keeps_its_dataset_and_data_order_and_one_writer(local_ray, dataset):
     storage = Storage.from_env()
     model = preset("debug", n_layer=1, n_embd=32, n_head=2)
@@ -269,7 +267,7 @@ def test_a_continued_run_keeps_its_dataset_and_data_order_and_one_writer(local_r
     assert start["micro_batch"] == CPU_MICRO_BATCH  # no batch size given: a new run's is sized for its device
 
 
-@pytest.mark.slow
+@pytest.mark.slow("several training commands")
 def test_the_model_is_shaped_for_the_dataset_and_by_flags(local_ray, corpus, monkeypatch):
     """A preset plus flags covers any shape; vocab_size and seq_len default to the dataset's."""
     import train.__main__ as cli
@@ -292,7 +290,6 @@ def test_the_model_is_shaped_for_the_dataset_and_by_flags(local_ray, corpus, mon
     assert out["flops_per_token"] == describe(GPTConfig(**model))["flops_per_token"]
 
 
-@pytest.mark.slow
 def test_bf16_fsdp2_runs_on_cpu_accumulating_to_its_tokens_per_step(local_ray, dataset, capfd):
     """The path the >=700M presets take on GPU (FSDP2, bf16 mixed precision), exercised on CPU workers
     over gloo before any GPU sees it; with a tokens-per-step target the run accumulates micro-batches to
@@ -333,7 +330,6 @@ def test_a_continued_run_keeps_its_learning_rate_schedule_unless_rescheduled():
     assert stretched.schedule_steps == 0 and lr_at(76, stretched) > lr_at(76, first)
 
 
-@pytest.mark.slow
 def test_a_run_that_lost_its_lease_commits_no_more_checkpoints(local_ray, dataset, monkeypatch):
     """Another writer takes the run's lease while it trains (its holder stalled past the ttl): the workers see
     it before their next checkpoint commit, and the run fails saying so, with nothing more committed."""

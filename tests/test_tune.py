@@ -19,7 +19,6 @@ from tune.driver import run
 from tune.sweep import SPACES, STATE_FILE
 
 
-@pytest.mark.slow
 def test_a_second_sweep_in_the_same_process_is_refused_while_the_first_runs(local_ray, dataset):
     import threading
 
@@ -96,7 +95,6 @@ def test_sweep_runs_trials_and_writes_the_best_config(local_ray, dataset):
         driver.release()
 
 
-@pytest.mark.slow
 def test_a_trials_reports_do_not_throttle_it(local_ray, dataset):
     """A trial reports after every step here; were tune.report paced by a controller poll (as
     ray.train.report is, 2 s), nearly all of the trial's time would go to reporting."""
@@ -109,7 +107,6 @@ def test_a_trials_reports_do_not_throttle_it(local_ray, dataset):
     assert len(shares) == 2 and all(0 < s < 0.5 for s in shares), shares
 
 
-@pytest.mark.slow
 def test_max_concurrent_caps_the_trials_running_at_once(local_ray, dataset):
     """Random search hands Tune a BasicVariantGenerator, for which Tune ignores max_concurrent_trials:
     the limit must reach the generator. The session's Ray has 2 CPUs, so without it 2 trials run at once."""
@@ -168,7 +165,7 @@ def test_search_spaces_by_name_or_file_are_checked(tmp_path):
     assert (model.n_layer, train.lr) == (1, 0.5)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("a sweep, then training from its best")
 def test_an_optuna_sweep_over_the_model_shape_and_training_from_its_best_config(local_ray, dataset):
     pytest.importorskip("optuna")
     from train.__main__ import main as train_main
@@ -212,7 +209,6 @@ def test_queued_configs_are_sampled_by_index_and_asha_rule_keeps_the_better_half
     assert not SweepConfig(pack=1).queued and not SweepConfig(search="optuna").queued  # a Tune trial per config
 
 
-@pytest.mark.slow
 def test_a_queued_sweep_accounts_for_every_config_applies_asha_across_it_and_plots_it(local_ray, dataset):
     from tune.queued import asha_keeps, sample
     from tune.sweep import load_space
@@ -271,7 +267,6 @@ def test_a_mixture_trials_batches_follow_its_normalised_weights():
     assert abs(share - 0.25) < 0.01  # the mixture is exact to a row per split, not a draw
 
 
-@pytest.mark.slow
 def test_a_sweep_over_mixture_weights_by_bits_per_byte_and_training_on_its_best_mixture(local_ray, dataset,
                                                                                       second_dataset, tmp_path):
     from train.__main__ import main as train_main
@@ -295,7 +290,6 @@ def test_a_sweep_over_mixture_weights_by_bits_per_byte_and_training_on_its_best_
         run(cfg, dataset=both, model_preset="debug", sweep_name="mixes-bad", storage=Storage.from_env())
 
 
-@pytest.mark.slow
 def test_a_fine_tuning_sweep_starts_every_trial_from_the_same_weights(local_ray, dataset, tmp_path):
     import ray
     from test_export import _hf_gpt2
@@ -318,7 +312,6 @@ def test_a_fine_tuning_sweep_starts_every_trial_from_the_same_weights(local_ray,
             sweep_name="tuned-shape", storage=Storage.from_env())
 
 
-@pytest.mark.slow
 def test_a_trial_and_the_run_it_recommends_train_on_the_same_batches(local_ray, dataset, tmp_path):
     """One fixed config swept for K steps, then `train --from-sweep --max-steps K`: the same loss at every
     step, because both resolve the config, build the model and read the data through the same code."""
@@ -357,7 +350,6 @@ def test_an_accuracy_metric_is_maximised_and_goes_with_a_task_file():
             SweepConfig(**bad)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("queued", [False, True])
 def test_a_sweep_can_rank_configs_by_task_accuracy(local_ray, dataset, queued):
     """--metric task_acc: each report scores the task; the best config is the most accurate one, queued

@@ -16,11 +16,10 @@ from strata.storage import Storage
 from tune.config import SweepConfig
 from tune.driver import run
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def spot_cluster(dataset, storage_root):
+    # Its own cluster (the module's): its tests kill a spot node and a sweep's driver.
     with simulated_cluster([((tiers.Tier.SPOT,), 1)] * 2) as (cluster, nodes):
         yield {"cluster": cluster, "nodes": list(nodes), "dataset": dataset["ref"], "storage": Storage.from_env()}
 
@@ -58,6 +57,7 @@ def _parts(sweep_dir) -> dict[str, list[int]]:
     return out
 
 
+@pytest.mark.slow("kills a sweep's driver and reruns it")
 def test_a_killed_driver_resumes_the_sweep_when_the_command_is_rerun(spot_cluster):
     storage = spot_cluster["storage"]
     sweep_dir = storage.sweep("killed")
@@ -92,6 +92,7 @@ def test_a_killed_driver_resumes_the_sweep_when_the_command_is_rerun(spot_cluste
     assert all(t["status"] in ("completed", "stopped early") and t["best"] is not None for t in trials)
 
 
+@pytest.mark.slow("a spot node lost mid-sweep")
 def test_a_lost_spot_node_costs_the_sweep_only_the_configs_it_was_running(spot_cluster):
     import ray
 
