@@ -131,16 +131,6 @@ def configure(config) -> None:
 
 
 def modify_items(items) -> None:
-    _mark(items)
-    # The files with the most slow tests first (each file's own order kept): with two pytest processes, the
-    # longest files start at once instead of one of them running alone at the end.
-    slow: dict[str, int] = {}
-    for item in items:
-        slow[item.module.__name__] = slow.get(item.module.__name__, 0) + bool(item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[item.module.__name__])
-
-
-def _mark(items) -> None:
     for item in items:
         params = item.callspec.params if hasattr(item, "callspec") else {}
         names = set(item.fixturenames)
