@@ -342,22 +342,28 @@ def _shutdown_at_exit() -> None:
 
 def _remove_own_temp() -> None:
     """Remove the temp dirs of the embedded Rays this process started and has shut down."""
-    import shutil
-
     import ray
 
     if ray.is_initialized():
         return
     while _OWN_TEMP:
-        temp = _OWN_TEMP.pop()
-        # Ray's shutdown returns before every worker it stopped has gone; one still writing its log makes a
-        # single rmtree leave the dir behind ("Directory not empty"). Seen under load: try until it is gone.
-        deadline = time.monotonic() + 15
-        while True:
-            shutil.rmtree(temp, ignore_errors=True)
-            if not os.path.lexists(temp) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        remove_ray_dir(_OWN_TEMP.pop())
+
+
+def remove_ray_dir(temp: str, timeout: float = 30.0) -> bool:
+    """Remove a stopped Ray's temp dir; True once it is gone. Ray's shutdown returns before every worker it
+    stopped has gone, and one still writing its log makes a single rmtree leave the dir behind ("Directory
+    not empty"; seen under load, in a simulated cluster's Serve replicas too): try until it is gone."""
+    import shutil
+
+    deadline = time.monotonic() + timeout
+    while True:
+        shutil.rmtree(temp, ignore_errors=True)
+        if not os.path.lexists(temp):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
 
 
 def stop_monitor(node=None) -> None:

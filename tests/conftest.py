@@ -268,7 +268,7 @@ def simulated_cluster(nodes: list[tuple[tuple, int]]):
     from ray.cluster_utils import Cluster
 
     from strata import tiers
-    from strata.connect import shutdown, state_api_at, stop_monitor
+    from strata.connect import remove_ray_dir, shutdown, state_api_at, stop_monitor
 
     shutdown()  # replaces the session's local Ray; ensure_local_ray() brings it back
     temp = tempfile.mkdtemp(prefix="rayc-", dir="/tmp")
@@ -300,7 +300,7 @@ def simulated_cluster(nodes: list[tuple[tuple, int]]):
             os.environ.pop("RAY_TMPDIR", None)
         else:
             os.environ["RAY_TMPDIR"] = old_tmpdir
-        shutil.rmtree(temp, ignore_errors=True)
+        remove_ray_dir(temp)  # a worker of the cluster still dying writes its log there for a moment
 
 
 def pytest_configure(config):
@@ -323,11 +323,11 @@ def _stop_ray_at_end():
     """The shared Ray stopped and its temp dir gone; then nothing the session started may be left
     (tests/guard.py): a process still alive or a Ray temp dir still there fails the run."""
     yield
-    from strata.connect import shutdown
+    from strata.connect import remove_ray_dir, shutdown
 
     shutdown()
     for d in _ray_dirs:
-        shutil.rmtree(d, ignore_errors=True)
+        remove_ray_dir(d)
     shutil.rmtree(TEST_HOME, ignore_errors=True)
     if left := guard.end_of_session():
         pytest.fail("the tests left behind:\n" + "\n".join(left), pytrace=False)

@@ -3,13 +3,14 @@
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
 
 import pytest
 from conftest import REPO
+
+from strata.connect import remove_ray_dir
 
 ENTRY_POINTS = {
     "pipelines.preprocess": ["--input", "--dataset", "--tokenizer", "--seq-len", "--json"],
@@ -376,7 +377,7 @@ def test_the_cluster_failing_under_a_command_is_one_line_not_a_bug(tmp_path):
         out = subprocess.run([sys.executable, "-c", _LOST, temp], cwd=REPO, capture_output=True, text=True,
                              timeout=180, env=env)
     finally:
-        shutil.rmtree(temp, ignore_errors=True)
+        remove_ray_dir(temp)
     assert out.returncode == 1, out.stderr[-3000:]
     assert "error: the Ray cluster failed under this run: ActorDiedError" in out.stderr, out.stderr[-3000:]
     assert "Traceback" not in out.stderr and "a bug in strata" not in out.stderr

@@ -19,6 +19,7 @@ import pytest
 from conftest import REPO, readme_command, wait_for
 
 from strata import tiers
+from strata.connect import remove_ray_dir
 from strata.dataset import list_versions
 from strata.storage import Storage, check_name
 from strata.submit import submission_id
@@ -84,7 +85,7 @@ def head(storage_root):
     proc, address = _strata_head(line, env)
     yield {"address": address, "env": env}
     _strata(["head", "stop"], env)
-    shutil.rmtree(temp, ignore_errors=True)
+    remove_ray_dir(temp)
 
 
 def _strata(args: list[str], env: dict) -> subprocess.CompletedProcess:
@@ -444,7 +445,7 @@ def test_strata_submit_refuses_a_head_no_job_could_run_on(tmp_path, corpus):
         assert "submission_id='" not in listed.stdout, "nothing was submitted"
     finally:
         _stop_head(proc)
-        shutil.rmtree(temp, ignore_errors=True)
+        remove_ray_dir(temp)
     remote = {k: v for k, v in env.items() if k != "STRATA_STORAGE"}
     out = _submit({"env": remote}, "train", "--address", "https://10.255.255.1:8265", "--", "--dataset", "x", env=remote)
     assert out.returncode == 2 and "set STRATA_STORAGE (or --storage) to storage every node" in out.stderr

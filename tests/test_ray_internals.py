@@ -5,7 +5,6 @@ moved fails with the use it breaks."""
 import importlib
 import inspect
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -14,6 +13,8 @@ import textwrap
 import pytest
 import ray
 from conftest import REPO
+
+from strata.connect import remove_ray_dir
 
 RAY_SERIES = "2.60."  # pyproject pins ray==2.60.*
 
@@ -126,7 +127,7 @@ def test_without_a_dashboard_the_state_api_refuses_at_once(tmp_path):
         out = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True,
                              timeout=300)
     finally:
-        shutil.rmtree(temp, ignore_errors=True)
+        remove_ray_dir(temp)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "refused", out.stdout[-2000:]
 
@@ -156,7 +157,7 @@ def test_a_ray_started_from_a_thread_outlives_the_start():
         out = subprocess.run([sys.executable, script], cwd=REPO, env=env, capture_output=True, text=True,
                              timeout=300)
     finally:
-        shutil.rmtree(temp, ignore_errors=True)
+        remove_ray_dir(temp)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert lines[0].startswith("started embedded local Ray") and lines[1] == "answered", out.stdout[-2000:]

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -225,8 +227,12 @@ def fsdp_step_and_checkpoint(name: str, device, compile_model: bool, backend: st
     import torch
     import torch.distributed as dist
 
+    from strata import signing
     from train.checkpoint import AsyncCheckpointer, load
     from train.step import train_step
+
+    if not signing.has_key():  # a GPU machine holds no strata key: this check's own checkpoint, read only here,
+        os.environ[signing.KEY_ENV] = secrets.token_hex(32)  # is signed with a key that ends with the process
 
     if not dist.is_initialized():
         store = dist.FileStore(tempfile.mktemp(prefix="strata-gpu-check-"), 1)
