@@ -365,6 +365,16 @@ def test_a_run_that_lost_its_lease_commits_no_more_checkpoints(local_ray, datase
     assert isinstance(outcome.get("error"), LeaseLost), outcome
     committed = [int(os.path.basename(c).split("-")[1]) for c in committed_checkpoints(run_dir)]
     assert max(committed) == taken_at, (committed, taken_at)  # fenced: nothing the old holder handed over later
+    # What the workers had staged for that refused handover is gone too (it was left in the temp dir).
+    import fnmatch
+    import glob
+    import tempfile
+
+    from train.checkpoint import staging_prefix
+
+    staged = os.path.join(tempfile.gettempdir(), "strata-usurped-checkpoint-*")
+    assert fnmatch.fnmatch(os.path.join(tempfile.gettempdir(), staging_prefix("usurped", 8, 0)), staged)
+    assert not glob.glob(staged)
 
 
 def test_a_long_accumulating_step_says_how_far_it_is(tmp_path):

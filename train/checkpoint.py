@@ -87,6 +87,11 @@ def _rng_file(rank: int) -> str:
     return f"rng-{rank}.safetensors"
 
 
+def staging_prefix(run: str, step: int, rank: int) -> str:
+    """The name a rank's local copy of a checkpoint starts with, in the temp dir, until it is handed over."""
+    return f"strata-{run + '-' if run else ''}{dir_name(step)}-rank{rank}-"
+
+
 class AsyncCheckpointer:
     """One checkpoint in flight at a time, per rank; `pg` is a gloo group used only for checkpoints,
     so the background write's collectives never interleave with training's."""
@@ -107,7 +112,7 @@ class AsyncCheckpointer:
         from safetensors.torch import save_file
         from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-        local = tempfile.mkdtemp(prefix=f"strata-{dir_name(step)}-rank{self.rank}-")
+        local = tempfile.mkdtemp(prefix=staging_prefix(self.run, step, self.rank))
         save_file(_rng_state(), os.path.join(local, _rng_file(self.rank)))
         if self.rank == 0:
             with open(os.path.join(local, META), "w") as f:

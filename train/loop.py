@@ -14,6 +14,7 @@ in train/metrics.py, when to do what in train/cadence.py.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -296,7 +297,12 @@ def _checkpoint(checkpointer: AsyncCheckpointer, decision, done: int, metrics: d
         if decision.reason in ("end", "preemption"):  # must be registered before the run ends or the node goes
             handover.append((*checkpointer.take(), True))
     if handover and config.get("lease"):  # every rank, so all of them stop together: report is a barrier
-        check_held(config["run_dir"], config["lease"]["gen"], config["lease"]["what"])
+        try:
+            check_held(config["run_dir"], config["lease"]["gen"], config["lease"]["what"])
+        except BaseException:  # nothing is handed over: the local copies go now (they were left in the temp dir)
+            for _, local, _ in handover:
+                shutil.rmtree(local, ignore_errors=True)
+            raise
     return handover
 
 
