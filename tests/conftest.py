@@ -6,6 +6,7 @@ before Ray is imported) and gets its own short temp dir.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -23,6 +24,9 @@ from guard import marks_are_true  # noqa: F401 - an autouse fixture: every test'
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 # Tests never write to the real home (~/.ray, ~/.strata): every process they start gets a temporary one.
 TEST_HOME = os.environ["HOME"] = tempfile.mkdtemp(prefix="strata-test-home-")
+# Removed at exit by whichever process made it: xdist's controller and a script importing conftest run no
+# session fixture (the session's own removal, below, comes first where one runs).
+atexit.register(shutil.rmtree, TEST_HOME, True)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "STRATA_SIGNING_KEY", "STRATA_SIGNING_KEY_FILE",
             "STRATA_SIGNING_KEYRING"):
