@@ -16,7 +16,8 @@ def test_reports_are_never_faster_than_rays_poll(monkeypatch):
     assert _cadence(report_every_s=30).report_every_s == 30
 
 
-def test_log_points_and_report_timer():
+def test_log_points_and_report_timer(monkeypatch):
+    monkeypatch.delenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", raising=False)  # Ray's default poll, whatever the shell's
     c = _cadence(log_every=10, checkpoint_every=25, started=0.0)
     assert [d for d in range(1, 101) if c.log_due(d)] == [1, 10, 20, 25, 30, 40, 50, 60, 70, 75, 80, 90, 100]
     interval = c.report_every_s
