@@ -34,6 +34,7 @@ import urllib.error
 import urllib.request
 
 from strata import tiers
+from strata.procs import cmdline
 from strata.shell import Command, Parser, StrataError, log
 
 _log = log("head")
@@ -58,18 +59,10 @@ def read_record() -> dict | None:
     return rec if isinstance(rec, dict) and isinstance(rec.get("pid"), int) else None
 
 
-def _cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        return []
-
-
 def ours(rec: dict) -> bool:
     """Whether the recorded process is alive and still the `ray start --block` strata started (a pid can be
     reused by anything once its process is gone)."""
-    cmd = _cmdline(rec["pid"])
+    cmd = cmdline(rec["pid"])
     return "start" in cmd and "--block" in cmd and f"--temp-dir={rec.get('temp')}" in cmd
 
 
@@ -286,7 +279,7 @@ def stop(quiet: bool = False) -> str:
         pgid = rec["pid"]  # the live head leads its own group (start_new_session): never a pgid the record names
         os.kill(rec["pid"], signal.SIGTERM)  # --block stops every process it started
         deadline = time.time() + STOP_WAIT_S
-        while (_cmdline(rec["pid"]) or _group(pgid)) and time.time() < deadline:
+        while (cmdline(rec["pid"]) or _group(pgid)) and time.time() < deadline:
             time.sleep(0.2)
         left = _group(pgid)
         for pid in left:

@@ -56,3 +56,12 @@ def rss_mb() -> float:
 def peak_rss_mb() -> float:
     """The most memory this process has held (MB; Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def cmdline(pid: int) -> list[str]:
+    """The arguments of process `pid` as the kernel shows them (Linux /proc); [] once it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []

@@ -23,6 +23,8 @@ import uuid
 
 import pytest
 
+from strata.procs import cmdline
+
 MARKER = "PYTEST_STRATA_SESSION"
 SESSION = os.environ[MARKER] = uuid.uuid4().hex  # each pytest process (each xdist worker) its own
 SLOW_TIMEOUT_S = 600
@@ -38,14 +40,6 @@ def _ours(pid: int) -> bool:
             return f"{MARKER}={SESSION}".encode() in f.read().split(b"\0")
     except OSError:
         return False
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        return []
 
 
 class Watcher(threading.Thread):
@@ -72,7 +66,7 @@ class Watcher(threading.Thread):
             pid = int(d)
             if not _ours(pid):
                 continue
-            cmd = _cmdline(pid)
+            cmd = cmdline(pid)
             self.seen[pid] = " ".join(cmd)[:300]
             self.during[pid] = self.test or "between tests"
             kinds = set()
@@ -88,7 +82,7 @@ class Watcher(threading.Thread):
 
     def _new(self, pid: int) -> bool:
         """A pid seen before but now another process (reused): look again."""
-        return " ".join(_cmdline(pid))[:300] != self.seen.get(pid)
+        return " ".join(cmdline(pid))[:300] != self.seen.get(pid)
 
     def alive(self) -> dict[int, str]:
         """The session's processes alive now (zombies aside), but this one and its ancestors."""

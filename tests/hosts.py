@@ -35,7 +35,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from strata.head import _cmdline
+from strata.procs import cmdline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
@@ -117,7 +117,7 @@ class Host:
         deadline = time.time() + 30
         while True:  # the namespaces' first process: the child of unshare, once it sleeps
             kids = _children(self.init.pid)
-            if kids and "sleep" in _cmdline(kids[0]):
+            if kids and "sleep" in cmdline(kids[0]):
                 self.pid1 = kids[0]
                 return
             if self.init.poll() is not None or time.time() > deadline:
