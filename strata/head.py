@@ -258,7 +258,9 @@ def _foreign(rec: dict) -> str:
     """A port of the head's answered by a process outside the head's own process group, in words ('' if none)."""
     own = set(_group(rec["pgid"]))
     for what, p in rec["ports"].items():
-        if others := _listeners(p) - own:
+        # Pid 0: a listener psutil could not yet tie to a process (its fds read mid-start, seen under load): the
+        # next look names it. A port held before the start was refused then (`_free`).
+        if others := _listeners(p) - own - {0}:
             return f"port {p} ({what}) is answered by {_who(p)}, not by this head's processes (pids {sorted(others)})"
     return ""
 
