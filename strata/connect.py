@@ -262,9 +262,19 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
                 stop_on_sigterm()  # ray.init installed its own SIGTERM handler
                 atexit.register(stop_monitor)  # runs before Ray's own exit handler, registered earlier
                 break
-            except Exception as e:  # a port taken between the probe and the bind by something else
+            except Exception as e:
                 ray.shutdown()
-                if "port" not in str(e) or attempt == 2:
+                # A port taken between the probe and the bind by something else; or a raylet that did not
+                # register within Ray's fixed 30 s (a machine busy with other work: seen on 2 cores under the
+                # test suite). Ray leaves a timed-out start's processes running: they go before the next try.
+                timed_out = "timed out during startup" in str(e)
+                if timed_out:
+                    from strata.procs import kill_naming
+
+                    kill_naming(temp_dir)
+                    logging.getLogger("strata.ray").warning("Ray's start timed out (its raylet did not register in "
+                                                            "30 s); starting it again")
+                if ("port" not in str(e) and not timed_out) or attempt == 2:
                     raise
     return f"started embedded local Ray ({ray.cluster_resources().get('CPU', 0):.0f} CPUs, temp {temp_dir})"
 

@@ -65,3 +65,20 @@ def cmdline(pid: int) -> list[str]:
             return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
     except OSError:
         return []
+
+
+def kill_naming(text: str) -> list[int]:
+    """SIGKILL every process of this user whose command line holds `text` (a Ray's temp dir: each of its
+    processes names it), this one excepted; returns their pids."""
+    import os
+    import signal
+
+    killed = []
+    for pid, proc in processes().items():
+        if pid != os.getpid() and text in proc.cmdline:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except OSError:  # gone already
+                continue
+    return killed

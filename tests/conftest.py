@@ -251,19 +251,6 @@ def wait_for(predicate, what: str, timeout: float = 300) -> None:
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-def _kill_under(temp: str) -> None:
-    """SIGKILL every process whose command line names `temp` (a Ray's processes name their temp dir)."""
-    import signal
-
-    for d in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                if temp.encode() in f.read():
-                    os.kill(int(d), signal.SIGKILL)
-        except (OSError, ValueError):
-            continue
-
-
 @contextlib.contextmanager
 def simulated_cluster(nodes: list[tuple[tuple, int]]):
     """A multi-node Ray cluster on 127.0.0.1: a head with no CPUs and no tier, plus
@@ -273,6 +260,7 @@ def simulated_cluster(nodes: list[tuple[tuple, int]]):
 
     from strata import tiers
     from strata.connect import remove_ray_dir, shutdown, state_api_at, stop_monitor
+    from strata.procs import kill_naming
 
     shutdown()  # replaces the session's local Ray; ensure_local_ray() brings it back
     temp = tempfile.mkdtemp(prefix="rayc-", dir="/tmp")
@@ -286,7 +274,7 @@ def simulated_cluster(nodes: list[tuple[tuple, int]]):
                 "num_cpus": 0, "object_store_memory": 100 << 20, "include_dashboard": True,
                 "dashboard_host": "127.0.0.1", "dashboard_port": port})
     except BaseException:  # a head half started: its processes go with its dir
-        _kill_under(temp)
+        kill_naming(temp)
         shutil.rmtree(temp, ignore_errors=True)
         raise
     try:

@@ -162,3 +162,58 @@ def test_a_ray_started_from_a_thread_outlives_the_start():
     lines = out.stdout.strip().splitlines()
     assert lines[0].startswith("started embedded local Ray") and lines[1] == "answered", out.stdout[-2000:]
     assert "strata-connect" in lines[2], lines[2]  # the thread that started Ray is still there
+
+
+@pytest.mark.ray
+@pytest.mark.slow("waits out Ray's fixed 30 s for a raylet to register")
+def test_an_embedded_start_that_times_out_is_started_again_and_leaves_nothing_behind():
+    """Ray gives a new node's raylet 30 s to register and then raises, its processes left running (a test
+    run's subprocess failed so on 2 busy cores). Here the first raylet is stopped (SIGSTOP) until that
+    time is out: connect kills that start's processes, starts again, and the Ray it returns answers."""
+    import signal
+    import threading
+
+    from strata.procs import cmdline, kill_naming, processes
+
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # a short socket path
+    script = os.path.join(temp, "slow.py")
+    with open(script, "w") as f:
+        f.write(textwrap.dedent(f"""
+        import ray
+        from strata.connect import connect, shutdown
+        from strata.shell import log
+
+        log("test")  # strata's lines on stderr, as in a command
+        print(connect(dashboard=False, num_cpus=1, temp_dir={temp!r}, quiet=True), flush=True)
+        print(ray.get(ray.remote(lambda: "answered").remote(), timeout=60), flush=True)
+        shutdown()
+    """))
+    stopped: list[int] = []
+    done = threading.Event()
+
+    def stop_first_raylet():
+        while not done.is_set() and not stopped:
+            for pid, proc in processes().items():
+                if temp in proc.cmdline and "raylet" in proc.cmdline.split(" ", 1)[0]:
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped.append(pid)
+                    break
+            done.wait(0.05)
+
+    watcher = threading.Thread(target=stop_first_raylet, daemon=True)
+    watcher.start()
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    try:
+        out = subprocess.run([sys.executable, script], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=300)
+    finally:
+        done.set()
+        watcher.join()
+        kill_naming(temp)  # whatever a failed run left
+        remove_ray_dir(temp)
+    assert stopped, "no raylet was seen to stop"
+    assert not cmdline(stopped[0]), "the stopped raylet outlived the start"
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[ray] Ray's start timed out (its raylet did not register in 30 s); starting it again" in out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].startswith("started embedded local Ray") and lines[1] == "answered", out.stdout[-2000:]
