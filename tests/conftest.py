@@ -22,6 +22,9 @@ import pytest
 from guard import marks_are_true  # noqa: F401 - an autouse fixture: every test's marks are checked
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+# Ray Train's controller polls its workers every 2 s, so a tiny run's end was seen up to 2 s late (its start too):
+# 0.25 s took a 4-step run from 15-18 s to 11-14 s, the same CPU. A poll that misses is no failure (10 min is).
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 # Tests never write to the real home (~/.ray, ~/.strata): every process they start gets a temporary one.
 TEST_HOME = os.environ["HOME"] = tempfile.mkdtemp(prefix="strata-test-home-")
 # Removed at exit by whichever process made it: xdist's controller and a script importing conftest run no
