@@ -2,6 +2,7 @@
 beside each use). Any Ray upgrade fails here first, loudly, with the list to check again; a shape that
 moved fails with the use it breaks."""
 
+import contextlib
 import importlib
 import inspect
 import os
@@ -217,3 +218,53 @@ def test_an_embedded_start_that_times_out_is_started_again_and_leaves_nothing_be
     assert "[ray] Ray's start timed out (its raylet did not register in 30 s); starting it again" in out.stderr
     lines = out.stdout.strip().splitlines()
     assert lines[0].startswith("started embedded local Ray") and lines[1] == "answered", out.stdout[-2000:]
+
+
+@pytest.mark.ray
+def test_an_embedded_rays_shutdown_leaves_no_process_of_it_behind():
+    """Ray's shutdown stops its daemons, and each worker exits once it sees its raylet gone: a worker that
+    cannot run then outlives its Ray (a test run found a tier-1 `ray::MapWorker` alive a minute after its Ray
+    was shut down). Here an actor's worker is stopped (SIGSTOP) as the Ray shuts down: strata's shutdown
+    ends it, and a process the worker forked, after a grace period."""
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # a short socket path
+    script = os.path.join(temp, "stuck.py")
+    with open(script, "w") as f:
+        f.write(textwrap.dedent(f"""
+        import os, signal, time
+        import ray
+        from strata.connect import connect, shutdown
+
+        connect(dashboard=False, num_cpus=1, temp_dir={temp!r}, quiet=True)
+
+        @ray.remote(num_cpus=0)
+        class Stuck:
+            def fork(self):
+                pid = os.fork()
+                if pid == 0:  # the child: the worker's title, and no Ray of its own
+                    time.sleep(600)
+                    os._exit(0)
+                return pid, os.getpid()
+
+        child, worker = ray.get(Stuck.remote().fork.remote())
+        print(child, worker, flush=True)
+        os.kill(worker, signal.SIGSTOP)
+        shutdown()
+    """))
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    pids, left = [], {}
+    try:
+        out = subprocess.run([sys.executable, script], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=300)
+        pids = [int(p) for p in out.stdout.split()[-2:]]
+        from strata.procs import cmdline
+
+        left = {pid: cmdline(pid) for pid in pids if cmdline(pid)}
+    finally:
+        import signal
+
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        remove_ray_dir(temp)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(pids) == 2 and not left, f"alive after shutdown: {left}"
