@@ -278,16 +278,16 @@ def test_submitted_preprocessing_job_succeeds_and_commits_a_version(head, corpus
     assert "succeeded" in status.stdout.lower()
 
 
-def test_the_cluster_refuses_a_client_without_the_token(head):
+def test_the_cluster_refuses_a_client_without_the_token(head, tmp_path):
     env = {k: v for k, v in head["env"].items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
-    env["HOME"] = tempfile.mkdtemp(prefix="notoken-")  # no ~/.ray/auth_token to fall back on
+    env["HOME"] = str(tmp_path)  # no ~/.ray/auth_token to fall back on
     out = _job(head, "list", env=env)
     assert out.returncode != 0
     assert "401" in out.stderr or "authentication" in out.stderr.lower()
 
 
 @pytest.mark.slow("ray job submit of tier 1 then training")
-def test_submitted_training_job_reads_the_submitted_dataset(head, dataset, storage_root):
+def test_submitted_training_job_reads_the_submitted_dataset(head, dataset, storage_root, tmp_path):
     runtime_env = {"env_vars": {"STRATA_STORAGE": storage_root}}
     out = _job(head, "submit", "--working-dir", ".", "--runtime-env-json", json.dumps(runtime_env), "--",
                "python", "-m", "train", "--dataset", dataset["ref"], "--no-use-gpu", "--max-steps", "2", "--batch-size", "4",
@@ -299,17 +299,18 @@ def test_submitted_training_job_reads_the_submitted_dataset(head, dataset, stora
     # Issue 57, 3: another cluster verifies what this one trained when both read the one provisioned key file
     # (a Kubernetes Secret in every pod), and only then. Here: infer's embedded Ray in a home of its own.
     key = os.path.join(head["env"]["HOME"], ".strata", "signing-key")  # the file `strata head start` provisioned
-    prompts = os.path.join(tempfile.mkdtemp(prefix="prompts-"), "p.jsonl")
+    prompts = str(tmp_path / "p.jsonl")
     with open(prompts, "w") as f:
         f.write('{"prompt": "data "}\n')
     other = {**{k: v for k, v in os.environ.items() if not k.startswith("STRATA_SIGNING")},
              "STRATA_STORAGE": storage_root, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
     def generate(name: str, **env):
-        home = tempfile.mkdtemp(prefix="cluster-b-")
+        home = tmp_path / f"home-{name}"  # pytest's, removed with it (mkdtemp's were left in /tmp)
+        home.mkdir()
         return subprocess.run([sys.executable, "-m", "infer", "generate", "--model", "submitted", "--prompts",
                                prompts, "--max-tokens", "2", "--name", name], cwd=REPO, capture_output=True, text=True,
-                              env={**other, "HOME": home, **env}, timeout=600)
+                              env={**other, "HOME": str(home), **env}, timeout=600)
 
     served = generate("cluster-b", STRATA_SIGNING_KEY_FILE=key)
     assert served.returncode == 0, served.stderr[-3000:]

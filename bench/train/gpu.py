@@ -32,6 +32,7 @@ compiler (Triton needs one) the check runs eager and says so.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import secrets
@@ -235,7 +236,9 @@ def fsdp_step_and_checkpoint(name: str, device, compile_model: bool, backend: st
         os.environ[signing.KEY_ENV] = secrets.token_hex(32)  # is signed with a key that ends with the process
 
     if not dist.is_initialized():
-        store = dist.FileStore(tempfile.mktemp(prefix="strata-gpu-check-"), 1)
+        path = tempfile.mktemp(prefix="strata-gpu-check-")
+        atexit.register(lambda: os.path.exists(path) and os.remove(path))  # the store outlives the group
+        store = dist.FileStore(path, 1)
         dist.init_process_group(backend or ("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"),
                                 store=store, rank=0, world_size=1)
     ckpt_pg = dist.new_group(backend="gloo")
