@@ -99,12 +99,13 @@ def parser(prog: str, doc: str | None, json_summary: bool = True) -> argparse.Ar
 
 
 def finish(summary: dict, as_json: bool) -> dict:
-    """Stop Ray (so no late log line follows), then print the JSON summary as the last line."""
+    """Stop the Ray this command connected (so no late log line follows), then print the JSON summary as the
+    last line. A Ray the caller connected before the command ran in-process stays up: it is the caller's."""
     import ray
 
-    from strata.connect import shutdown
+    from strata.connect import callers_ray, shutdown
 
-    if ray.is_initialized():
+    if ray.is_initialized() and not callers_ray():
         shutdown()
     if as_json:
         print(json.dumps(summary), flush=True)

@@ -119,6 +119,17 @@ _STARTED: set[str] = set()  # GCS addresses of the embedded Rays this process st
 API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"  # where Ray's state and job clients find the dashboard
 
 
+_CALLERS: list[bool] = [False]  # whether the last connect() found a Ray its caller had connected
+
+
+def callers_ray() -> bool:
+    """Whether the Ray this process is connected to was there before the last `connect()`: a command run
+    in-process (a notebook or a test calling its `main` after `ray.init`) leaves that Ray up at its end."""
+    import ray
+
+    return ray.is_initialized() and _CALLERS[0]
+
+
 def embedded() -> bool:
     """Whether this process is connected to an embedded local Ray it started (not a cluster it joined)."""
     import ray
@@ -209,7 +220,8 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
         if "error" in early:
             raise early["error"]
         return early["line"]
-    if ray.is_initialized():
+    _CALLERS[0] = ray.is_initialized()
+    if _CALLERS[0]:
         return "already connected"
     address = address or os.environ.get("RAY_ADDRESS")
     from strata import signing

@@ -41,7 +41,6 @@ def test_a_models_ledger_is_the_sum_of_the_records_it_names(local_ray, corpus, p
     from tune.config import SweepConfig
     from tune.driver import run as sweep
 
-    monkeypatch.setattr("train.__main__.finish", lambda summary, as_json: summary)  # keep the session's Ray up
     root = str(tmp_path / "root")
     storage = Storage(root)
     monkeypatch.setenv("STRATA_STORAGE", root)  # train's root here; the session's comes back at teardown

@@ -118,7 +118,6 @@ def test_the_whole_path_on_s3(s3_root, tmp_path, monkeypatch, capsys):
                                                                                                       "pack.json"))]
     from train.__main__ import main as train_main
 
-    monkeypatch.setattr("train.__main__.finish", lambda summary, as_json: summary)  # keep the session's Ray up
     best = train_main(["--from-sweep", "s", "--run", "best", "--max-steps", "2", "--no-use-gpu"])
     assert best["dataset"] == "web@v0002" and best["steps"] == 2
 

@@ -268,7 +268,7 @@ def test_a_continued_run_keeps_its_dataset_and_data_order_and_one_writer(local_r
 
 
 @pytest.mark.slow("several training commands")
-def test_the_model_is_shaped_for_the_dataset_and_by_flags(local_ray, corpus, monkeypatch):
+def test_the_model_is_shaped_for_the_dataset_and_by_flags(local_ray, corpus):
     """A preset plus flags covers any shape; vocab_size and seq_len default to the dataset's."""
     import train.__main__ as cli
     from pipelines.config import debug
@@ -276,9 +276,11 @@ def test_the_model_is_shaped_for_the_dataset_and_by_flags(local_ray, corpus, mon
 
     storage = Storage.from_env()
     short = preprocess(debug("short-rows", read={"inputs": (corpus["path"],)}, pack={"seq_len": 64}), storage)
-    monkeypatch.setattr(cli, "finish", lambda summary, as_json: summary)  # keep the session's Ray up
+    gcs = local_ray.get_runtime_context().gcs_address
     out = cli.main(["--dataset", "short-rows", "--preset", "gpt2-124m", "--n-layer", "1", "--n-head", "2",
                     "--n-embd", "32", "--max-steps", "2", "--batch-size", "2", "--no-use-gpu", "--run", "shaped"])
+    # Run in-process on a Ray its caller connected, the command leaves that Ray up (as a notebook's).
+    assert local_ray.is_initialized() and local_ray.get_runtime_context().gcs_address == gcs
     model = read_launches(out["path"])[-1]["config"]["model"]
     vocab = resolve(storage, f"short-rows@{short['version']}").manifest.tokenizer.vocab_size
     assert model["vocab_size"] == -(-vocab // 128) * 128 and model["vocab_size"] >= vocab
