@@ -1,5 +1,6 @@
 """Batch scoring (python -m infer score): every token predicted once, the same losses as Hugging Face
-transformers on the same weights, and the command end to end on an embedded Ray."""
+transformers on the same weights, and the commands end to end on the session's Ray (an embedded one is
+test_ledger's and test_cli's subject)."""
 
 import json
 import math
@@ -86,9 +87,9 @@ def test_a_model_directory_without_its_tokenizer_is_refused(tmp_path, exported):
 
 
 @pytest.mark.ray
-def test_score_command_writes_a_table_keyed_by_document(tmp_path, exported):
+def test_score_command_writes_a_table_keyed_by_document(tmp_path, exported, joined):
     corpus = {"path": str(tmp_path / "corpus"), **make_corpus(str(tmp_path / "corpus"), docs=24, seed=3)}
-    env = {**os.environ, "STRATA_STORAGE": str(tmp_path / "storage"), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env = {**os.environ, "STRATA_STORAGE": str(tmp_path / "storage"), **joined}
     proc = subprocess.run([sys.executable, "-m", "infer", "score", "--model", exported, "--input", corpus["path"],
                            "--name", "s1", "--actors", "1", "--docs-per-batch", "8", "--json"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -152,10 +153,10 @@ def test_multiple_choice_accuracy_equals_the_one_from_transformers_logits(export
 
 
 @pytest.mark.ray
-def test_eval_command_reports_accuracy_and_heldout_bits_per_byte_and_refuses_a_bad_task(tmp_path, exported):
+def test_eval_command_reports_accuracy_and_heldout_bits_per_byte_and_refuses_a_bad_task(tmp_path, exported, joined):
     (tmp_path / "held").mkdir()
     (tmp_path / "held" / "a.txt").write_text("held-out text that the model never saw. " * 20)
-    env = {**os.environ, "STRATA_STORAGE": str(tmp_path / "storage")}
+    env = {**os.environ, "STRATA_STORAGE": str(tmp_path / "storage"), **joined}
     cmd = [sys.executable, "-m", "infer", "eval", "--model", exported, "--json"]
     proc = subprocess.run(cmd + ["--task", TASK, "--input", str(tmp_path / "held")], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
@@ -215,9 +216,9 @@ def test_sampling_depends_on_the_seed_only(exported):
 
 
 @pytest.mark.ray
-def test_generate_command_writes_a_completion_per_prompt(tmp_path, exported):
+def test_generate_command_writes_a_completion_per_prompt(tmp_path, exported, joined):
     (tmp_path / "p.jsonl").write_text('{"prompt": "hello"}\n{"prompt": ""}\n')
-    env = {**os.environ, "STRATA_STORAGE": str(tmp_path / "storage")}
+    env = {**os.environ, "STRATA_STORAGE": str(tmp_path / "storage"), **joined}
     cmd = [sys.executable, "-m", "infer", "generate", "--model", exported, "--prompts", str(tmp_path / "p.jsonl"),
            "--max-tokens", "8", "--temperature", "0", "--json"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -24,7 +24,8 @@ def _logged_losses(run_dir: str) -> dict[int, float]:
 
 
 @pytest.mark.slow("trains, kills and resumes")
-def test_a_steps_rows_are_the_ones_the_loop_trained_on_across_a_resume(local_ray, dataset, storage_root, tmp_path):
+def test_a_steps_rows_are_the_ones_the_loop_trained_on_across_a_resume(local_ray, dataset, storage_root, tmp_path,
+                                                                      joined):
     """Two workers, 4 steps, then continued to 8 (a resume). For a step of each launch, the rows lineage
     names, under the checkpoint saved just before the step, give the very loss the loop logged for it:
     they are the rows it trained on, each worker's."""
@@ -103,7 +104,7 @@ def test_a_steps_rows_are_the_ones_the_loop_trained_on_across_a_resume(local_ray
     task = os.path.join(REPO, "infer", "tasks", "arithmetic.jsonl")
     for model, name in ((str(tmp_path / "exported"), "ev-export"), ("lineage@2", "ev-early")):
         ev = subprocess.run([sys.executable, "-m", "infer", "eval", "--model", model, "--task", task, "--name", name],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                            cwd=REPO, env={**env, **joined}, capture_output=True, text=True, timeout=300)
         assert ev.returncode == 0, ev.stderr[-2000:]
     cli = subprocess.run([sys.executable, "-m", "strata", "lineage", "doc", "--doc-id", doc, "--json"], cwd=REPO,
                          env=env, capture_output=True, text=True, timeout=120)
