@@ -190,7 +190,7 @@ def test_training_prints_its_progress_and_no_ray_noise_and_ctrl_c_says_how_to_co
 
 
 @pytest.mark.ray
-def test_ctrl_c_in_preprocessing_keeps_nothing_and_the_printed_command_continues(corpus, tmp_path):
+def test_ctrl_c_in_preprocessing_keeps_nothing_and_the_printed_command_continues(corpus, tmp_path, joined):
     import signal
 
     env = {"STRATA_STORAGE": str(tmp_path / "store")}
@@ -204,7 +204,7 @@ def test_ctrl_c_in_preprocessing_keeps_nothing_and_the_printed_command_continues
     assert "Traceback" not in rest
     again = shlex.split(last.split("continue with: ", 1)[1])
     assert again[:3] == ["python", "-m", "pipelines.preprocess"]
-    out = cli(*again[2:], "--json", env=env)
+    out = cli(*again[2:], "--json", env={**env, **joined})  # on the session's Ray: its start is not the subject
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1])["version"] == "v0001"
 
@@ -314,14 +314,14 @@ def test_every_console_line_of_tier_1_and_a_sweep_is_strata_s(corpus, tmp_path):
 
 
 @pytest.mark.ray
-def test_a_dataset_without_validation_rows_says_so(tmp_path):
+def test_a_dataset_without_validation_rows_says_so(tmp_path, joined):
     """A 7-document dataset got 0 validation rows with no warning."""
     src = tmp_path / "seven"
     src.mkdir()
     for i in range(7):
         (src / f"f{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + 1  # a small function with words\n" * 3)
     out = cli("pipelines.preprocess", "--input", str(src), "--dataset", "seven", "--validation-fraction", "0.01",
-              env={"STRATA_STORAGE": str(tmp_path / "store")})
+              env={"STRATA_STORAGE": str(tmp_path / "store"), **joined})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "[preprocess] warning: seven@v0001 has no validation rows" in out.stderr
 
