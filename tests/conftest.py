@@ -212,6 +212,21 @@ def any_root(request, tmp_path):
     return request.getfixturevalue("s3_root")
 
 
+# Sweeps in tests search the learning rate at micro-batch 4: the default space's batch sizes of 8-32 made each
+# trial 2-8x the compute on the debug model (most of a sweep test's CPU), for nothing those tests check.
+SWEEP_SPACE = {"lr": {"loguniform": [3e-4, 3e-2]}, "batch_size": {"choice": [4]}}
+
+
+@pytest.fixture(scope="session")
+def sweep_space(tmp_path_factory) -> str:
+    """SWEEP_SPACE as a space file (--space, SweepConfig.space)."""
+    import yaml
+
+    path = tmp_path_factory.mktemp("space") / "lr-at-batch-4.yaml"
+    path.write_text(yaml.safe_dump(SWEEP_SPACE))
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("corpus"))

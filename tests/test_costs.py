@@ -43,7 +43,7 @@ def _check_record(record: dict, kind: str):
 
 
 @pytest.mark.slow("a training run and a sweep, each a command")
-def test_train_and_sweep_runs_write_priced_records_and_reports(local_ray, dataset, priced):
+def test_train_and_sweep_runs_write_priced_records_and_reports(local_ray, dataset, priced, sweep_space):
     from strata.records import find_record, list_records
     from train.__main__ import main as train_main
     from tune.config import SweepConfig
@@ -58,7 +58,8 @@ def test_train_and_sweep_runs_write_priced_records_and_reports(local_ray, datase
     assert record["figures"]["tokens_per_s"] == pytest.approx(out["tokens_per_s"])
     with open(os.path.join(out["path"], "record.json")) as f:
         assert json.load(f) == record  # beside the outputs, and in records/
-    sweep(SweepConfig(num_samples=2, steps=4, report_every=2, max_rows=32, eval_rows=8, scheduler="fifo"),
+    sweep(SweepConfig(num_samples=2, steps=4, report_every=2, max_rows=32, eval_rows=8, scheduler="fifo",
+                      space=sweep_space),
           dataset=dataset["ref"], model_preset="debug", sweep_name="costed-sweep", storage=storage)
     _check_record(find_record(storage, "costed-sweep"), "sweep")
     assert {"train", "sweep"} <= {r["kind"] for r in list_records(storage)}

@@ -28,7 +28,7 @@ def _record(records: list[dict], part: dict) -> dict:
 
 @pytest.mark.slow("tier 1, a sweep and training, each a command")
 def test_a_models_ledger_is_the_sum_of_the_records_it_names(local_ray, corpus, priced, tmp_path, s3_root,
-                                                            monkeypatch):
+                                                            monkeypatch, sweep_space):
     """Two dataset versions, a sweep on them, a run trained from its best config in two launches, a
     scoring run of it: the ledger names each record once, at the share the rules give (data: tokens read
     over tokens produced), and its totals are those shares' sums, in money, node-hours and by tier. The
@@ -51,7 +51,8 @@ def test_a_models_ledger_is_the_sum_of_the_records_it_names(local_ray, corpus, p
     with open(more / "extra.jsonl", "w") as f:  # a second version: new input
         f.writelines(json.dumps({"text": f"an extra document number {i} " * 20}) + "\n" for i in range(30))
     preprocess(debug("books", read={"inputs": (str(more),)}, pack={"validation_fraction": 0.3}), storage)
-    sweep(SweepConfig(num_samples=2, steps=4, report_every=2, max_rows=32, eval_rows=8, scheduler="fifo"),
+    sweep(SweepConfig(num_samples=2, steps=4, report_every=2, max_rows=32, eval_rows=8, scheduler="fifo",
+                      space=sweep_space),
           dataset="books", model_preset="debug", sweep_name="books-sweep", storage=storage, progress=False)
     first = train_main(["--from-sweep", "books-sweep", "--run", "m", "--max-steps", "3", "--no-use-gpu"])
     second = train_main(["--from-sweep", "books-sweep", "--run", "m", "--max-steps", "6", "--no-use-gpu"])

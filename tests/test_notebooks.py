@@ -35,7 +35,8 @@ def _images(nb) -> list:
 
 @pytest.mark.ray
 @pytest.mark.slow("runs a notebook's sweep in a kernel")
-def test_sweep_notebook_runs_top_to_bottom_and_shows_an_ended_sweep_without_running_it_again(storage_root, tmp_path):
+def test_sweep_notebook_runs_top_to_bottom_and_shows_an_ended_sweep_without_running_it_again(storage_root, tmp_path,
+                                                                                            sweep_space):
     nbformat = pytest.importorskip("nbformat")
     import ray
 
@@ -45,7 +46,7 @@ def test_sweep_notebook_runs_top_to_bottom_and_shows_an_ended_sweep_without_runn
         "commit the notebook with its outputs stripped"
     ray.shutdown()  # the kernel starts its own embedded Ray; two on 2 CPUs would only slow each other
     env = {"STRATA_STORAGE": str(tmp_path / "storage"), "STRATA_SWEEP": "nb", "STRATA_NUM_SAMPLES": "3",
-           "STRATA_SWEEP_STEPS": "8", "STRATA_TRAIN_STEPS": "4", "STRATA_SPACE": "lr-batch"}
+           "STRATA_SWEEP_STEPS": "8", "STRATA_TRAIN_STEPS": "4", "STRATA_SPACE": sweep_space}
     text = _execute(nb, env)
     assert "finished:" in text and "best config:" in text and "has ended" not in text
     # Ray's own lines stay in its files: its loggers (a timestamp first), its C++ log, its workers' output, and

@@ -44,7 +44,7 @@ def _assert_uris(obj, bucket: str) -> None:
 
 @pytest.mark.ray
 @pytest.mark.slow("tier 1, training, a sweep and inference on S3")
-def test_the_whole_path_on_s3(s3_root, tmp_path, monkeypatch, capsys):
+def test_the_whole_path_on_s3(s3_root, tmp_path, monkeypatch, capsys, sweep_space):
     bucket = s3_root.split("/")[2]
     monkeypatch.setenv("STRATA_STORAGE", s3_root)
     monkeypatch.chdir(tmp_path)
@@ -109,7 +109,8 @@ def test_the_whole_path_on_s3(s3_root, tmp_path, monkeypatch, capsys):
     from tune.config import SweepConfig
     from tune.driver import run as sweep
 
-    sw = sweep(SweepConfig(num_samples=2, steps=4, report_every=2, max_rows=64, eval_rows=8, scheduler="fifo"),
+    sw = sweep(SweepConfig(num_samples=2, steps=4, report_every=2, max_rows=64, eval_rows=8, scheduler="fifo",
+                           space=sweep_space),
                dataset="web", model_preset="debug", sweep_name="s", storage=storage, progress=False)
     assert sw["ended"] == 2 and sw["dataset"] == "web@v0002"
     _assert_uris(sw, bucket)

@@ -19,14 +19,15 @@ from tune.driver import run
 from tune.sweep import SPACES, STATE_FILE
 
 
-def test_a_second_sweep_in_the_same_process_is_refused_while_the_first_runs(local_ray, dataset):
+def test_a_second_sweep_in_the_same_process_is_refused_while_the_first_runs(local_ray, dataset, sweep_space):
     import threading
 
     from strata.shell import StrataError
     from tune import driver
 
     storage, out = Storage.from_env(), {}
-    cfg = SweepConfig(num_samples=2, steps=2, report_every=2, max_rows=64, eval_rows=8, scheduler="fifo")
+    cfg = SweepConfig(num_samples=2, steps=2, report_every=2, max_rows=64, eval_rows=8, scheduler="fifo",
+                      space=sweep_space)
     first = threading.Thread(target=lambda: out.update(run(cfg, dataset=dataset["ref"], model_preset="debug",
                                                             sweep_name="first", storage=storage)))
     first.start()
@@ -45,8 +46,9 @@ def test_a_second_sweep_in_the_same_process_is_refused_while_the_first_runs(loca
     assert out["ended"] == 2  # and one after it runs
 
 
-def test_sweep_runs_trials_and_writes_the_best_config(local_ray, dataset):
-    cfg = SweepConfig(num_samples=3, steps=4, report_every=2, max_rows=64, eval_rows=8, scheduler="fifo")
+def test_sweep_runs_trials_and_writes_the_best_config(local_ray, dataset, sweep_space):
+    cfg = SweepConfig(num_samples=3, steps=4, report_every=2, max_rows=64, eval_rows=8, scheduler="fifo",
+                      space=sweep_space)
     out = run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name="sw", storage=Storage.from_env())
     assert out["trials"] == 3 and out["ended"] == 3 and out["errors"] == 0
     assert out["iterations"] == 3 * 2  # fifo: every trial reports at steps 2 and 4
@@ -107,11 +109,11 @@ def test_a_trials_reports_do_not_throttle_it(local_ray, dataset):
     assert len(shares) == 2 and all(0 < s < 0.5 for s in shares), shares
 
 
-def test_max_concurrent_caps_the_trials_running_at_once(local_ray, dataset):
+def test_max_concurrent_caps_the_trials_running_at_once(local_ray, dataset, sweep_space):
     """Random search hands Tune a BasicVariantGenerator, for which Tune ignores max_concurrent_trials:
     the limit must reach the generator. The session's Ray has 2 CPUs, so without it 2 trials run at once."""
     cfg = SweepConfig(num_samples=3, steps=2, report_every=2, max_rows=64, eval_rows=8, scheduler="fifo",
-                      max_concurrent=1)
+                      max_concurrent=1, space=sweep_space)
     out = run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name="one-at-a-time",
               storage=Storage.from_env())
     assert out["ended"] == 3
@@ -351,7 +353,7 @@ def test_an_accuracy_metric_is_maximised_and_goes_with_a_task_file():
 
 
 @pytest.mark.parametrize("queued", [False, True])
-def test_a_sweep_can_rank_configs_by_task_accuracy(local_ray, dataset, queued):
+def test_a_sweep_can_rank_configs_by_task_accuracy(local_ray, dataset, queued, sweep_space):
     """--metric task_acc: each report scores the task; the best config is the most accurate one, queued
     (strata's ASHA rule, signed) or a Tune trial per config (Tune's scheduler in max mode)."""
     from strata.storage import read_jsonl
@@ -359,7 +361,8 @@ def test_a_sweep_can_rank_configs_by_task_accuracy(local_ray, dataset, queued):
     task = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "infer", "tasks",
                         "arithmetic.jsonl")
     cfg = SweepConfig(num_samples=4, steps=4, report_every=1, max_rows=64, eval_rows=8, metric="task_acc",
-                      eval_task=task, pack=0 if queued else 1, scheduler="asha" if queued else "fifo")
+                      eval_task=task, pack=0 if queued else 1, scheduler="asha" if queued else "fifo",
+                      space=sweep_space)
     out = run(cfg, dataset=dataset["ref"], model_preset="debug", sweep_name=f"acc-{int(queued)}",
               storage=Storage.from_env())
     with open(os.path.join(out["path"], "trials.json")) as f:

@@ -18,10 +18,11 @@ from tune.driver import run
 
 
 @pytest.fixture(scope="module")
-def spot_cluster(dataset, storage_root):
+def spot_cluster(dataset, storage_root, sweep_space):
     # Its own cluster (the module's): its tests kill a spot node and a sweep's driver.
     with simulated_cluster([((tiers.Tier.SPOT,), 1)] * 2) as (cluster, nodes):
-        yield {"cluster": cluster, "nodes": list(nodes), "dataset": dataset["ref"], "storage": Storage.from_env()}
+        yield {"cluster": cluster, "nodes": list(nodes), "dataset": dataset["ref"], "storage": Storage.from_env(),
+               "space": sweep_space}
 
 
 def _progress(sweep_dir) -> dict:
@@ -63,7 +64,7 @@ def test_a_killed_driver_resumes_the_sweep_when_the_command_is_rerun(spot_cluste
     sweep_dir = storage.sweep("killed")
     cmd = [sys.executable, "-m", "tune", "--dataset", spot_cluster["dataset"], "--sweep", "killed",
            "--num-samples", "8", "--steps", "40", "--report-every", "10", "--max-rows", "64", "--eval-rows", "8",
-           "--json"]
+           "--space", spot_cluster["space"], "--json"]
     env = {**os.environ, "RAY_ADDRESS": spot_cluster["cluster"].address, "STRATA_SWEEP_FLUSH_S": "0.5"}
     first = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -100,7 +101,8 @@ def test_a_lost_spot_node_costs_the_sweep_only_the_configs_it_was_running(spot_c
 
     storage = spot_cluster["storage"]
     sweep_dir = storage.sweep("lost-node")
-    cfg = SweepConfig(num_samples=8, steps=40, report_every=10, max_rows=64, eval_rows=8, scheduler="fifo")
+    cfg = SweepConfig(num_samples=8, steps=40, report_every=10, max_rows=64, eval_rows=8, scheduler="fifo",
+                      space=spot_cluster["space"])
     result = {}
     thread = threading.Thread(target=lambda: result.update(run(
         cfg, dataset=spot_cluster["dataset"], model_preset="debug", sweep_name="lost-node", storage=storage,
