@@ -30,12 +30,23 @@ def _metrics(path):
     return read_metrics(path)
 
 
-@pytest.mark.slow("DDP on two workers, then a rerun")
-def test_ddp_run_checkpoints_and_a_rerun_continues(local_ray, dataset, capfd):
+@pytest.mark.slow("DDP on two workers, then reruns; FSDP2 beside it, then continued")
+def test_ddp_run_checkpoints_and_a_rerun_continues_and_fsdp2_matches_it(local_ray, dataset, capfd):
+    """Merged with the FSDP2 test, which trained a DDP run of its own to compare with: FSDP2 gives this
+    DDP run's losses, step for step, and continues from its own checkpoint."""
     storage = Storage.from_env()
     ref = dataset["ref"]
     model = preset("debug", n_layer=1, n_embd=32, n_head=2)
     first = run(model, _cfg(6), dataset=ref, run_name="ddp", storage=storage, workers=2, use_gpu=False)
+    assert first["strategy"] == "ddp"
+    sharded = run(model, _cfg(6, strategy="fsdp"), dataset=ref, run_name="agree-fsdp", storage=storage, workers=2,
+                  use_gpu=False)
+    assert sharded["strategy"] == "fsdp"
+    losses = {out["strategy"]: [x for r in _metrics(out["path"]) for x in r["step_losses"]] for out in (first, sharded)}
+    assert len(losses["ddp"]) == 6 and losses["fsdp"] == pytest.approx(losses["ddp"], rel=1e-4)
+    more = run(model, _cfg(8, strategy="fsdp"), dataset=ref, run_name="agree-fsdp", storage=storage, workers=2,
+               use_gpu=False)
+    assert (more["start_step"], more["steps"]) == (6, 2) and math.isfinite(more["last_loss"])
     assert (first["start_step"], first["steps"]) == (0, 6)
     assert math.isfinite(first["first_loss"]) and math.isfinite(first["last_loss"])
     assert first["val_loss"] is not None
@@ -197,24 +208,6 @@ def test_a_mixture_trains_in_proportion_reports_each_source_and_refuses_what_doe
     with pytest.raises(DatasetError, match=f"different tokenizers: {web} [0-9a-f]{{16}}, other@v0001 f{{16}}"):
         run(model, _cfg(2), dataset=f"{web}:0.5,other:0.5", run_name="mix-bad", storage=storage, use_gpu=False)
     assert not os.path.exists(storage.run("mix-bad")) and not os.path.exists(storage.run("mix-long"))
-
-
-@pytest.mark.slow("FSDP2 and DDP runs, then a continued one")
-def test_fsdp2_matches_ddp_and_continues_from_its_checkpoint(local_ray, dataset):
-    storage = Storage.from_env()
-    model = preset("debug", n_layer=2, n_embd=32, n_head=2)
-    losses = {}
-    for strategy in ("ddp", "fsdp"):
-        out = run(model, _cfg(4, log_every=1, strategy=strategy), dataset=dataset["ref"], run_name=f"agree-{strategy}",
-                  storage=storage, workers=2, use_gpu=False)
-        assert out["strategy"] == strategy
-        losses[strategy] = [r["loss"] for r in _metrics(out["path"])]
-    assert len(losses["ddp"]) == 4
-    assert losses["fsdp"] == pytest.approx(losses["ddp"], rel=1e-4)
-    more = run(model, _cfg(6, log_every=1, strategy="fsdp"), dataset=dataset["ref"], run_name="agree-fsdp",
-               storage=storage, workers=2, use_gpu=False)
-    assert (more["start_step"], more["steps"]) == (4, 2)
-    assert math.isfinite(more["last_loss"])
 
 
 def test_a_run_continues_only_with_its_model_and_tokenizer(local_ray, dataset, tmp_path):
