@@ -1,6 +1,5 @@
 """notebooks/sweep.ipynb runs top to bottom in a fresh kernel against an embedded local Ray."""
 
-import glob
 import json
 import os
 import re
@@ -11,9 +10,11 @@ from conftest import REPO
 
 
 def _execute(nb, env: dict) -> str:
-    """Run `nb` in a fresh kernel with `env` set; its stdout."""
+    """Run `nb` in a fresh kernel with `env` set; its stdout. The temp dir of the Ray it started, which it names,
+    is removed after it if the notebook left it: removing every /tmp/strata-ray-* made meanwhile deleted the Ray
+    of a test running beside it in the other pytest process (its workers' logs gone mid-run, in
+    test_concurrency)."""
     nbclient = pytest.importorskip("nbclient")
-    temps = set(glob.glob("/tmp/strata-ray-*"))
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the kernel inherits this process's environment
     try:
@@ -24,8 +25,9 @@ def _execute(nb, env: dict) -> str:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        for d in set(glob.glob("/tmp/strata-ray-*")) - temps:
-            shutil.rmtree(d, ignore_errors=True)
+        said = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+        for temp in re.findall(r"started embedded local Ray \(.*temp (/\S+strata-ray-\w+)\)", said):
+            shutil.rmtree(temp, ignore_errors=True)
     return "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("name") == "stdout")
 
 
