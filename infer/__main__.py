@@ -33,12 +33,13 @@ completions.jsonl, its record beside); the summary has throughput and dollars pe
                           [--tier cpu|gpu] [--replicas N] [--max-replicas N] [--models-per-replica N] ...
 
 `serve` puts the models behind OpenAI's HTTP API on Ray Serve (infer/serve.py) until Ctrl-C or SIGTERM:
-POST /v1/completions (streaming, logprobs and echo), /v1/embeddings, /v1/score; GET /v1/models, /healthz.
+POST /v1/completions (streaming, logprobs and echo), /v1/chat/completions (the model's chat template),
+/v1/embeddings, /v1/score, /tokenize, /detokenize; GET /v1/models, /v1/stats, /metrics, /health.
 A request names its model by NAME (by default the run's name or the directory's). RUN@latest follows a
 training run: replicas move to each checkpoint it commits, one at a time. A host other than loopback
 needs --token-file or --token-sha256 (clients send `Authorization: Bearer TOKEN`). When it stops it writes a record under
 $STRATA_STORAGE/servings/NAME: requests, tokens, p50 and p99 latency, replica-hours, dollars per million
-tokens.
+tokens; it then exits 130 (Ctrl-C) or 143 (SIGTERM), as a process a signal stopped.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from dataclasses import asdict
 from strata.cli import add_config_arguments, finish, overrides
 from strata.cli import parser as cli_parser
 from strata.lease import LeaseBusy
-from strata.shell import Command
+from strata.shell import EXIT_INTERRUPTED, EXIT_TERMINATED, Command
 from strata.shell import log as _logger
 from strata.storage import Storage, check_name
 
@@ -253,7 +254,9 @@ def _serve(args, parser) -> dict:
     _say(f"served {summary.get('requests') or 0:,} requests, {summary.get('completion_tokens') or 0:,} tokens "
          f"generated; p50 {p50} ms, p99 {p99} ms; {summary['replica_hours']:.4f} replica-hours; "
          f"record {summary['record']}")
-    return finish(summary, args.json)
+    finish(summary, args.json)
+    # Stopped by a signal, as a process stopped so reports it (a service manager, a shell): 128 + its number.
+    raise SystemExit(EXIT_TERMINATED if summary["stopped_by"] == "SIGTERM" else EXIT_INTERRUPTED)
 
 
 def _config(args, parser):

@@ -46,6 +46,10 @@ class Sampling:
     """How many most likely alternatives to return with each token's log-probability (None: none)."""
     echo: bool = False
     """Return the prompt's own tokens (and their log-probabilities, with `logprobs`) before the new ones."""
+    ignore_eos: bool = False
+    """Never draw end-of-text: the completion runs to max_tokens (what a load test asks for)."""
+    min_tokens: int = 0
+    """End-of-text is not drawn before this many new tokens."""
 
 
 @dataclass
@@ -99,7 +103,11 @@ class Engine:
         if len(prompt) + max_tokens > self.context:
             raise ValueError(f"the prompt's {len(prompt)} tokens plus max_tokens {max_tokens} exceed the "
                              f"model's context of {self.context} tokens")
-        if any(not 0 <= i < self.tok.vocab_size for i in prompt):
+        self.check_ids(prompt)
+
+    def check_ids(self, ids: list[int]) -> None:
+        """A ValueError when an id is outside the tokenizer's vocabulary."""
+        if any(not 0 <= i < self.tok.vocab_size for i in ids):
             raise ValueError(f"a token id is outside the vocabulary (0 to {self.tok.vocab_size - 1})")
 
     def submit(self, prompt: list[int], sampling: Sampling, index: int = 0) -> Sequence:
@@ -109,7 +117,7 @@ class Engine:
             raise Busy(f"{len(self.waiting)} sequences are waiting for this model")
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(31)
         seq = Sequence(list(prompt) or [self.tok.eot_id], sampling, index, events=asyncio.Queue(),
-                       generator=torch.Generator().manual_seed(seed * 1_000_003 + index))
+                       generator=torch.Generator().manual_seed((seed * 1_000_003 + index) % (1 << 64)))
         self.waiting.append(seq)
         self._wake()
         return seq
@@ -301,6 +309,9 @@ class Engine:
         full = logits.double() if any(s.sampling.logprobs is not None for s in rows) else None
         logits = logits.float()
         logits[:, self.tok.vocab_size:] = -float("inf")  # padding ids are never drawn
+        for r, s in enumerate(rows):
+            if s.sampling.ignore_eos or len(s.out) < s.sampling.min_tokens:
+                logits[r, self.tok.eot_id] = -float("inf")
         greedy = logits.argmax(dim=-1).tolist()
         for r, s in enumerate(rows):
             sp = s.sampling

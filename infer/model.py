@@ -27,6 +27,7 @@ class Model:
     tokenizer: TokenizerInfo
     definition: str | None  # the tokenizer's file, for `hf` tokenizers
     origin: str = ""  # RUN@STEP: the run an exported directory was made from (its records say so: lineage, ledger)
+    chat_template: str | None = None  # an exported directory's (tokenizer_config.json); None: strata.chat's default
 
     def build(self, device: str = "cpu", packed: bool = True) -> tuple[GPT, object]:
         """The model in eval mode on `device`, and its tokenizer. On a CPU its linear layers are `packed`
@@ -98,8 +99,11 @@ def resolve(spec: str, storage: Storage, flag: str = "--model") -> Model:
                              "export the model with python -m train.export")
         meta = read_json(join(spec, "strata.json"))
         definition = read_bytes(join(spec, "tokenizer.json")).decode() if exists(join(spec, "tokenizer.json")) else None
+        config = join(spec, "tokenizer_config.json")
+        template = read_json(config).get("chat_template") if exists(config) else None
         p = load(spec, storage)
-        return Model(spec, p.cfg, p.weights, TokenizerInfo(**meta["tokenizer"]), definition, _origin(meta, storage))
+        return Model(spec, p.cfg, p.weights, TokenizerInfo(**meta["tokenizer"]), definition, _origin(meta, storage),
+                     template if isinstance(template, str) else None)
     return _from_run(spec, storage, flag)
 
 

@@ -99,7 +99,9 @@ def serve_stage(title: str, run: str) -> tuple[dict, list[dict]]:
     for path, body in (("/v1/completions", {"model": run, "prompt": "def ", "max_tokens": 48, "temperature": 0}),
                        ("/v1/completions", {"model": run, "prompt": ["import ", "class "], "max_tokens": 32,
                                             "temperature": 0.8, "seed": 1}),
-                       ("/v1/embeddings", {"model": run, "input": ["def f(x):", "return x"]})):
+                       ("/v1/embeddings", {"model": run, "input": ["def f(x):", "return x"]}),
+                       ("/v1/chat/completions", {"model": run, "max_tokens": 32, "temperature": 0,
+                                                 "messages": [{"role": "user", "content": "Write a function."}]})):
         print(f"POST {path} {json.dumps(body)}", flush=True)
         req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -107,7 +109,7 @@ def serve_stage(title: str, run: str) -> tuple[dict, list[dict]]:
             calls.append(json.loads(r.read()))
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
-    if proc.returncode != 0:
+    if proc.returncode != 143:  # a server stopped by SIGTERM exits 128 + 15
         raise SystemExit(f"demo stage infer serve failed (exit {proc.returncode})")
     return json.loads(out.strip().splitlines()[-1]), calls
 
@@ -167,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
                 kept (bits per byte <= {q['threshold']:.3f}): {q['filtered']} filtered:quality ({q['tokens_per_s']:,.0f} tokens/s scored)
         serve   {sv['requests']} requests ({sv['completion_tokens']} tokens generated), p50 {sv['p50_ms']:.0f} ms, p99 {sv['p99_ms']:.0f} ms,
                 {sv['replica_hours']:.4f} replica-hours; completion of "def ": {json.dumps(calls[0]['choices'][0]['text'][:60])}
-                embeddings: {len(calls[2]['data'])} vectors of {len(calls[2]['data'][0]['embedding'])} floats
+                embeddings: {len(calls[2]['data'])} vectors of {len(calls[2]['data'][0]['embedding'])} floats;
+                chat ("Write a function."): {json.dumps(calls[3]['choices'][0]['message']['content'][:60])}
         cost    preprocess {_cost(pre)}, train {_cost(tr)}, sweep {_cost(sw)} for {pre['node_hours'] + tr['node_hours'] + sw['node_hours']:.3f} node-hours
                 (prices.yaml charges 0 for the local node); CPU busy {_busy(pre)} / {_busy(tr)} / {_busy(sw)}
                 (`.venv/bin/strata runs`; `.venv/bin/strata report NAME` writes an HTML report)

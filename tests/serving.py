@@ -111,9 +111,10 @@ class Server:
         except json.JSONDecodeError:
             return status, text, headers
 
-    def stop(self, timeout: float = 120) -> tuple[int, dict | None]:
-        """SIGTERM, as Kubernetes or a scheduler stops it: its exit code and its summary (--json)."""
-        self.proc.send_signal(signal.SIGTERM)
+    def stop(self, timeout: float = 120, sig: int = signal.SIGTERM) -> tuple[int, dict | None]:
+        """SIGTERM, as Kubernetes or a scheduler stops it (or `sig`: SIGINT, a terminal's Ctrl-C): its exit code
+        and its summary (--json)."""
+        self.proc.send_signal(sig)
         out, _ = self.proc.communicate(timeout=timeout)
         lines = [line for line in out.strip().splitlines() if line.startswith("{")]
         return self.proc.returncode, json.loads(lines[-1]) if lines else None

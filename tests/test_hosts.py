@@ -509,5 +509,5 @@ def test_serving_from_the_cpu_hosts_answers_through_a_cut(cluster):
     assert late < 90, late  # every request ended: none waited out the client's timeout
     assert recovered < 100, recovered  # failures stop once Ray has noticed (about 30 s), well before the end
     assert len([a for a in answers if a["t"] > cut + recovered]) >= 10
-    assert rc == 0, serve.text()[-3000:]
+    assert rc == 143, serve.text()[-3000:]  # stopped by SIGTERM: 128 + 15
     assert cluster.host("head").ip in serve.text()

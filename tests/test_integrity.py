@@ -206,7 +206,7 @@ def test_the_move_lock_is_a_lease_a_dead_holder_cannot_keep(local_ray):
     died holding it). It is a lease now: a holder that stops renewing loses it; a release hands it on at once."""
     import ray
 
-    from infer.serve import _mover
+    from infer.replicas import _mover
 
     lock = _mover()
     try:

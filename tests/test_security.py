@@ -700,7 +700,7 @@ def test_a_trial_checkpoint_is_signed_for_its_trial(tmp_path):
 def test_a_follower_passes_over_a_bad_newest_checkpoint_and_finds_later_good_ones(checkpoint, tmp_path):
     """Issue 57, 6: a bad newest checkpoint was retried forever by RUN@latest and hid every later good one. The
     follower skips what fails (naming it once) and moves to the newest checkpoint that verifies."""
-    from infer.serve import _newest
+    from infer.replicas import _newest
     from strata.storage import Storage
 
     d, cfg, model, opt = checkpoint

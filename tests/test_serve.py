@@ -5,6 +5,7 @@ transformers' forward on the exported weights)."""
 import asyncio
 import json
 import os
+import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -101,6 +102,31 @@ def test_top_p_keeps_the_smallest_head_of_the_distribution(built):
     assert all(t == greedy for t in tiny)  # only the most likely token is left to draw
 
 
+def test_ignore_eos_and_min_tokens_keep_end_of_text_from_being_drawn(built):
+    net, tok = built
+    prompt = tok.encode("the quick brown fox").tolist()
+    (first,), _ = _run_engine(net, tok, [(prompt, Sampling(max_tokens=1, temperature=0), 0, 0)])
+
+    class EndsThere:
+        """The same tokenizer, with the greedy first token as its end-of-text: plain decoding stops at once."""
+
+        eot_id = first[0]
+
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+    ends = EndsThere()
+    (plain, ignored, at_least, huge_seed), _ = _run_engine(net, ends, [
+        (prompt, Sampling(max_tokens=6, temperature=0), 0, 0),
+        (prompt, Sampling(max_tokens=6, temperature=0, ignore_eos=True), 1, 0),
+        (prompt, Sampling(max_tokens=6, temperature=0, min_tokens=3), 2, 0),
+        (prompt, Sampling(max_tokens=6, temperature=1.0, seed=(1 << 63) - 1, ignore_eos=True), 3, 0)])
+    assert plain == first
+    assert len(ignored) == 6 and ends.eot_id not in ignored
+    assert ends.eot_id not in at_least[:3] and (len(at_least) == 6 or at_least[-1] == ends.eot_id)
+    assert len(huge_seed) == 6  # the largest seed a request may send draws as any other
+
+
 # ---- a live server ------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -157,6 +183,40 @@ def test_the_openai_client_completes_streams_and_embeds_as_transformers_computes
         client.completions.create(model="m9", prompt="x")
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_chat_completions_render_the_exported_template_as_transformers_does(server, models, built):
+    transformers = pytest.importorskip("transformers")
+    openai, client = _openai(server)
+    net, tok = built
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "fox"}]  # 40 of 64 tokens
+    prompt = transformers.AutoTokenizer.from_pretrained(models["m1"]).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    status, ids, _ = server.call("POST", "/tokenize", {"model": "m1", "messages": messages})
+    assert status == 200 and ids["tokens"] == tok.encode(prompt).tolist() and ids["count"] == len(ids["tokens"])
+    assert server.call("POST", "/detokenize", {"model": "m1", "tokens": ids["tokens"]})[1] == {"prompt": prompt}
+    chat = client.chat.completions.create(model="m1", messages=messages, max_tokens=10, temperature=0)
+    plain = client.completions.create(model="m1", prompt=prompt, max_tokens=10, temperature=0)
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == plain.choices[0].text
+    assert chat.usage.prompt_tokens == plain.usage.prompt_tokens == len(ids["tokens"])
+
+    def streamed(**options):
+        return list(client.chat.completions.create(model="m1", messages=messages, max_tokens=10, temperature=0,
+                                                   stream=True, **options))
+    bare = streamed()
+    assert "".join(c.choices[0].delta.content or "" for c in bare) == chat.choices[0].message.content
+    assert all(c.choices and c.usage is None for c in bare)  # no usage unless asked
+    last = streamed(stream_options={"include_usage": True})
+    assert last[-1].choices == [] and last[-1].usage.completion_tokens == chat.usage.completion_tokens
+    assert all(c.usage is None for c in last[:-1])
+    every = streamed(stream_options={"include_usage": True, "continuous_usage_stats": True})
+    made = [c.usage.completion_tokens for c in every]
+    assert made == sorted(made) and made[-1] == chat.usage.completion_tokens and every[-1].choices == []
+    forced = client.chat.completions.create(model="m1", messages=messages, max_tokens=12, extra_body={"ignore_eos": True})
+    assert forced.usage.completion_tokens == 12 and forced.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="presence_penalty must be 0"):
+        client.chat.completions.create(model="m1", messages=messages, presence_penalty=0.5)
 
 
 def test_the_same_seed_gives_the_same_text_whatever_else_is_in_the_batch(server, built):
@@ -239,6 +299,40 @@ def test_bad_requests_get_openai_errors_and_never_a_500(server):
         assert (got, out["error"]["type"] if isinstance(out, dict) else out) == (
             status, "invalid_request_error"), (body, out)
         assert message in out["error"]["message"], (body, out)
+    more = [  # each endpoint's own checks, and options this server does not implement
+        ("/v1/completions", {"model": "m1", "prompt": "x", "n": 2}, "n must be 1"),
+        ("/v1/completions", {"model": "m1", "prompt": "x", "frobnicate": 1}, "frobnicate is not supported"),
+        ("/v1/completions", {"model": "m1", "prompt": "x", "stream_options": {"include_usage": True}},
+         "only allowed when stream is true"),
+        ("/v1/completions", {"model": "m1", "prompt": [-1, 2]}, "outside the vocabulary"),
+        ("/v1/completions", {"model": "m1", "prompt": "x", "seed": 1 << 63}, "seed must be between"),
+        ("/v1/score", {"model": "m1", "input": [[1, -3]]}, "outside the vocabulary"),
+        ("/v1/score", {"model": "m1", "input": [[10 ** 30]]}, "outside the vocabulary"),
+        ("/v1/embeddings", {"model": "m1", "input": [""]}, "an input is empty"),
+        ("/v1/embeddings", {"model": "m1", "input": []}, "input must be"),
+        ("/v1/embeddings", {"model": "m1", "input": "x", "dimensions": 8}, "dimensions is not supported"),
+        ("/v1/chat/completions", {"model": "m1", "messages": []}, "messages must be"),
+        ("/v1/chat/completions", {"model": "m1", "messages": [{"role": "tool", "content": "x"}]}, "role is"),
+        ("/v1/chat/completions", {"model": "m1", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "text parts"),
+        ("/v1/chat/completions", {"model": "m1", "messages": [{"role": "user", "content": "x"}], "tools": [{"a": 1}]},
+         "calls no tools"),
+        ("/detokenize", {"model": "m1", "tokens": [-1]}, "outside the vocabulary"),
+        ("/tokenize", {"model": "m1"}, "give prompt"),
+    ]
+    for path, body, message in more:
+        got, out, _ = server.call("POST", path, body)
+        assert got == 400 and message in out["error"]["message"], (path, body, out)
+    got, out, _ = server.call("POST", "/v1/completions", raw=b'{"model": "m1", "prompt": ' + b"[" * 50000)
+    assert got == 400 and "too deeply" in out["error"]["message"]
+    got, out, _ = server.call("POST", "/v1/completions", {"model": "m1", "prompt": "x", "seed": (1 << 63) - 1})
+    assert got == 200
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405),
+                                 ("DELETE", "/v1/models", 405), ("GET", "/openapi.json", 404)):
+        got, out, _ = server.call(method, path)
+        assert got == status and out["error"]["code"] in ("not_found", "method_not_allowed"), (method, path, out)
+        assert server.call(method, path, token=None)[0] == 401  # with no token, nothing is told about routes
+    assert server.call("GET", "/health", token=None)[0] == 200
     got, out, _ = server.call("POST", "/v1/completions", raw=b'{"model": "m1", "prompt": ')
     assert got == 400 and "not JSON" in out["error"]["message"]
     got, out, _ = server.call("POST", "/v1/completions", raw=b"\xff\xfe")
@@ -252,6 +346,60 @@ def test_bad_requests_get_openai_errors_and_never_a_500(server):
     got, out, _ = server.call("GET", "/v1/models", token="s3cret-token-for-the-test")  # one character short
     assert got == 401
     assert server.call("GET", "/healthz", token=None)[0] == 200  # health checks need no token
+    counted = server.call("GET", "/v1/stats")[1]["served"]["by_status"]
+    assert all(counted.get(k, 0) > 0 for k in ("200", "400", "401", "404", "405", "413")) and "500" not in counted
+    metrics = server.call("GET", "/metrics")[1]
+    assert f'strata_requests_total{{status="401"}} {counted["401"]}' in metrics
+
+
+def test_guidellm_on_its_defaults_gets_no_error_and_counts_the_tokens_the_server_counted(server, models, tmp_path):
+    """guidellm's default backend: its health check (GET /health), chat completions streamed with
+    stream_options and ignore_eos. Only the model (the server has four) and the token are named."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("guidellm") is None:  # not imported here: it starts multiprocessing's tracker
+        pytest.skip("guidellm is not installed")
+    before = server.call("GET", "/v1/stats")[1]["served"]
+    out = tmp_path / "guidellm.json"
+    cmd = [sys.executable, "-m", "guidellm", "run",
+           "--backend", f"kind=openai_http,target={server.url},model=m1,api_key={TOKEN}",
+           "--profile", "kind=synchronous", "--constraint", "kind=max_requests,count=6",
+           "--data", "kind=synthetic_text,prompt_tokens=16,output_tokens=8",
+           "--tokenizer", f"kind=hf_auto,model={models['m1']}", "--output", f"kind=json,path={out}",
+           "--disable-console-interactive"]
+    env = {**os.environ, "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=100)
+    finally:
+        _end_session(proc.pid)  # guidellm leaves its multiprocessing resource tracker running
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    got = json.loads(out.read_text())["benchmarks"][0]["requests"]
+    assert len(got["successful"]) == 6 and not got["errored"] and not got["incomplete"], got
+    after = server.call("GET", "/v1/stats")[1]["served"]
+    assert after["by_status"]["200"] - before["by_status"].get("200", 0) == 6
+    made = [r["output_metrics"]["text_tokens"] for r in got["successful"]]
+    assert made == [8] * 6  # ignore_eos: every completion runs to the length asked for
+    assert sum(made) == after["completion_tokens"] - before["completion_tokens"]
+    assert sum(r["prompt_tokens"] for r in got["successful"]) == after["prompt_tokens"] - before["prompt_tokens"]
+
+
+def _end_session(sid: int) -> None:
+    """Kill what is left of the session `sid` started (its processes), and wait for them."""
+    import psutil
+
+    left = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid:
+                p.kill()
+                left.append(p)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    psutil.wait_procs(left, timeout=30)
 
 
 def test_lm_evaluation_harness_local_completions_gets_infer_evals_accuracy(server, models, built, tmp_path,
@@ -283,6 +431,26 @@ def test_lm_evaluation_harness_local_completions_gets_infer_evals_accuracy(serve
         assert theirs[k] == pytest.approx(ll, abs=1e-3)
 
 
+def test_lm_evaluation_harness_local_chat_completions_gets_what_the_chat_endpoint_gives(server, monkeypatch):
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("tenacity")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.api_models import JsonChatStr
+    from lm_eval.models.openai_completions import LocalChatCompletion
+
+    monkeypatch.setenv("OPENAI_API_KEY", TOKEN)
+    lm = LocalChatCompletion(model="m1", base_url=server.url + "/v1/chat/completions", max_retries=1)
+    chats = [[{"role": "user", "content": "fox"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "cat"}]]
+    requests = [Instance(request_type="generate_until", doc={}, idx=i, arguments=(
+        JsonChatStr(json.dumps(c)), {"until": ["\n\n"], "max_gen_toks": 8, "temperature": 0})) for i, c in enumerate(chats)]
+    got = lm.generate_until(requests)  # as `lm_eval --model local-chat-completions --apply_chat_template` sends them
+    for chat, text in zip(chats, got, strict=True):
+        status, want, _ = server.call("POST", "/v1/chat/completions", {"model": "m1", "messages": chat, "max_tokens": 8,
+                                                                      "temperature": 0, "stop": ["\n\n"]})
+        assert status == 200 and text == want["choices"][0]["message"]["content"], (text, want)
+
+
 def test_sigterm_stops_the_server_and_its_record_counts_what_it_served(server, tmp_path):
     import re
     import urllib.request
@@ -301,7 +469,7 @@ def test_sigterm_stops_the_server_and_its_record_counts_what_it_served(server, t
         return re.search(r'^ray_serve_num_http_requests(_total)?\{[^}]*\} [0-9.]+', text, re.M)
     wait_for(counted, "Ray Serve's request counter in the metrics", 120)
     code, summary = server.stop()
-    assert code == 0, server.output()[-3000:]
+    assert code == 143 and summary["stopped_by"] == "SIGTERM", server.output()[-3000:]  # 128 + SIGTERM
     assert summary["requests"] >= 2 and summary["completion_tokens"] >= 4
     assert summary["by_status"]["200"] >= 1 and summary["by_status"]["400"] >= 1 and "500" not in summary["by_status"]
     assert 0 < summary["p50_ms"] <= summary["p99_ms"]
@@ -313,6 +481,9 @@ def test_sigterm_stops_the_server_and_its_record_counts_what_it_served(server, t
 
     assert "requests" in runs_table([record])
     assert not os.path.exists(f"/proc/{server.proc.pid}")
+    temp = re.search(r"started embedded local Ray \(.*temp (\S+)\)", server.output()).group(1)
+    assert not os.path.exists(temp)  # its Ray went with it
+    assert "INFO" not in server.output() and "graceful_shutdown" not in server.output()  # strata's lines only
 
 
 # ---- many models, following a run, scaling and back-pressure ----------------------------------------------
@@ -376,8 +547,8 @@ def test_twelve_models_on_two_replicas_of_three_slots_and_a_run_followed_without
         assert seen[-1][2] == tok.decode([t for t in want if t != tok.eot_id])
         assert {s[1] for s in seen} == {"live@1", "live@2"}
     finally:
-        code, summary = srv.stop()
-    assert code == 0 and summary["models"] == 12 and summary["by_status"].get("200", 0) == summary["requests"]
+        code, summary = srv.stop(sig=signal.SIGINT)  # Ctrl-C
+    assert code == 130 and summary["stopped_by"] == "SIGINT" and summary["models"] == 12 and summary["by_status"].get("200", 0) == summary["requests"]
 
 
 @pytest.mark.ray
@@ -434,7 +605,7 @@ def test_replicas_scale_up_under_load_and_down_after_it_and_overload_gets_503_at
             assert status == 200  # and it still serves
         finally:
             code, summary = srv.stop()
-        assert code == 0 and summary["replica_hours"] > 0
+        assert code == 143 and summary["replica_hours"] > 0
 
 
 @pytest.mark.serve

@@ -28,6 +28,7 @@ from dataclasses import asdict
 
 import torch
 
+from strata.chat import DEFAULT_TEMPLATE
 from strata.cli import parser as cli_parser
 from strata.shell import StrataError
 from strata.shell import log as _logger
@@ -94,7 +95,7 @@ def export(checkpoint: str, out: str, loaded: tuple | None = None) -> dict:
             eot = Tokenizer.from_str(definition).id_to_token(tok.eot_id)
             with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
                 json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eot, "bos_token": eot,
-                           "model_max_length": model.cfg.seq_len}, f, indent=2)
+                           "model_max_length": model.cfg.seq_len, "chat_template": DEFAULT_TEMPLATE}, f, indent=2)
             files += ["tokenizer.json", "tokenizer_config.json"]
         # Generation as strata's: the rows past the tokenizer's ids (padding of the embedding) are never drawn.
         with open(os.path.join(tmp, "generation_config.json"), "w") as f:
