@@ -123,11 +123,12 @@ def test_every_flag_the_readme_names_is_a_flag_of_a_command():
                                            ("bench",), ("bench.peer",), ("bench.lid",), ("bench.scale",), ("bench.train.gpu",)))
     with open(os.path.join(REPO, "bench", "train", "gpu.sh")) as f:  # its own flag, --smoke, in its usage lines
         known += "\n".join(line for line in f if line.startswith("#   bench/train/gpu.sh"))
-    # ray's, pip's, make's, git's, kubectl's and sbatch's own flags, which the README quotes from their docs
+    # ray's, pip's, make's, git's, kubectl's, sbatch's and guidellm's own flags, which the README quotes from their docs
     others = {"--head", "--address", "--block", "--labels", "--node-ip-address", "--dashboard-host",
               "--dashboard-port", "--dashboard-agent-listen-port", "--num-cpus", "--num-gpus", "--disable-usage-stats",
               "--working-dir", "--runtime-env", "--runtime-env-json", "--logdir", "--nodes", "--gpus-per-node",
               "--export", "--from-literal", "--from-file", "--reason", "--deadline-remaining-seconds", "--shm-size", "--port",
-              "--autoscaling-config", "--follow", "--log"}
+              "--autoscaling-config", "--follow", "--log", "--backend", "--profile", "--constraint", "--data",
+              "--tokenizer"}
     unknown = sorted(f for f in named if f not in others and not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", known))
     assert not unknown, f"the README names flags no command has: {unknown}"

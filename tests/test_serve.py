@@ -608,6 +608,41 @@ def test_replicas_scale_up_under_load_and_down_after_it_and_overload_gets_503_at
         assert code == 143 and summary["replica_hours"] > 0
 
 
+@pytest.mark.ray
+@pytest.mark.serve
+def test_clients_that_never_send_their_bodies_hold_a_slot_until_408_and_the_rest_get_503_at_once(models, tmp_path,
+                                                                                                   joined):
+    import re
+    import socket
+
+    from conftest import wait_for
+
+    srv = Server(["--model", f"m1={models['m1']}", "--max-ongoing", "2", "--max-queued", "2", "--body-timeout-s", "4"],
+                 str(tmp_path), env=joined)
+    slow = []
+    try:
+        def in_flight() -> int:
+            return int(re.search(r"^strata_requests_in_flight (\d+)$", srv.call("GET", "/metrics")[1], re.M).group(1))
+
+        for _ in range(4):  # the bound: --max-ongoing plus --max-queued
+            sock = socket.create_connection(("127.0.0.1", srv.port), timeout=60)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 64\r\n\r\n")
+            slow.append(sock)
+        wait_for(lambda: in_flight() == 4, "the four silent clients admitted", 30)
+        status, out, headers = srv.call("POST", "/v1/completions", {"model": "m1", "prompt": "x", "max_tokens": 2})
+        assert status == 503 and out["error"]["type"] == "overloaded" and headers.get("retry-after") == "1"
+        for sock in slow:  # each answered 408 once --body-timeout-s has passed, its slot freed
+            assert sock.recv(4096).startswith(b"HTTP/1.1 408"), "a silent client was not answered 408"
+        assert in_flight() == 0
+        assert srv.call("POST", "/v1/completions", {"model": "m1", "prompt": "x", "max_tokens": 2})[0] == 200
+    finally:
+        for sock in slow:
+            sock.close()
+        code, summary = srv.stop()
+    assert code == 143 and summary["by_status"] == {"408": 4, "503": 1, "200": 1}
+
+
 @pytest.mark.serve
 def test_listening_beyond_loopback_needs_a_token(models, tmp_path):
     import subprocess
