@@ -249,7 +249,7 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
     # Two strata commands started at the same moment (two cron slots, a notebook beside a CLI) would both
     # see port 8265 free and both bind it. Starts on one machine take turns: once the first has bound its
     # ports, the second's probe sees them taken and picks free ones.
-    with _start_lock(), _quiet_token_notice(quiet):
+    with _start_lock(), _quiet_token_notice(quiet), _daemons_in_own_groups():
         for attempt in range(3):
             port = dashboard_port()
             try:
@@ -290,6 +290,30 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
                 if ("port" not in str(e) and not timed_out) or attempt == 2:
                     raise
     return f"started embedded local Ray ({ray.cluster_resources().get('CPU', 0):.0f} CPUs, temp {temp_dir})"
+
+
+@contextlib.contextmanager
+def _daemons_in_own_groups():
+    """While an embedded Ray starts, each daemon it starts leads a process group of its own (its workers join
+    their raylet's). A SIGTERM to the command's process group (systemd, a container runtime, `kill -- -PGID`)
+    then reaches the command alone, which stops as on Ctrl-C and shuts its Ray down itself; before, the
+    signal killed Ray's daemons under it, and the command failed where it should have drained and kept its
+    work. A daemon still dies with the command (Ray's fate-sharing), and shutdown's reaping follows
+    parentage, not groups."""
+    from ray._private import services
+
+    plain = services.ConsolePopen
+
+    class OwnGroup(plain):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("process_group", 0)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = OwnGroup
+    try:
+        yield
+    finally:
+        services.ConsolePopen = plain
 
 
 @contextlib.contextmanager

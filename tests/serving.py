@@ -111,10 +111,14 @@ class Server:
         except json.JSONDecodeError:
             return status, text, headers
 
-    def stop(self, timeout: float = 120, sig: int = signal.SIGTERM) -> tuple[int, dict | None]:
-        """SIGTERM, as Kubernetes or a scheduler stops it (or `sig`: SIGINT, a terminal's Ctrl-C): its exit code
-        and its summary (--json)."""
-        self.proc.send_signal(sig)
+    def stop(self, timeout: float = 120, sig: int = signal.SIGTERM, group: bool = False) -> tuple[int, dict | None]:
+        """SIGTERM, as Kubernetes or a scheduler stops it (or `sig`: SIGINT, a terminal's Ctrl-C), to the process
+        or to its whole process group (`group`, as systemd and container runtimes send it): its exit code and
+        its summary (--json)."""
+        if group:
+            os.killpg(self.proc.pid, sig)  # it leads its group (start_new_session)
+        else:
+            self.proc.send_signal(sig)
         out, _ = self.proc.communicate(timeout=timeout)
         lines = [line for line in out.strip().splitlines() if line.startswith("{")]
         return self.proc.returncode, json.loads(lines[-1]) if lines else None

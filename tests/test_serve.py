@@ -468,7 +468,7 @@ def test_sigterm_stops_the_server_and_its_record_counts_what_it_served(server, t
             text = r.read().decode()
         return re.search(r'^ray_serve_num_http_requests(_total)?\{[^}]*\} [0-9.]+', text, re.M)
     wait_for(counted, "Ray Serve's request counter in the metrics", 120)
-    code, summary = server.stop()
+    code, summary = server.stop(group=True)  # to its whole process group, its embedded Ray's daemons' too
     assert code == 143 and summary["stopped_by"] == "SIGTERM", server.output()[-3000:]  # 128 + SIGTERM
     assert summary["requests"] >= 2 and summary["completion_tokens"] >= 4
     assert summary["by_status"]["200"] >= 1 and summary["by_status"]["400"] >= 1 and "500" not in summary["by_status"]
