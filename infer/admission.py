@@ -90,6 +90,21 @@ class Ledger:
         self.prompt_tokens += prompt
         self.completion_tokens += completion
 
+    def raw(self) -> dict:
+        return {"latencies": list(self.latencies), "status": dict(self.status), "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens}
+
+    @classmethod
+    def merged(cls, raws: list[dict]) -> Ledger:
+        """One ledger of several replicas' (`raw()`), every latency kept."""
+        out = cls()
+        out.latencies = deque(lat for r in raws for lat in r["latencies"])
+        for r in raws:
+            out.status.update({int(k): v for k, v in r["status"].items()})
+            out.prompt_tokens += r["prompt_tokens"]
+            out.completion_tokens += r["completion_tokens"]
+        return out
+
     def figures(self) -> dict:
         lat = sorted(self.latencies)
 
@@ -99,3 +114,25 @@ class Ledger:
         return {"requests": sum(self.status.values()), "by_status": {str(k): v for k, v in self.status.items()},
                 "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "p50_ms": q(0.5), "p99_ms": q(0.99)}
+
+
+TALLY = "strata-serve-tally"
+
+
+def tally():
+    """The application's tally (created by the first that asks): each ingress replica leaves its ledger there
+    as it stops, a replica that autoscaling removes too, so the record counts every replica's answers."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Tally:
+        def __init__(self):
+            self.ledgers: dict[str, dict] = {}
+
+        def add(self, replica: str, raw: dict) -> None:
+            self.ledgers[replica] = raw
+
+        def read(self) -> dict:
+            return {"replicas": len(self.ledgers), **Ledger.merged(list(self.ledgers.values())).figures()}
+
+    return Tally.options(name=TALLY, namespace="serve", get_if_exists=True, lifetime="detached").remote()

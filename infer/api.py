@@ -220,8 +220,13 @@ def api_deployment():
         async def warm(self, name: str) -> str:
             return await self.answerer.warm(name)
 
-        def figures(self) -> dict:
-            return self.ledger.figures()
+        async def __del__(self):
+            """As Serve stops this replica (the application's end, or autoscaling's): its ledger to the tally."""
+            from ray import serve
+
+            from infer.admission import tally
+
+            await tally().add.remote(serve.get_replica_context().replica_id.unique_id, self.ledger.raw())
 
     @app.exception_handler(Exception)
     async def _unexpected(request, exc):  # a bug outside a route's own handling: still OpenAI's shape

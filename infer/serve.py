@@ -16,6 +16,7 @@ the run's record.
 """
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import asdict
@@ -134,6 +135,7 @@ def serve_models(specs: dict[str, str], cfg: ServeConfig, storage, name: str, *,
         if not logging.getLogger("strata").isEnabledFor(logging.DEBUG):  # Serve's INFO lines with --verbose only
             logging.getLogger("ray.serve").setLevel(logging.WARNING)
         serve.start(http_options={"host": host, "port": port, "location": proxies})
+        _forget_tally()
         started = time.time()
         with job.working():
             serve.run(build(specs, storage.root, cfg, digest), name=APP, route_prefix="/", blocking=False)
@@ -160,8 +162,8 @@ def serve_models(specs: dict[str, str], cfg: ServeConfig, storage, name: str, *,
                 stopped_by = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
                 _hold_signals(say)
                 say(f"stopping ({stopped_by}): draining requests in flight")
+                serve.delete(APP)  # each ingress replica drains, then leaves its ledger to the tally
                 figures = _figures()
-                serve.delete(APP)
                 serve.shutdown()
                 seconds = time.time() - started
                 tokens = figures.get("prompt_tokens", 0) + figures.get("completion_tokens", 0)
@@ -218,16 +220,29 @@ def _replicas() -> int:
         return 0
 
 
-def _figures() -> dict:
-    from ray import serve
+def _forget_tally() -> None:
+    """A tally an earlier server on this cluster left (one killed before its end) counts nothing of this one's."""
+    import ray
 
-    async def read():
-        return await serve.get_app_handle(APP).figures.remote()
+    from infer.admission import TALLY
+
+    with contextlib.suppress(ValueError):
+        ray.kill(ray.get_actor(TALLY, namespace="serve"))
+
+
+def _figures() -> dict:
+    """Every ingress replica's answers, from the tally their replicas left as they stopped; then the tally goes."""
+    import ray
+
+    from infer.admission import tally
 
     try:
-        return asyncio.run(asyncio.wait_for(read(), 10))
+        counter = tally()
+        figures = ray.get(counter.read.remote(), timeout=30)
+        ray.kill(counter)
+        return figures
     except Exception as e:  # noqa: BLE001 - the record says it could not count
-        return {"requests": None, "error": f"the ingress's figures could not be read: {e}"}
+        return {"requests": None, "error": f"the ingress replicas' figures could not be read: {e}"}
 
 
 def app(args: dict):

@@ -606,6 +606,9 @@ def test_replicas_scale_up_under_load_and_down_after_it_and_overload_gets_503_at
         finally:
             code, summary = srv.stop()
         assert code == 143 and summary["replica_hours"] > 0
+        # Every answer is in the record, those of the replica autoscaling removed included.
+        assert summary["replicas"] >= 2, summary
+        assert summary["by_status"] == {"200": len(statuses) + codes.count(200) + 1, "503": codes.count(503)}, summary
 
 
 @pytest.mark.ray
