@@ -107,6 +107,40 @@ def resolve(spec: str, storage: Storage, flag: str = "--model") -> Model:
     return _from_run(spec, storage, flag)
 
 
+def check(spec: str, storage: Storage, flag: str = "--model") -> str:
+    """What `resolve(spec)` would load (its source: RUN@STEP, or the directory), checked without reading its
+    weights: an exported directory's files and tokenizer, or the run's newest committed checkpoint (at STEP)
+    whose signed lists and meta verify. The same errors as `resolve`."""
+    if exists(join(spec, "config.json")):
+        if not exists(join(spec, "strata.json")):
+            raise ValueError(f"{flag} {spec}: no strata.json beside config.json, so the tokenizer is unknown; "
+                             "export the model with python -m train.export")
+        try:
+            TokenizerInfo(**read_json(join(spec, "strata.json"))["tokenizer"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{flag} {spec}: strata.json names no usable tokenizer ({e})") from None
+        if not exists(join(spec, "model.safetensors")):
+            raise ValueError(f"{flag} {spec}: no model.safetensors: export the model with python -m train.export")
+        return spec
+    from train.checkpoint import SignedFiles, newest
+
+    run, _, step = spec.partition("@")
+    try:
+        run_dir = storage.run(run)
+    except ValueError:
+        run_dir = None
+    if not run_dir or not exists(run_dir):
+        raise ValueError(f"{flag} {spec}: neither an exported model directory nor a run under {storage.runs()}")
+    if step and not step.isdigit():
+        raise ValueError(f"{flag} {spec}: the step after '@' must be a number")
+    found, meta, refused = newest(run_dir, lambda c: SignedFiles(c).meta(), step=int(step) if step else None)
+    if found is None:
+        at = f" at step {step}" if step else ""
+        raise ValueError(f"{flag} {spec}: no committed checkpoint{at} " + ("that verifies " if refused else "") +
+                         f"in {run_dir}")
+    return f"{run}@{meta['step']}"
+
+
 def _origin(meta: dict, storage: Storage) -> str:
     """RUN@STEP of an exported directory (`meta`: its strata.json) whose checkpoint is a run's under this
     storage root; else ""."""

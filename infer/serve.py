@@ -104,7 +104,7 @@ def serve_models(specs: dict[str, str], cfg: ServeConfig, storage, name: str, *,
     import ray
     from ray import serve
 
-    from infer.model import resolve
+    from infer.model import check
     from strata.shell import Job, StrataError, Terminated
     from strata.shell import log as _logger
     from strata.storage import join, text_of
@@ -124,8 +124,8 @@ def serve_models(specs: dict[str, str], cfg: ServeConfig, storage, name: str, *,
         raise ValueError(f"--host {host} listens beyond this machine: give --token-file FILE or --token-sha256 HEX "
                          "(the bearer token clients must send), or keep the default 127.0.0.1")
     sources = {}
-    for n, spec in specs.items():  # on the driver: a bad --model fails before anything starts
-        sources[n] = resolve(spec.removesuffix("@latest"), storage, "--model").source
+    for n, spec in specs.items():  # on the driver, weights unread: a bad --model fails before anything starts
+        sources[n] = check(spec.removesuffix("@latest"), storage, "--model")
     out = storage.servings(name)
     with Job("serve", name, storage, holds=out, what=f"serving {name}") as job:
         job.connect(address=address, quiet=True, log_to_driver=False)

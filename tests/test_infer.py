@@ -86,6 +86,31 @@ def test_a_model_directory_without_its_tokenizer_is_refused(tmp_path, exported):
         resolve("no-such-run", Storage(str(tmp_path)))
 
 
+def test_check_names_what_resolve_loads_and_reads_no_weights(tmp_path, exported, monkeypatch):
+    """`infer serve` checks each --model on the driver with `check`: the same source and errors as `resolve`,
+    with the loaders of weights out of reach."""
+    from serving import commit_checkpoint
+
+    from infer.model import check
+
+    storage = Storage(str(tmp_path))
+    run_dir = storage.run("live")
+    for step in (1, 2):
+        commit_checkpoint(run_dir, step, seed=step)
+    want = {spec: resolve(spec, storage).source for spec in (exported, "live", "live@1")}
+    assert want["live"] == "live@2" and want["live@1"] == "live@1"
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("a weight loader was called")
+    monkeypatch.setattr("train.pretrained.load", no_weights)
+    monkeypatch.setattr("train.sample.load", no_weights)
+    assert {spec: check(spec, storage) for spec in want} == want
+    for spec, message in (("live@7", "no committed checkpoint at step 7"), ("live@x", "must be a number"),
+                          ("no-such-run", "neither an exported model directory nor a run")):
+        with pytest.raises(ValueError, match=message):
+            check(spec, storage)
+
+
 @pytest.mark.ray
 def test_score_command_writes_a_table_keyed_by_document(tmp_path, exported, joined):
     corpus = {"path": str(tmp_path / "corpus"), **make_corpus(str(tmp_path / "corpus"), docs=24, seed=3)}
