@@ -28,7 +28,6 @@ from collections import deque
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -124,11 +123,22 @@ class Engine:
 
     async def run_pass(self, kind: str, ids: list[int]):
         """A single pass: "embed" (the normalised mean of the last hidden states, a list of floats) or
-        "score" ((tokens, summed negative log-likelihood in nats))."""
+        "score" ((tokens, summed negative log-likelihood in nats)). A score's document goes in windows of the
+        context (infer/score.py), each a pass item of its own: a long document never holds the model thread
+        for more than a round's `max_batch_tokens`, so decode steps go on between its pieces."""
         self.check(ids if kind == "embed" else [])
         if len(self.passes) >= self.max_waiting:
             raise Busy(f"{len(self.passes)} passes are waiting for this model")
-        done = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        if kind == "score":
+            from infer.score import window_items
+
+            pieces = window_items(ids, self.tok.eot_id, self.context, max(1, self.context // 2))
+            futures = [loop.create_future() for _ in pieces]
+            self.passes.extend(("window", piece, f) for piece, f in zip(pieces, futures, strict=True))
+            self._wake()
+            return len(ids), float(sum(await asyncio.gather(*futures)))
+        done = loop.create_future()
         self.passes.append((kind, list(ids), done))
         self._wake()
         return await done
@@ -177,13 +187,17 @@ class Engine:
             held += seq.budget
         return admitted
 
-    def _take_passes(self) -> list[tuple[str, list[int], asyncio.Future]]:
+    def _take_passes(self) -> list[tuple[str, object, asyncio.Future]]:
+        """This round's passes: up to `max_batch_tokens` of them (at least one)."""
+        def size(item) -> int:
+            return len(item[1][0]) if item[0] == "window" else len(item[1])
+
         taken, tokens = [], 0
-        while self.passes and (not taken or tokens + len(self.passes[0][1]) <= self.max_batch_tokens):
+        while self.passes and (not taken or tokens + size(self.passes[0]) <= self.max_batch_tokens):
             item = self.passes.popleft()
             if not item[2].cancelled():
                 taken.append(item)
-                tokens += len(item[1])
+                tokens += size(item)
         return taken
 
     # ---- the model thread ---------------------------------------------------------------------------
@@ -348,16 +362,14 @@ class Engine:
 
     def _passes(self, passes: list) -> None:
         """Embeddings and scores, batched by length."""
-        from infer.score import score_ids
+        from infer.score import score_items
 
-        scores = [p for p in passes if p[0] == "score"]
+        scores = [p for p in passes if p[0] == "window"]
         if scores:
             try:
-                got = score_ids(self.net, [np.asarray(p[1], np.int64) for p in scores], self.tok.eot_id,
-                                stride=max(1, self.context // 2), batch_tokens=self.max_batch_tokens,
-                                device=self.device)
-                for (_, _, fut), s in zip(scores, got, strict=True):
-                    _resolve(fut, (s.tokens, s.nll))
+                got = score_items(self.net, [p[1] for p in scores], self.max_batch_tokens, self.device)
+                for (_, _, fut), nll in zip(scores, got, strict=True):
+                    _resolve(fut, nll)
             except Exception as e:  # noqa: BLE001 - the batch's requests get the error
                 for _, _, fut in scores:
                     _resolve(fut, error=e)

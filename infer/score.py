@@ -56,39 +56,56 @@ class Scored:
 def score_ids(model, docs: list[np.ndarray], eot_id: int, *, stride: int, batch_tokens: int,
               device: str = "cpu") -> list[Scored]:
     """Each document's (tokens, summed NLL): `docs` are token ids, without the end-of-text id before them."""
-    context = model.cfg.seq_len
     items = []  # (doc, inputs, targets with the ones not counted as IGNORE, how many of those lead)
     for d, ids in enumerate(docs):
-        seq = np.concatenate([[eot_id], np.asarray(ids, dtype=np.int64)])
-        for begin, end, first in windows(len(ids), context, stride):
-            targets = seq[begin + 1:end + 1].copy()
-            skip = first - (begin + 1)
-            targets[:skip] = IGNORE
-            items.append((d, seq[begin:end], targets, skip))
+        items += [(d, *w) for w in window_items(ids, eot_id, model.cfg.seq_len, stride)]
+    nll = np.zeros(len(docs))
+    for (d, *_), v in zip(items, score_items(model, [it[1:] for it in items], batch_tokens, device), strict=True):
+        nll[d] += v
+    return [Scored(len(ids), float(v)) for ids, v in zip(docs, nll, strict=True)]
+
+
+def window_items(ids, eot_id: int, context: int, stride: int) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    """A document's windows (`windows`) as the model takes them: (inputs, targets with those a previous window
+    predicted as IGNORE, how many of those lead)."""
+    seq = np.concatenate([[eot_id], np.asarray(ids, dtype=np.int64)])
+    out = []
+    for begin, end, first in windows(len(ids), context, stride):
+        targets = seq[begin + 1:end + 1].copy()
+        skip = first - (begin + 1)
+        targets[:skip] = IGNORE
+        out.append((seq[begin:end], targets, skip))
+    return out
+
+
+def score_items(model, items: list[tuple[np.ndarray, np.ndarray, int]], batch_tokens: int,
+                device: str = "cpu") -> list[float]:
+    """Each window's summed NLL (`window_items`' items, in their order), windows of like length batched."""
     # By length, and then by the targets left out first: a batch of windows that all leave out their first
     # `skip` targets asks the model for the rest only, and its last block computes no others.
-    items.sort(key=lambda it: (len(it[1]), it[3]))
-    nll = np.zeros(len(docs))
+    order = sorted(range(len(items)), key=lambda k: (len(items[k][0]), items[k][2]))
+    nll = [0.0] * len(items)
     at = 0
     with torch.inference_mode():
-        while at < len(items):
-            width = len(items[at][1])
+        while at < len(order):
+            width = len(items[order[at]][0])
             rows = max(1, batch_tokens // max(width, 1))
             # A batch holds windows of lengths [width, 2 * width) at most, padded to the longest.
-            batch = [it for it in items[at:at + rows] if len(it[1]) < 2 * width] or items[at:at + 1]
+            batch = [k for k in order[at:at + rows] if len(items[k][0]) < 2 * width] or order[at:at + 1]
             at += len(batch)
-            T = max(len(it[1]) for it in batch)
-            start = min(it[3] for it in batch)
+            T = max(len(items[k][0]) for k in batch)
+            start = min(items[k][2] for k in batch)
             x = torch.zeros((len(batch), T), dtype=torch.long)
             y = torch.full((len(batch), T), IGNORE, dtype=torch.long)
-            for i, (_, inputs, targets, _) in enumerate(batch):
+            for i, k in enumerate(batch):
+                inputs, targets, _ = items[k]
                 x[i, : len(inputs)] = torch.from_numpy(inputs)
                 y[i, : len(targets)] = torch.from_numpy(targets)
             _, losses = model(x.to(device), y.to(device), per_token=True, start=start)
             sums = losses.view(len(batch), T - start).sum(dim=1).double().cpu().numpy()
-            for (d, *_), s in zip(batch, sums, strict=True):
-                nll[d] += s
-    return [Scored(len(ids), float(v)) for ids, v in zip(docs, nll, strict=True)]
+            for k, v in zip(batch, sums, strict=True):
+                nll[k] = float(v)
+    return nll
 
 
 class Scorer:

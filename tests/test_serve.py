@@ -127,6 +127,37 @@ def test_ignore_eos_and_min_tokens_keep_end_of_text_from_being_drawn(built):
     assert len(huge_seed) == 6  # the largest seed a request may send draws as any other
 
 
+def test_a_long_score_goes_in_pieces_between_decode_steps_and_scores_as_infer_score_does(built):
+    from infer.score import score_ids
+
+    net, tok = built
+    doc = tok.encode("a long document to score, " * 80).tolist()  # 2,080 tokens: 65 windows of a 64-token context
+
+    async def main():
+        engine = Engine(net, tok, pool=ThreadPoolExecutor(1), max_batch_tokens=128)
+        order = []
+
+        async def generate():
+            seq = engine.submit(tok.encode("meanwhile").tolist(), Sampling(max_tokens=12, temperature=0, ignore_eos=True))
+            while (await seq.events.get())[0] != "done":
+                pass
+            order.append("generated")
+
+        async def score():
+            got = await engine.run_pass("score", doc)
+            order.append("scored")
+            return got
+
+        got, _ = await asyncio.gather(score(), generate())
+        return got, order, engine.steps
+
+    (tokens, nll), order, steps = asyncio.run(main())
+    want = score_ids(net, [doc], tok.eot_id, stride=32, batch_tokens=4096)[0]
+    assert tokens == want.tokens and nll == pytest.approx(want.nll, rel=1e-5)
+    # At most 128 tokens of windows a round, each round a decode step: the 12 tokens came while it scored.
+    assert order == ["generated", "scored"] and steps >= 11
+
+
 # ---- a live server ------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -139,7 +170,11 @@ def server(models, tmp_path_factory):
                   str(token_file), "--name", "live", "--max-new-tokens", "48", "--max-prompts", "8",
                   "--max-body-bytes", "65536"], str(storage), token=TOKEN)
     yield srv
-    srv.kill()
+    try:  # the SIGTERM test stops it; when that test did not run, it stops as cleanly here
+        if srv.proc.poll() is None:
+            srv.stop(group=True)
+    finally:
+        srv.kill()
 
 
 def _openai(server):
