@@ -655,8 +655,8 @@ def test_clients_that_never_send_their_bodies_hold_a_slot_until_408_and_the_rest
 
     from conftest import wait_for
 
-    srv = Server(["--model", f"m1={models['m1']}", "--max-ongoing", "2", "--max-queued", "2", "--body-timeout-s", "4"],
-                 str(tmp_path), env=joined)
+    srv = Server(["--model", f"m1={models['m1']}", "--max-ongoing", "2", "--max-queued", "2", "--body-timeout-s", "4",
+                  "--max-input-tokens", "8"], str(tmp_path), env=joined)
     slow = []
     try:
         def in_flight() -> int:
@@ -674,11 +674,14 @@ def test_clients_that_never_send_their_bodies_hold_a_slot_until_408_and_the_rest
             assert sock.recv(4096).startswith(b"HTTP/1.1 408"), "a silent client was not answered 408"
         assert in_flight() == 0
         assert srv.call("POST", "/v1/completions", {"model": "m1", "prompt": "x", "max_tokens": 2})[0] == 200
+        for path in ("/v1/score", "/v1/embeddings"):  # inputs bounded in tokens, the flag named
+            status, out, _ = srv.call("POST", path, {"model": "m1", "input": ["five!", "more!"]})
+            assert status == 400 and "--max-input-tokens" in out["error"]["message"], out
     finally:
         for sock in slow:
             sock.close()
         code, summary = srv.stop()
-    assert code == 143 and summary["by_status"] == {"408": 4, "503": 1, "200": 1}
+    assert code == 143 and summary["by_status"] == {"408": 4, "503": 1, "200": 1, "400": 2}
 
 
 @pytest.mark.serve
