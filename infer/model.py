@@ -124,15 +124,7 @@ def check(spec: str, storage: Storage, flag: str = "--model") -> str:
         return spec
     from train.checkpoint import SignedFiles, newest
 
-    run, _, step = spec.partition("@")
-    try:
-        run_dir = storage.run(run)
-    except ValueError:
-        run_dir = None
-    if not run_dir or not exists(run_dir):
-        raise ValueError(f"{flag} {spec}: neither an exported model directory nor a run under {storage.runs()}")
-    if step and not step.isdigit():
-        raise ValueError(f"{flag} {spec}: the step after '@' must be a number")
+    run, step, run_dir = _run_of(spec, storage, flag)
     found, meta, refused = newest(run_dir, lambda c: SignedFiles(c).meta(), step=int(step) if step else None)
     if found is None:
         at = f" at step {step}" if step else ""
@@ -153,9 +145,8 @@ def _origin(meta: dict, storage: Storage) -> str:
     return f"{name}@{int(meta.get('step') or 0)}" if ours else ""
 
 
-def _from_run(spec: str, storage: Storage, flag: str) -> Model:
-    from train.sample import load_newest
-
+def _run_of(spec: str, storage: Storage, flag: str) -> tuple[str, str, str]:
+    """RUN[@STEP] as (run, step or "", the run's directory), or the ValueError that names what is wrong."""
     run, _, step = spec.partition("@")
     try:
         run_dir = storage.run(run)
@@ -165,6 +156,13 @@ def _from_run(spec: str, storage: Storage, flag: str) -> Model:
         raise ValueError(f"{flag} {spec}: neither an exported model directory nor a run under {storage.runs()}")
     if step and not step.isdigit():
         raise ValueError(f"{flag} {spec}: the step after '@' must be a number")
+    return run, step, run_dir
+
+
+def _from_run(spec: str, storage: Storage, flag: str) -> Model:
+    from train.sample import load_newest
+
+    run, step, run_dir = _run_of(spec, storage, flag)
     try:
         _, (model, tok, at) = load_newest(run_dir, int(step) if step else None, what=f"{flag} {spec}")
     except FileNotFoundError as e:
