@@ -38,9 +38,6 @@ class Remote:
     async def model_stats(self) -> dict:
         return await self.models.model_stats.remote()
 
-    async def warm(self, name: str) -> str:
-        return await self.handles[name].warm.remote(name)
-
 
 def error(e: RequestError, retry_after: int | None = None):
     from fastapi.responses import JSONResponse
@@ -178,8 +175,8 @@ def api_deployment():
         @app.get("/v1/models")
         async def list_models(self, request: Request):
             return self._open(request) or {
-                "object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "strata",
-                                            "max_model_len": None} for n in self.names]}
+                "object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "strata"}
+                                           for n in self.names]}
 
         @app.get("/v1/stats")
         async def stats(self, request: Request):
@@ -250,7 +247,9 @@ def _prometheus(figures: dict, inflight: int) -> str:
               f'strata_tokens_total{{kind="completion"}} {figures["completion_tokens"]}',
               "# HELP strata_requests_in_flight Requests admitted and not yet answered.",
               "# TYPE strata_requests_in_flight gauge", f"strata_requests_in_flight {inflight}"]
-    for q in ("p50", "p99"):
-        if figures.get(f"{q}_ms") is not None:
-            lines.append(f'strata_latency_ms{{quantile="{q}"}} {figures[f"{q}_ms"]}')
+    lines += ["# HELP strata_latency_ms Latency of the newest 100,000 answers, by quantile.",
+              "# TYPE strata_latency_ms gauge"]
+    for q, key in (("0.5", "p50_ms"), ("0.99", "p99_ms")):
+        if figures.get(key) is not None:
+            lines.append(f'strata_latency_ms{{quantile="{q}"}} {figures[key]}')
     return "\n".join(lines) + "\n"

@@ -383,8 +383,12 @@ def test_bad_requests_get_openai_errors_and_never_a_500(server):
     assert server.call("GET", "/healthz", token=None)[0] == 200  # health checks need no token
     counted = server.call("GET", "/v1/stats")[1]["served"]["by_status"]
     assert all(counted.get(k, 0) > 0 for k in ("200", "400", "401", "404", "405", "413")) and "500" not in counted
-    metrics = server.call("GET", "/metrics")[1]
-    assert f'strata_requests_total{{status="401"}} {counted["401"]}' in metrics
+    from prometheus_client.parser import text_string_to_metric_families  # Prometheus' own reading of /metrics
+
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for family in
+               text_string_to_metric_families(server.call("GET", "/metrics")[1]) for s in family.samples}
+    assert samples[("strata_requests_total", (("status", "401"),))] == counted["401"]
+    assert samples[("strata_requests_in_flight", ())] == 0 and ("strata_latency_ms", (("quantile", "0.5"),)) in samples
 
 
 def test_guidellm_on_its_defaults_gets_no_error_and_counts_the_tokens_the_server_counted(server, models, tmp_path):
