@@ -383,7 +383,8 @@ def test_bad_requests_get_openai_errors_and_never_a_500(server):
     assert server.call("GET", "/healthz", token=None)[0] == 200  # health checks need no token
     counted = server.call("GET", "/v1/stats")[1]["served"]["by_status"]
     assert all(counted.get(k, 0) > 0 for k in ("200", "400", "401", "404", "405", "413")) and "500" not in counted
-    from prometheus_client.parser import text_string_to_metric_families  # Prometheus' own reading of /metrics
+    # Prometheus' own reading of /metrics.
+    from prometheus_client.parser import text_string_to_metric_families
 
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for family in
                text_string_to_metric_families(server.call("GET", "/metrics")[1]) for s in family.samples}
