@@ -277,6 +277,22 @@ def wait_for(predicate, what: str, timeout: float = 300) -> None:
     raise TimeoutError(f"timed out waiting for {what}")
 
 
+
+def kill_node(cluster, node) -> None:
+    """`cluster.remove_node(node, allow_graceful=False)`, as a lost machine goes, and every worker of that node
+    with it. Ray kills the node's daemons; a worker that misses its raylet's death lives on (a fresh clone's
+    run, 2026-12-06: a `ray::MapWorker` of test_crash's killed node outlived the suite)."""
+    from ray._private import ray_constants
+
+    from strata.connect import _reap
+    from strata.procs import processes, tree
+
+    raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+    workers = tree(raylet, processes()) - {raylet}
+    cluster.remove_node(node, allow_graceful=False)
+    _reap(workers)
+
+
 @contextlib.contextmanager
 def simulated_cluster(nodes: list[tuple[tuple, int]]):
     """A multi-node Ray cluster on 127.0.0.1: a head with no CPUs and no tier, plus

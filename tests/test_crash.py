@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from conftest import REPO, make_corpus, simulated_cluster
+from conftest import REPO, kill_node, make_corpus, simulated_cluster
 
 from pipelines.config import debug
 from pipelines.driver import run
@@ -68,7 +68,7 @@ def test_a_killed_worker_node_changes_nothing(crash_env):
     worker.start()
     _wait_for_work(storage, "node-killed")
     assert worker.is_alive(), "the run ended before the node could be killed"
-    crash_env["cluster"].remove_node(crash_env["nodes"][1], allow_graceful=False)  # mid-run
+    kill_node(crash_env["cluster"], crash_env["nodes"][1])  # mid-run
     worker.join(timeout=600)
     assert result, "the run did not finish"
     assert result["documents"] == ref["documents"] and result["stats"]["rows"] == ref["stats"]["rows"]

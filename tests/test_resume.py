@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from conftest import simulated_cluster, wait_for
+from conftest import kill_node, simulated_cluster, wait_for
 from conftest import train_run as run
 
 from strata import tiers
@@ -98,7 +98,7 @@ def test_a_lost_node_resumes_from_the_latest_checkpoint_exactly(train_cluster):
     wait_for(lambda: committed_checkpoints(run_dir) and _steps_done(run_dir) >= 15, "a checkpoint and step 15")
     victim = _node_of_rank(env, run_dir, 1)
     killed_at = _steps_done(run_dir)
-    env["cluster"].remove_node(victim, allow_graceful=False)
+    kill_node(env["cluster"], victim)
     env["nodes"].remove(victim)
     thread.join(timeout=600)
     assert result.get("steps") is not None, "the run did not finish"
@@ -131,7 +131,7 @@ def test_a_drained_node_checkpoints_before_it_goes_and_the_run_resumes_from_it(t
     wait_for(lambda: committed_checkpoints(run_dir), "the preemption checkpoint")
     meta = read_meta(committed_checkpoints(run_dir)[0])
     assert meta["reason"] == "preemption" and meta["step"] < STEPS
-    env["cluster"].remove_node(victim, allow_graceful=False)  # the reclaim
+    kill_node(env["cluster"], victim)  # the reclaim
     env["nodes"].remove(victim)
     thread.join(timeout=600)
     assert result.get("steps") is not None, "the run did not finish"

@@ -9,7 +9,7 @@ import sys
 import threading
 
 import pytest
-from conftest import REPO, simulated_cluster, wait_for
+from conftest import REPO, kill_node, simulated_cluster, wait_for
 
 from strata import tiers
 from strata.storage import Storage
@@ -119,7 +119,7 @@ def test_a_lost_spot_node_costs_the_sweep_only_the_configs_it_was_running(spot_c
              "two configs done, both workers busy")
     assert thread.is_alive()
     victim = spot_cluster["nodes"][0]
-    spot_cluster["cluster"].remove_node(victim, allow_graceful=False)
+    kill_node(spot_cluster["cluster"], victim)
     thread.join(timeout=600)
     assert not thread.is_alive() and result, "the sweep did not finish"
     assert result["trials"] == 8 and result["errors"] == 0 and result["ended"] == 8
