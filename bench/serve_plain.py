@@ -15,12 +15,12 @@ def app(models: dict):
 
     from infer.generate import decode
 
-    api = FastAPI()
+    api = FastAPI()  # what guidellm's OpenAI backend needs: /health, /v1/completions, /v1/embeddings
     turn = asyncio.Lock()  # one forward at a time: no batching across requests
 
-    def complete(net, tok, prompt: str, max_tokens: int) -> list[int]:
-        return decode(net, [tok.encode(prompt).tolist()], max_tokens=max_tokens, temperature=0,
-                      eot_id=tok.eot_id, vocab_limit=tok.vocab_size)[0]
+    def complete(net, tok, prompt: list[int], max_tokens: int, ignore_eos: bool) -> list[int]:
+        return decode(net, [prompt], max_tokens=max_tokens, temperature=0,
+                      eot_id=-1 if ignore_eos else tok.eot_id, vocab_limit=tok.vocab_size)[0]
 
     def embed(net, tok, text: str) -> list[float]:
         import torch
@@ -39,9 +39,13 @@ def app(models: dict):
         async with turn:
             if await request.is_disconnected():  # the client gave up while it waited: no work for no one
                 return Response(status_code=499)
-            ids = await asyncio.to_thread(complete, net, tok, body["prompt"], int(body.get("max_tokens", 16)))
-        return {"choices": [{"index": 0, "text": tok.decode([i for i in ids if i != tok.eot_id])}],
-                "usage": {"completion_tokens": len(ids)}}
+            prompt = tok.encode(body["prompt"]).tolist()
+            ids = await asyncio.to_thread(complete, net, tok, prompt, int(body.get("max_tokens") or 16),
+                                          bool(body.get("ignore_eos")))
+        return {"choices": [{"index": 0, "text": tok.decode([i for i in ids if i != tok.eot_id]),
+                             "finish_reason": "length"}],
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
+                          "total_tokens": len(prompt) + len(ids)}}
 
     @api.post("/v1/embeddings")
     async def embeddings(request: Request):
@@ -51,7 +55,12 @@ def app(models: dict):
             if await request.is_disconnected():
                 return Response(status_code=499)
             vector = await asyncio.to_thread(embed, net, tok, body["input"])
-        return {"data": [{"index": 0, "embedding": vector}]}
+        return {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": vector}],
+                "usage": {"prompt_tokens": len(tok.encode(body["input"])), "total_tokens": len(tok.encode(body["input"]))}}
+
+    @api.get("/health")
+    async def health():  # what load testers ask first
+        return {}
 
     return api
 

@@ -97,6 +97,10 @@ def _main(cmd: Command) -> dict:
                         "it can go on a job's command line)")
     parser.add_argument("--proxies", choices=["EveryNode", "HeadOnly"], default="EveryNode",
                         help="serve: where Ray Serve runs its HTTP proxies (every node: any node takes traffic)")
+    parser.add_argument("--ingress", choices=["direct", "proxy", "ha-proxy"],
+                        help="serve: direct (the default where it can be: an embedded Ray and one ingress replica) "
+                        "has the ingress replica listen on --port itself; proxy puts Serve's HTTP proxy there; "
+                        "ha-proxy is Ray's HAProxy mode, on every interface, only with a token")
     add_config_arguments(parser, ScoreConfig)
     add_config_arguments(parser, ServeConfig, skip=("tier",))
     args = parser.parse_args(cmd.argv)
@@ -244,7 +248,8 @@ def _serve(args, parser) -> dict:
         check_name(name, "--name")
         summary = serve_models(specs, cfg, Storage.from_env(args.storage), name, host=args.host, port=args.port,
                                address=args.address, token_file=args.token_file,
-                               token_sha256=args.token_sha256, proxies=args.proxies)
+                               token_sha256=args.token_sha256, proxies=args.proxies,
+                               ingress=args.ingress)
     except LeaseBusy as e:
         sys.exit(f"error: {e}")
     except (FileNotFoundError, ValueError) as e:

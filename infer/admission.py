@@ -16,6 +16,39 @@ from collections import Counter, deque
 
 from infer.schemas import RequestError, ServeConfig
 
+TOKEN_ENV = "STRATA_SERVE_TOKEN_SHA256"
+
+
+def system_routes():
+    """Ray Serve's HTTP callback (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH names it): middleware around every
+    HTTP server Serve starts, its proxy's and a direct ingress replica's, outside the routes Serve answers
+    itself (`/-/routes`, `/-/healthz`), which otherwise answer anyone. With a token (STRATA_SERVE_TOKEN_SHA256)
+    those need it too."""
+    import os
+
+    from starlette.middleware import Middleware
+
+    return [Middleware(_Guard, token_sha256=os.environ.get(TOKEN_ENV) or None)]
+
+
+class _Guard:
+    def __init__(self, app, token_sha256: str | None):
+        self.app, self.gate = app, Gate(token_sha256, 0, None)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("path", "").startswith("/-/"):
+            headers = dict(scope.get("headers") or [])
+            try:
+                self.gate.check_token(headers.get(b"authorization", b"").decode("latin-1"))
+            except RequestError as e:
+                body = json.dumps(e.body()).encode()
+                await send({"type": "http.response.start", "status": e.status,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
 
 class Gate:
     """The bearer token (its SHA-256; None: none needed) and the bound on requests in flight."""

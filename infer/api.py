@@ -8,6 +8,7 @@ errors included, is counted in the ledger that /v1/stats and the run's record re
 """
 
 # No `from __future__ import annotations`: FastAPI reads the routes' annotations (Request) as objects.
+import asyncio
 import json
 import time
 
@@ -15,6 +16,7 @@ from infer import schemas
 from infer.admission import Gate, Ledger
 from infer.schemas import RequestError, ServeConfig
 
+CLIENT_GONE = 499  # a request whose client disconnected before its answer (nginx's "client closed request")
 OPEN = frozenset({"/health", "/healthz"})  # what answers without the token
 ROUTES = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/embeddings": "POST", "/v1/score": "POST",
           "/tokenize": "POST", "/detokenize": "POST", "/v1/models": "GET", "/v1/stats": "GET", "/metrics": "GET",
@@ -52,7 +54,8 @@ def api_deployment():
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from ray import serve
-    from ray.serve.exceptions import BackPressureError
+    from ray.serve.exceptions import BackPressureError, RequestCancelledError
+    from starlette.requests import ClientDisconnect
 
     app = FastAPI(title="strata", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -61,10 +64,10 @@ def api_deployment():
         """The ingress. With `models` None it holds every model itself (`specs`, under `root`)."""
 
         def __init__(self, models, names: list[str], limits: dict, token_sha256: str | None,
-                     specs: dict[str, str] | None = None, root: str = ""):
+                     specs: dict[str, str] | None = None, root: str = "", record: dict | None = None):
             from infer.replicas import Local
 
-            self.names = list(names)
+            self.names, self.record, self.started = list(names), record, time.time()
             self.limits = ServeConfig(**limits)
             self.ledger = Ledger()
             if models is None:
@@ -92,6 +95,10 @@ def api_deployment():
             except BackPressureError as e:
                 self.ledger.add(time.perf_counter() - started, 503)
                 return error(RequestError(f"overloaded: {e.message}; retry", status=503, kind="overloaded"))
+            except (asyncio.CancelledError, ClientDisconnect, RequestCancelledError):
+                # The client went away (a load tester's window closed, a timeout): counted as nginx counts it.
+                self.ledger.add(time.perf_counter() - started, CLIENT_GONE)
+                raise
             except Exception as e:  # noqa: BLE001 - a bug or a failed replica: still OpenAI's shape, and counted
                 self.ledger.add(time.perf_counter() - started, 500)
                 return error(RequestError(f"internal error: {type(e).__name__}: {e}", status=500, kind="server_error"))
@@ -128,6 +135,9 @@ def api_deployment():
                 except BackPressureError as e:
                     status = 503
                     yield f"data: {json.dumps(RequestError(f'overloaded: {e.message}', status=503).body())}\n\n"
+                except (asyncio.CancelledError, GeneratorExit, RequestCancelledError):
+                    status = CLIENT_GONE  # the client went away mid-stream
+                    raise
                 except Exception as e:  # noqa: BLE001 - the stream ends with the error, counted
                     status = 500
                     body = RequestError(f"internal error: {type(e).__name__}: {e}", status=500, kind="server_error")
@@ -218,12 +228,22 @@ def api_deployment():
             return await self.answerer.warm(name)
 
         async def __del__(self):
-            """As Serve stops this replica (the application's end, or autoscaling's): its ledger to the tally."""
+            """As Serve stops this replica (the application's end, or autoscaling's): its ledger to the tally
+            the command reads, or (a Serve config's application, which no command waits on) its own record."""
             from ray import serve
 
             from infer.admission import tally
 
-            await tally().add.remote(serve.get_replica_context().replica_id.unique_id, self.ledger.raw())
+            replica = serve.get_replica_context().replica_id.unique_id
+            if self.record is None:
+                await tally().add.remote(replica, self.ledger.raw())
+                return
+            import asyncio
+
+            from infer.records import write_replica_record
+
+            await asyncio.to_thread(write_replica_record, self.record, replica, self.started, self.ledger,
+                                    self.limits)
 
     @app.exception_handler(Exception)
     async def _unexpected(request, exc):  # a bug outside a route's own handling: still OpenAI's shape

@@ -18,6 +18,11 @@ the run's record.
 import asyncio
 import contextlib
 import logging
+import os
+import shutil
+import socket
+import sys
+import threading
 import time
 from dataclasses import asdict
 
@@ -26,7 +31,8 @@ from infer.schemas import ServeConfig
 from strata import tiers
 
 
-def build(specs: dict[str, str], root: str, limits: ServeConfig, token_sha256: str | None):
+def build(specs: dict[str, str], root: str, limits: ServeConfig, token_sha256: str | None,
+          record: dict | None = None):
     """The Serve application. When every replica can hold every model (no more models than
     --models-per-replica), one deployment: the ingress holds the models and answers itself, one hop from
     the proxy. Otherwise Api in front of Models, which Serve multiplexes by model."""
@@ -53,14 +59,14 @@ def build(specs: dict[str, str], root: str, limits: ServeConfig, token_sha256: s
         bound = max(1024, 4 * (limits.max_ongoing + limits.max_queued))
         options.update(max_ongoing_requests=bound, max_queued_requests=bound)
         return serve.deployment(api_deployment(), name="Api", **options).bind(None, sorted(specs), asdict(limits),
-                                                                            token_sha256, specs, root)
+                                                                            token_sha256, specs, root, record)
     model_app = serve.deployment(models_deployment(limits), name="Models", **options).bind(specs, root)
     most = limits.max_replicas or limits.replicas  # the ingress's own bound (infer/api.py) sits below Serve's
     api = serve.deployment(api_deployment(), name="Api", num_replicas=1,
                            max_ongoing_requests=max(1024, 4 * (most * limits.max_ongoing + limits.max_queued)),
                            ray_actor_options={"num_cpus": 0, "label_selector": tiers.selector(tiers.Tier.CPU)},
                            logging_config={"enable_access_log": False})
-    return api.bind(model_app, sorted(specs), asdict(limits), token_sha256)
+    return api.bind(model_app, sorted(specs), asdict(limits), token_sha256, record=record)
 
 
 # ---- the command --------------------------------------------------------------------------------------------
@@ -95,14 +101,13 @@ def model_specs(flags: list[str], models_file: str | None) -> dict[str, str]:
 
 def serve_models(specs: dict[str, str], cfg: ServeConfig, storage, name: str, *, host: str, port: int,
                  address: str | None, token_file: str | None = None, token_sha256: str | None = None,
-                 proxies: str = "EveryNode") -> dict:
+                 proxies: str = "EveryNode", ingress: str | None = None) -> dict:
     """Check every model, deploy the application, serve until Ctrl-C or SIGTERM, then stop it and write
     the run's record (requests, tokens, latency, replica-hours, dollars per million tokens)."""
     import hashlib
     import re
 
     import ray
-    from ray import serve
 
     from infer.model import check
     from strata.shell import Job, StrataError, Terminated
@@ -123,31 +128,41 @@ def serve_models(specs: dict[str, str], cfg: ServeConfig, storage, name: str, *,
     elif not digest and host not in LOOPBACK:
         raise ValueError(f"--host {host} listens beyond this machine: give --token-file FILE or --token-sha256 HEX "
                          "(the bearer token clients must send), or keep the default 127.0.0.1")
+    mode, why = ingress_mode(ingress, specs, cfg, joined=bool(address or os.environ.get("RAY_ADDRESS")),
+                             token=digest is not None)
+    proxy_port = _ingress_env(mode, host, port, digest)  # before Ray and Serve start: their processes read it
+    from ray import serve
+
     sources = {}
     for n, spec in specs.items():  # on the driver, weights unread: a bad --model fails before anything starts
         sources[n] = check(spec.removesuffix("@latest"), storage, "--model")
     out = storage.servings(name)
     with Job("serve", name, storage, holds=out, what=f"serving {name}") as job:
         job.connect(address=address, quiet=True, log_to_driver=False)
-        job.begin({"models": specs, "host": host, "port": port, **asdict(cfg)})
+        job.begin({"models": specs, "host": host, "port": port, "ingress": mode, **asdict(cfg)})
         if not tiers.nodes_of(cfg.tier, ray.nodes()):
             raise StrataError(f"no alive node serves the {cfg.tier} tier (label {tiers.label_key(cfg.tier)}=true)")
         if not logging.getLogger("strata").isEnabledFor(logging.DEBUG):  # Serve's INFO lines with --verbose only
             logging.getLogger("ray.serve").setLevel(logging.WARNING)
-        serve.start(http_options={"host": host, "port": port, "location": proxies})
+        serve.start(http_options={"host": host, "port": proxy_port or port, "location": proxies})
         _forget_tally()
         started = time.time()
         with job.working():
             serve.run(build(specs, storage.root, cfg, digest), name=APP, route_prefix="/", blocking=False)
             shown = ", ".join(f"{n} ({sources[n]}{', following the run' if s.endswith('@latest') else ''})"
                               for n, s in specs.items())
-            _warm(specs, cfg)
+            # One event loop for the driver's handles: in throughput-optimised mode their routers run on it,
+            # and Serve's shutdown stops them there.
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="serve-handles", daemon=True).start()
+            _warm(specs, cfg, loop)
             metrics = sorted(f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics" for n in ray.nodes()
                              if n.get("Alive") and n.get("MetricsExportPort"))
             if metrics:  # Ray Serve's Prometheus metrics (ray_serve_*), from each node's metrics agent
                 say(f"Prometheus metrics at {metrics[0]}" + (f" and {len(metrics) - 1} more nodes" if len(metrics) > 1
                                                               else ""))
-            say(f"serving {shown} at http://{host}:{port}/v1 on the {cfg.tier} tier; Ctrl-C stops")
+            how = _ingress_line(mode, why, proxy_port)
+            say(f"serving {shown} at http://{host}:{port}/v1 on the {cfg.tier} tier ({how}); Ctrl-C stops")
             # Replica-seconds: each interval at the count of running replicas seen at its start, the last
             # (cut short by the stop) included.
             replica_s, polled, running = 0.0, time.time(), _replicas()
@@ -164,7 +179,8 @@ def serve_models(specs: dict[str, str], cfg: ServeConfig, storage, name: str, *,
                 say(f"stopping ({stopped_by}): draining requests in flight")
                 serve.delete(APP)  # each ingress replica drains, then leaves its ledger to the tally
                 figures = _figures()
-                serve.shutdown()
+                asyncio.run_coroutine_threadsafe(serve.shutdown_async(), loop).result()
+                loop.call_soon_threadsafe(loop.stop)
                 seconds = time.time() - started
                 tokens = figures.get("prompt_tokens", 0) + figures.get("completion_tokens", 0)
                 figures.update({"models": len(specs), "seconds": round(seconds, 3), "stopped_by": stopped_by,
@@ -175,6 +191,70 @@ def serve_models(specs: dict[str, str], cfg: ServeConfig, storage, name: str, *,
     per_million = cost["cost"] / tokens * 1e6 if tokens and cost["cost"] is not None else None
     return {"name": name, "models": sources, **figures, **cost, "dollars_per_million_tokens": per_million,
             "record": join(out, "record.json")}
+
+
+INGRESS = ("direct", "proxy", "ha-proxy")
+
+
+def ingress_mode(asked: str | None, specs: dict, cfg: ServeConfig, *, joined: bool, token: bool) -> tuple[str, str]:
+    """How requests reach the ingress, and why: `direct` (the default where it can be) has the ingress replica
+    itself listen on --port, one hop less than through Serve's proxy; `proxy` is Serve's HTTP proxy on --port;
+    `ha-proxy` is Ray's HAProxy mode, which binds every interface, so only with a token."""
+    if asked not in (None, *INGRESS):
+        raise ValueError(f"--ingress must be one of {', '.join(INGRESS)}")
+    joins = "a cluster this command joins runs Serve as it was started (RAY_ADDRESS or --address)"
+    if asked == "ha-proxy":
+        if joined:
+            raise ValueError(f"--ingress ha-proxy cannot be used here: {joins}; start its Ray with "
+                             "RAY_SERVE_ENABLE_HA_PROXY=1 instead")
+        if not token:
+            raise ValueError("--ingress ha-proxy listens on every interface: give --token-file FILE or --token-sha256 "
+                             "HEX as well")
+        if not shutil.which("haproxy"):
+            raise ValueError("--ingress ha-proxy needs the haproxy program on PATH (Ray Serve runs it); install it, "
+                             "or leave --ingress at its default")
+        return "ha-proxy", "asked"
+    one = len(specs) > cfg.models_per_replica or (not cfg.autoscaling() and cfg.replicas == 1)
+    blocker = joins if joined else "several ingress replicas cannot share --port" if not one else None
+    if asked == "direct" and blocker:
+        raise ValueError(f"--ingress direct cannot be used here: {blocker}; use --ingress proxy")
+    if asked == "proxy" or blocker:
+        return "proxy", "asked" if asked == "proxy" else blocker
+    if "ray.serve._private.constants" in sys.modules:  # read once per process, at import
+        return "proxy", "Ray Serve was imported in this process before its mode could be set"
+    return "direct", "asked" if asked else "default"
+
+
+def _ingress_env(mode: str, host: str, port: int, token_sha256: str | None) -> int | None:
+    """The environment Ray Serve reads at import (in this process, and in every process of the Ray this command
+    starts) for `mode`; for `direct`, the port Serve's own proxy takes instead of --port (a free one on --host).
+    Serve's own routes (/-/routes, /-/healthz) need the token too (infer.admission.system_routes)."""
+    from infer.admission import TOKEN_ENV
+
+    os.environ.update({"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "infer.admission.system_routes",
+                       TOKEN_ENV: token_sha256 or ""})
+    if mode == "ha-proxy":
+        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+        return None
+    if mode != "direct":
+        return None
+    # Ray Serve's throughput-optimised mode, with its direct ingress pinned to --port (Serve's range [min, max)
+    # holds that one port), and no wait for a load balancer to deregister the replica as it stops: none is in front.
+    os.environ.update(RAY_SERVE_THROUGHPUT_OPTIMIZED="1", RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(port),
+                      RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(port + 1),
+                      RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _ingress_line(mode: str, why: str, proxy_port: int | None) -> str:
+    if mode == "direct":
+        return f"direct ingress; Serve's proxy on port {proxy_port}"
+    if mode == "ha-proxy":
+        return "through Ray's HAProxy on every interface"
+    return f"through Serve's proxy: {why}" if why != "asked" else "through Serve's proxy"
 
 
 def _hold_signals(say) -> None:
@@ -189,7 +269,7 @@ def _hold_signals(say) -> None:
         signal.signal(sig, again)
 
 
-def _warm(specs: dict[str, str], cfg: ServeConfig) -> None:
+def _warm(specs: dict[str, str], cfg: ServeConfig, loop: asyncio.AbstractEventLoop) -> None:
     """Load the first models (as many as the replicas hold) before the first request, so that it does not
     wait for a load: each through Serve's router, as a request for it would go."""
     from ray import serve
@@ -203,7 +283,7 @@ def _warm(specs: dict[str, str], cfg: ServeConfig) -> None:
             return
         handle = serve.get_deployment_handle("Models", app_name=APP)
         await asyncio.gather(*[handle.options(multiplexed_model_id=n).warm.remote(n) for n in list(specs)[:room]])
-    asyncio.run(asyncio.wait_for(warm(), 600))
+    asyncio.run_coroutine_threadsafe(asyncio.wait_for(warm(), 600), loop).result()
 
 
 def _replicas() -> int:
@@ -248,16 +328,20 @@ def _figures() -> dict:
 def app(args: dict):
     """Ray Serve's application builder, for a Serve config (a RayService's serveConfigV2, `serve deploy`):
     `import_path: infer.serve:app` with args `models` ({name: spec}), `storage` (the root; default
-    $STRATA_STORAGE), `config` (ServeConfig's fields) and `token_sha256`, the SHA-256 of the bearer token
-    clients send (`printf %s "$TOKEN" | sha256sum`): such a server listens beyond loopback, so it is required.
+    $STRATA_STORAGE), `config` (ServeConfig's fields), `name` (the serving's name: each ingress replica writes
+    its record under servings/NAME/replicas/ as it stops; default `rayservice`) and `token_sha256`, the SHA-256
+    of the bearer token clients send (`printf %s "$TOKEN" | sha256sum`): such a server listens beyond
+    loopback, so it is required.
     """
     import re
 
-    from strata.storage import Storage
+    from strata.storage import Storage, check_name
 
-    unknown = set(args) - {"models", "storage", "config", "token_sha256"}
+    unknown = set(args) - {"models", "storage", "config", "token_sha256", "name"}
     if unknown:
-        raise ValueError(f"infer.serve:app: unknown args {sorted(unknown)} (models, storage, config, token_sha256)")
+        raise ValueError(f"infer.serve:app: unknown args {sorted(unknown)} (models, storage, config, name, "
+                         "token_sha256)")
+    name = check_name(str(args.get("name", "rayservice")), "infer.serve:app's name")
     digest = str(args.get("token_sha256", ""))
     if not re.fullmatch(r"[0-9a-f]{64}", digest):
         raise ValueError("infer.serve:app needs token_sha256: the SHA-256 (64 hex digits) of the bearer token clients "
@@ -270,4 +354,5 @@ def app(args: dict):
         raise ValueError("infer.serve:app needs models: {name: RUN[@STEP|@latest] or an exported directory}")
     specs = model_specs([f"{n}={s}" for n, s in models.items()], None)
     root = Storage.from_env(args.get("storage")).root
-    return build(specs, root, ServeConfig(**args.get("config", {})), digest)
+    return build(specs, root, ServeConfig(**args.get("config", {})), digest,
+                 record={"root": root, "name": name, "models": specs})

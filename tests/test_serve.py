@@ -183,6 +183,44 @@ def _openai(server):
 
 
 @pytest.mark.slow("starts the module's server (four models)")
+def test_the_default_ingress_is_the_replica_on_the_port_and_serves_own_routes_need_the_token(server):
+    """Direct ingress (the default): the ingress replica itself listens on --port, on --host; Serve's proxy
+    takes another port on the same host. Serve's own routes (/-/routes, /-/healthz) need the token on both;
+    /health answers anyone. Every socket of the server's process tree on a wildcard address is a replica's
+    inter-deployment gRPC server, which Ray Serve opens on [::] in every mode."""
+    import contextlib
+    import re
+    import urllib.request
+
+    import psutil
+
+    listening = []
+    root = psutil.Process(server.proc.pid)
+    for p in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            listening += [(c.laddr.ip, c.laddr.port, p.name()) for c in p.net_connections("inet") if c.status == "LISTEN"]
+    owners = {name for _, port, name in listening if port == server.port}
+    assert len(owners) == 1 and next(iter(owners)).startswith("ray::ServeReplica") and "Api" in next(iter(owners))
+    assert {ip for ip, port, _ in listening if port == server.port} <= {"127.0.0.1", "::ffff:127.0.0.1"}
+    wildcard = {name for ip, _, name in listening if ip in ("0.0.0.0", "::")}
+    assert all(n.startswith("ray::ServeReplica") for n in wildcard), listening
+    proxy = int(re.search(r"Serve's proxy on port (\d+)", server.output()).group(1))
+    assert any(port == proxy and name == "ray::ProxyActor" for _, port, name in listening)
+
+    def get(port: int, path: str, token: str | None) -> int:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers={"Authorization": f"Bearer {token}"}
+                                     if token else {})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+    for port in (server.port, proxy):
+        assert [get(port, p, None) for p in ("/-/routes", "/-/healthz", "/health")] == [401, 401, 200], port
+        assert [get(port, p, TOKEN) for p in ("/-/routes", "/-/healthz")] == [200, 200], port
+
+
+@pytest.mark.slow("starts the module's server (four models)")
 def test_the_openai_client_completes_streams_and_embeds_as_transformers_computes(server, models, built):
     transformers = pytest.importorskip("transformers")
     openai, client = _openai(server)
@@ -390,6 +428,38 @@ def test_bad_requests_get_openai_errors_and_never_a_500(server):
                text_string_to_metric_families(server.call("GET", "/metrics")[1]) for s in family.samples}
     assert samples[("strata_requests_total", (("status", "401"),))] == counted["401"]
     assert samples[("strata_requests_in_flight", ())] == 0 and ("strata_latency_ms", (("quantile", "0.5"),)) in samples
+
+
+def test_a_client_that_leaves_before_its_answer_is_counted_499_never_500(server):
+    """A load tester's window closes, a client times out: the request is counted as the client's leaving
+    (499, nginx's "client closed request"), streamed or not, and nothing is a 500."""
+    import socket
+    import time
+
+    from conftest import wait_for
+
+    def leave(stream: bool) -> None:
+        body = json.dumps({"model": "big", "prompt": "x", "max_tokens": 48, "ignore_eos": True,
+                           "stream": stream}).encode()
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + TOKEN.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
+                     + b"\r\n\r\n" + body)
+        if stream:
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")  # the stream began
+        else:
+            time.sleep(0.2)  # admitted, its body read, decoding
+        sock.close()
+
+    def gone() -> int:
+        return server.call("GET", "/v1/stats")[1]["served"]["by_status"].get("499", 0)
+
+    before = gone()
+    leave(stream=True)
+    wait_for(lambda: gone() == before + 1, "the stream that lost its client counted 499", 60)
+    leave(stream=False)
+    wait_for(lambda: gone() == before + 2, "the request that lost its client counted 499", 60)
+    assert "500" not in server.call("GET", "/v1/stats")[1]["served"]["by_status"]
 
 
 def test_guidellm_on_its_defaults_gets_no_error_and_counts_the_tokens_the_server_counted(server, models, tmp_path):
@@ -687,28 +757,3 @@ def test_clients_that_never_send_their_bodies_hold_a_slot_until_408_and_the_rest
             sock.close()
         code, summary = srv.stop()
     assert code == 143 and summary["by_status"] == {"408": 4, "503": 1, "200": 1, "400": 2}
-
-
-@pytest.mark.serve
-def test_listening_beyond_loopback_needs_a_token(models, tmp_path):
-    import subprocess
-    import sys
-
-    from conftest import REPO
-
-    def serve(*args):
-        return subprocess.run([sys.executable, "-m", "infer", "serve", "--model", f"m1={models['m1']}", *args],
-                              cwd=REPO, env={**os.environ, "STRATA_STORAGE": str(tmp_path)}, capture_output=True,
-                              text=True, timeout=120)
-    out = serve("--host", "0.0.0.0")
-    assert out.returncode == 1 and "--host 0.0.0.0 listens beyond this machine" in out.stderr
-    out = serve("--host", "0.0.0.0", "--token-sha256", "abc")
-    assert out.returncode == 1 and "64 hex digits" in out.stderr
-    (tmp_path / "short").write_text("short\n")
-    out = serve("--host", "0.0.0.0", "--token-file", str(tmp_path / "short"))
-    assert out.returncode == 1 and "at least 16 characters" in out.stderr
-    out = serve("--model", "m1=/no/such/model")
-    assert out.returncode == 2 and "two models are named 'm1'" in out.stderr
-    out = serve("--models-per-replica", "0")
-    assert out.returncode == 2 and "--models-per-replica must be >= 1" in out.stderr
-    assert not (tmp_path / "servings").exists()  # nothing started, nothing recorded
