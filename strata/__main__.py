@@ -1,4 +1,4 @@
-"""strata's own commands: demo, submit, head, keys, runs, report, ledger, lineage, plan, migrate (`python -m strata` lists them)."""
+"""strata's own commands: demo, submit, head, keys, runs, report, ledger, lineage, takedown, plan, migrate (`python -m strata` lists them)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ def main() -> None:
                 "report": "summarise one run and write an HTML report with plots: report RUN",
                 "ledger": "a model's whole cost, from its data to its evaluations: ledger RUN (or --dataset NAME)",
                 "lineage": "where documents went and what a step learned from: lineage doc --doc-id ID | lineage step RUN STEP",
+                "takedown": "a takedown request and every copy of its documents: takedown open|status|list",
                 "plan": "estimate wall time and cost of a workload on each node type",
                 "migrate": "convert a dataset of the format before Delta Lake: migrate NAME"}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
@@ -32,6 +33,8 @@ def main() -> None:
         sys.exit(report(sys.argv[1:]))
     elif sys.argv[1] == "lineage":  # a run's data order is training's own code: run it there
         os.execv(sys.executable, [sys.executable, "-m", "train.lineage", *sys.argv[2:]])
+    elif sys.argv[1] == "takedown":  # it follows documents through training's data order, as lineage does
+        os.execv(sys.executable, [sys.executable, "-m", "train.takedown", *sys.argv[2:]])
     elif sys.argv[1] == "plan":  # the planner thinks in model FLOPs, so it lives in train: run it, never import it
         os.execv(sys.executable, [sys.executable, "-m", "train.plan", *sys.argv[2:]])
     elif sys.argv[1] == "migrate":

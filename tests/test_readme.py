@@ -13,9 +13,11 @@ import sys
 from conftest import REPO, readme_blocks
 
 # How a command line names a strata command, and the `--help` that lists its flags.
-STRATA_COMMANDS = {"demo", "submit", "head", "keys", "runs", "report", "ledger", "lineage", "plan", "migrate"}
+STRATA_COMMANDS = {"demo", "submit", "head", "keys", "runs", "report", "ledger", "lineage", "takedown", "plan",
+                   "migrate"}
 SUBCOMMANDS = {"pipelines.datasets": {"list", "show", "delete", "forget"}}
-STRATA_SUBCOMMANDS = {"lineage": {"step", "doc"}, "keys": {"show", "trust", "rotate"}}  # strata commands with subcommands of their own
+STRATA_SUBCOMMANDS = {"lineage": {"step", "doc"}, "keys": {"show", "trust", "rotate"},
+                      "takedown": {"open", "plan", "apply", "status", "list"}}  # strata commands with subcommands of their own
 
 
 @functools.cache

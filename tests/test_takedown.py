@@ -1,0 +1,146 @@
+"""Takedown requests (train/takedown.py): one request, every copy of its documents, across datasets and paths."""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, make_corpus
+
+from strata.storage import Storage
+
+
+@pytest.fixture(scope="module")
+def two_datasets(tmp_path_factory):
+    """Dataset `alpha` from one corpus; dataset `beta` from another, into which alpha's files are copied
+    under other names and another path."""
+    from conftest import ensure_local_ray
+
+    from pipelines.config import debug
+    from pipelines.driver import run as preprocess
+
+    ensure_local_ray()
+    base = tmp_path_factory.mktemp("takedown")
+    root, a, b = base / "storage", base / "a", base / "b" / "deep"
+    make_corpus(str(a), docs=10, seed=5)
+    make_corpus(str(b), docs=6, seed=6)
+    copies = {}
+    for i in range(10):
+        shutil.copy(a / f"doc{i:03d}.txt", b / f"renamed{i}.txt")
+        copies[str(a / f"doc{i:03d}.txt")] = str(b / f"renamed{i}.txt")
+    storage = Storage(str(root))
+    for name, where in (("alpha", a), ("beta", b)):
+        preprocess(debug(name, read={"inputs": (str(where),)}, pack={"validation_fraction": 0.2}), storage)
+    return {"storage": storage, "original": str(a / "doc003.txt"), "copy": str(b / "renamed3.txt"), "copies": copies}
+
+
+def _takedown(root: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "strata", "takedown", *args, "--storage", root], cwd=REPO,
+                          env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.ray
+def test_one_request_finds_every_copy_by_file_by_digest_and_by_record_id(two_datasets, tmp_path):
+    from train.takedown import open_request, read
+
+    storage, original, copy = two_datasets["storage"], two_datasets["original"], two_datasets["copy"]
+    ids = sorted([f"{original}:0", f"{copy}:0"])
+    by_file = open_request(storage, reason="erasure request 17", source=original)
+    assert sorted(c["path"] for c in by_file["copies"]) == sorted([original, copy])
+    assert {c["version"] for c in by_file["copies"]} == {"alpha@v0001", "beta@v0001"}
+    assert sorted(d["doc_id"] for d in by_file["documents"]) == ids
+    assert [v["ref"] for v in by_file["versions"]] == ["alpha@v0001", "beta@v0001"]
+    assert read(storage, by_file["id"]) == by_file  # read back, its signature verified
+
+    from pathlib import Path
+
+    digest = hashlib.sha256(Path(original).read_bytes()).hexdigest()
+    by_digest = open_request(storage, reason="copyright claim", sha256=digest.upper())
+    assert sorted(d["doc_id"] for d in by_digest["documents"]) == ids and by_digest["id"] != by_file["id"]
+    by_record = open_request(storage, reason="the same record, asked by id", doc_ids=[f"{original}:0"])
+    assert sorted(d["doc_id"] for d in by_record["documents"]) == ids  # its copy under another path too
+
+    nothing = tmp_path / "unknown.txt"
+    nothing.write_text("never ingested anywhere")
+    none = open_request(storage, reason="not ours", source=str(nothing))
+    assert none["copies"] == [] and none["documents"] == [] and none["versions"] == []
+
+
+@pytest.mark.ray
+def test_the_command_shows_the_timeline_and_refuses_a_changed_request(two_datasets):
+    root, original = two_datasets["storage"].root, two_datasets["original"]
+    out = _takedown(root, "open", "--source", original, "--reason", "erasure request 18", "--json")
+    assert out.returncode == 0, out.stderr
+    request = json.loads(out.stdout)
+    shown = _takedown(root, "status", request["id"])
+    assert shown.returncode == 0, shown.stderr
+    assert f"takedown {request['id']}: erasure request 18" in shown.stdout and "received" in shown.stdout
+    assert "alpha@v0001, beta@v0001" in shown.stdout
+    listed = _takedown(root, "list")
+    assert request["id"] in listed.stdout
+    assert json.loads(_takedown(root, "status", request["id"], "--json").stdout) == request
+
+    path = os.path.join(root, "takedowns", f"{request['id']}.json")
+    with open(path) as f:
+        doc = json.load(f)
+    doc["request"]["reason"] = "something else"
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    changed = _takedown(root, "status", request["id"])
+    assert changed.returncode == 1 and "does not match its signature" in changed.stderr
+    assert len(changed.stderr.strip().splitlines()) == 1
+    missing = _takedown(root, "open", "--reason", "no document named")
+    assert missing.returncode == 1 and "--source PATH, --sha256 HEX or --doc-ids FILE" in missing.stderr
+    bad = _takedown(root, "open", "--sha256", "abc", "--reason", "x")
+    assert bad.returncode == 1 and "64 hex digits" in bad.stderr
+
+
+@pytest.mark.ray
+@pytest.mark.slow("trains a run, then forgets in two datasets")
+def test_plan_names_what_learned_from_them_and_apply_forgets_every_copy_one_commit_each(two_datasets, monkeypatch):
+    from conftest import train_run
+
+    from strata.dataset import resolve
+    from train.config import TrainConfig
+    from train.lineage import documents
+    from train.model import preset
+    from train.takedown import apply, open_request, plan, read
+
+    storage = two_datasets["storage"]
+    # A file whose copy in beta has rows in its train split: the run below trains on beta.
+    trained = {r["doc_id"] for h in documents(storage, doc_ids=[f"{c}:0" for c in two_datasets["copies"].values()])
+               ["versions"] for r in h["rows"] if r["split"] == "train"}
+    original, copy = next((o, c) for o, c in sorted(two_datasets["copies"].items()) if f"{c}:0" in trained)
+    monkeypatch.setenv("STRATA_STORAGE", storage.root)
+    tcfg = TrainConfig(max_steps=4, batch_size=4, warmup_steps=1, log_every=1, eval_every=100, eval_batches=1,
+                       checkpoint_every=2, checkpoint_every_s=0)
+    train_run(preset("debug", n_layer=1, n_embd=32, n_head=2), tcfg, dataset="beta@v0001", run_name="copier",
+              storage=storage, workers=1, use_gpu=False)
+    request = open_request(storage, reason="erasure request 19", source=original)
+    before = plan(storage, request)
+    assert [(d["dataset"], d["done"], d["command"]) for d in before["datasets"]] == [
+        ("alpha", False, f"strata takedown apply {request['id']} --dataset alpha"),
+        ("beta", False, f"strata takedown apply {request['id']} --dataset beta")]
+    (run,) = [r for r in before["runs"] if r["run"] == "copier"]
+    learned = documents(storage, doc_ids=[f"{copy}:0"])["runs"]
+    assert run["first_step"] == next(r["first_step"] for r in learned if r["run"] == "copier")
+    if run["first_step"]:  # the copy's rows came up in the run's 4 steps: the checkpoints from then on
+        assert [c["step"] for c in run["checkpoints"]] == [s for s in (2, 4) if s >= run["first_step"]]
+
+    done = apply(storage, request["id"])
+    assert sorted(done["applied"]) == ["alpha@v0002", "beta@v0002"]
+    for name in ("alpha", "beta"):
+        assert resolve(storage, name).manifest.forget["reason"] == f"takedown {request['id']}: erasure request 19"
+    assert [e["event"] for e in read(storage, request["id"])["events"]] == ["received", "applied", "applied"]
+    after = plan(storage, request)
+    assert all(d["done"] and d["command"] is None for d in after["datasets"])
+    held = {h["ref"] for h in documents(storage, doc_ids=[f"{original}:0", f"{copy}:0"])["versions"]}
+    assert held == {"alpha@v0001", "beta@v0001"}  # only the versions before the takedown
+    from train.takedown import TakedownError
+
+    with pytest.raises(TakedownError, match="holds none of takedown"):
+        apply(storage, request["id"], dataset="alpha")

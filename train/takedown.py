@@ -1,0 +1,330 @@
+"""Takedown requests (`python -m strata takedown open | plan | apply | status | list`): one request, recorded with an id and
+the time it was received, and every copy of its documents across the datasets under the root. It lives in
+train/ because where a document went runs through training's own data order (train/lineage.py).
+
+`open` takes what the requester gives: a file (`--source PATH`, its bytes digested as tier 1 digests its
+inputs), a digest (`--sha256 HEX`, a one-part file's `sha256sum`) or record ids (`--doc-ids FILE`, one
+`PATH:POSITION` a line). It looks in every version's manifest of every dataset for input files with that
+digest, under any path, and in every version's lineage for the documents read from them; record ids reach
+the other copies of their files the same way (the same bytes under another path hold the same record at
+the same position). The request is
+written to `takedowns/ID.json`, signed (strata.signing): `status` reads it back only when its signature
+verifies. `plan` finds, again, what is left: the datasets whose newest version holds the documents, the
+runs that trained on them from which step, their checkpoints, exports and uses; `apply` forgets them in
+each such dataset (`python -m pipelines.datasets forget`, one commit under each dataset's lease), and each
+commit is an event in the request's timeline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+
+from strata.shell import Command, Parser, StrataError
+from strata.storage import Storage, exists, filesystem, join, list_dir, write_bytes_atomic
+from train.lineage import documents
+
+DIR = "takedowns"
+
+
+class TakedownError(StrataError):
+    pass
+
+
+def digest_of(path: str) -> str:
+    """A file's digest as tier 1 records its inputs' (strata.sources.file_digest): `sha256:HEX` of a file up to
+    8 MiB, the sha256 of its 8-MiB parts' sha256s above."""
+    from strata.sources import DIGEST_PART, file_digest
+
+    fs, p = filesystem(path)
+    parts, size = {}, 0
+    try:
+        with fs.open_input_stream(p) as f:
+            while chunk := f.read(DIGEST_PART):
+                parts[len(parts)] = hashlib.sha256(chunk).hexdigest()
+                size += len(chunk)
+    except FileNotFoundError:
+        raise TakedownError(f"--source {path}: no such file") from None
+    if not parts:
+        parts[0] = hashlib.sha256(b"").hexdigest()
+    return file_digest(size, parts)
+
+
+def copies(storage: Storage, digests: set[str]) -> list[dict]:
+    """Every input file, under any path, of any version of any dataset, whose digest is one of `digests`:
+    [{"path", "digest", "dataset", "version"}] (the version that consumed it)."""
+    from strata.dataset import DatasetError, history
+
+    out = []
+    for name, is_dir in sorted(list_dir(storage.datasets())):
+        if not is_dir:
+            continue
+        try:
+            versions = history(storage, name)
+        except DatasetError:
+            continue  # a dataset that does not read: its own commands say why
+        for v in versions:
+            for f in v.manifest.inputs:
+                if f.get("digest") in digests:
+                    out.append({"path": f["path"], "digest": f["digest"], "dataset": name, "version": v.ref})
+    return out
+
+
+def open_request(storage: Storage, *, reason: str, source: str | None = None, sha256: str | None = None,
+                 doc_ids: list[str] | None = None) -> dict:
+    """Record a takedown request and find its documents: the request, as `status` shows it."""
+    if sum(x is not None for x in (source, sha256, doc_ids)) != 1:
+        raise TakedownError("name what to take down: --source PATH, --sha256 HEX or --doc-ids FILE (one of them)")
+    if not reason.strip():
+        raise TakedownError("--reason must say why (it is recorded with every commit the takedown makes)")
+    received = time.time()
+    digests: set[str] = set()
+    if source is not None:
+        digests.add(digest_of(source))
+    elif sha256 is not None:
+        hex_ = sha256.lower().removeprefix("sha256:")
+        if len(hex_) != 64 or any(c not in "0123456789abcdef" for c in hex_):
+            raise TakedownError("--sha256 must be 64 hex digits (what sha256sum prints)")
+        digests.add(f"sha256:{hex_}")
+    ids = set(doc_ids or [])
+    if ids:  # the files the records came from: their digests reach every other copy
+        positions: dict[str, set[int]] = {}
+        for d in documents(storage, doc_ids=sorted(ids))["documents"]:
+            if d["file"].get("digest"):
+                digests.add(d["file"]["digest"])
+                positions.setdefault(d["file"]["digest"], set()).add(d["position"])
+    found = copies(storage, digests) if digests else []
+    for c in found:
+        if doc_ids is None:  # a whole file: the documents read from each copy, in every dataset's lineage
+            ids.update(d["doc_id"] for d in documents(storage, source=_literal(c["path"]))["documents"])
+        else:  # the same records in each copy
+            ids.update(f"{c['path']}:{p}" for p in positions.get(c["digest"], ()))
+    located = documents(storage, doc_ids=sorted(ids)) if ids else {"documents": [], "versions": []}
+    request = {"id": _new_id(storage, received), "reason": reason, "received_at": received,
+               "asked": {"source": source, "sha256": sha256, "doc_ids": doc_ids},
+               "digests": sorted(digests), "copies": found,
+               "documents": [{k: d[k] for k in ("doc_id", "source", "position", "exact", "added_in")}
+                             for d in located["documents"]],
+               "versions": [{"ref": h["ref"], "rows": len(h["rows"])} for h in located["versions"]],
+               "events": [{"event": "received", "at": received}]}
+    _write(storage, request)
+    return request
+
+
+def read(storage: Storage, request_id: str) -> dict:
+    """A request as `open` (and each later step) wrote it, its signature verified."""
+    from strata import signing
+    from strata.storage import check_name
+
+    path = join(storage.root, DIR, f"{check_name(request_id, 'a takedown id')}.json")
+    if not exists(path):
+        raise TakedownError(f"no takedown request {request_id} under {storage.root} (strata takedown list shows them)")
+    fs, p = filesystem(path)
+    with fs.open_input_stream(p) as f:
+        doc = json.loads(f.read())
+    if not isinstance(doc, dict) or not isinstance(doc.get("request"), dict):
+        raise TakedownError(f"{path}: not a takedown request")
+    signing.check(_canonical(doc["request"]), doc.get("signature"), f"takedown request {path}", doc.get("key"))
+    if doc["request"].get("id") != request_id:
+        raise TakedownError(f"{path} holds request {doc['request'].get('id')!r}, not {request_id}: refused")
+    return doc["request"]
+
+
+def list_requests(storage: Storage) -> list[dict]:
+    out = []
+    for name, is_dir in sorted(list_dir(join(storage.root, DIR))):
+        if not is_dir and name.endswith(".json"):
+            out.append(read(storage, name.removesuffix(".json")))
+    return out
+
+
+def plan(storage: Storage, request: dict) -> dict:
+    """What is left to do for `request`, found again now: each dataset whose newest version still holds its
+    documents (one `forget` commit each), every version holding them, each training run that trained on them
+    with its first such step, the checkpoints and exports made from then on and what used them (scoring,
+    evaluation, generation, serving), and the sweeps that read those versions; each item with the one
+    command that finishes it."""
+    from strata.dataset import DatasetError, resolve
+    from strata.records import list_records
+
+    ids = [d["doc_id"] for d in request["documents"]]
+    located = documents(storage, doc_ids=ids) if ids else {"versions": [], "runs": [], "sweeps": []}
+    datasets = []
+    for name in sorted({h["dataset"] for h in located["versions"]}):
+        held = [h for h in located["versions"] if h["dataset"] == name]
+        try:
+            newest = resolve(storage, name).ref
+        except DatasetError:
+            newest = None
+        open_ = any(h["ref"] == newest for h in held)
+        datasets.append({"dataset": name, "versions": [h["ref"] for h in held], "newest": newest,
+                         "rows": sum(len(h["rows"]) for h in held if h["ref"] == newest), "done": not open_,
+                         "doc_ids": sorted({r["doc_id"] for h in held for r in h["rows"]}),
+                         "command": None if not open_ else f"strata takedown apply {request['id']} --dataset {name}"})
+    servings = [r for r in list_records(storage) if r["kind"] == "serve"]
+    runs = []
+    for r in located["runs"]:
+        exports = {e.get("path") for e in r["exports"]}
+        served = [s["name"] for s in servings for spec in ((s.get("config") or {}).get("models") or {}).values()
+                  if isinstance(spec, str) and (spec.partition("@")[0] == r["run"] or spec in exports)]
+        runs.append({**r, "servings": sorted(set(served))})
+    return {"id": request["id"], "reason": request["reason"], "datasets": datasets, "runs": runs,
+            "sweeps": located["sweeps"]}
+
+
+def plan_text(p: dict) -> str:
+    lines = [f"takedown {p['id']}: {p['reason']}"]
+    if not p["datasets"]:
+        lines.append("no version holds its documents")
+    for d in p["datasets"]:
+        state = (f"{d['newest']} holds {d['rows']} row(s) of them" if not d["done"]
+                 else f"the newest version ({d['newest']}) holds none")
+        lines.append(f"dataset {d['dataset']}: {state}; held by {', '.join(d['versions'])}")
+        if d["command"]:
+            lines.append(f"    finish: {d['command']}")
+    for r in p["runs"]:
+        if not r["first_step"]:
+            lines.append(f"run {r['run']} read {', '.join(r['datasets'])} but has not reached their rows")
+            continue
+        lines.append(f"run {r['run']} trained on them from step {r['first_step']}: its weights from then on hold what "
+                     "it learned from them")
+        lines += [f"    checkpoint step {c['step']}  {c['path']}" for c in r["checkpoints"]]
+        lines += [f"    export of step {e['step']}  {e['path']}" for e in r["exports"]]
+        lines += [f"    used by {u['kind']} {u['name']}" for u in r["used_by"]]
+        lines += [f"    served by {s}" for s in r["servings"]]
+    lines += [f"sweep {s['sweep']} read {', '.join(s['datasets'])}" for s in p["sweeps"]]
+    return "\n".join(lines)
+
+
+def apply(storage: Storage, request_id: str, *, purge: bool = False, dataset: str | None = None) -> dict:
+    """`forget` on every dataset whose newest version still holds the request's documents (or only on
+    `dataset`): each under its own lease, one commit each, the request's id and reason in the commit. Each
+    commit is an event in the request's timeline."""
+    import subprocess
+    import tempfile
+
+    request = read(storage, request_id)
+    todo = [d for d in plan(storage, request)["datasets"] if not d["done"] and dataset in (None, d["dataset"])]
+    if dataset and not todo:
+        raise TakedownError(f"dataset {dataset}'s newest version holds none of takedown {request_id}'s documents")
+    done = []
+    for d in todo:
+        with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+            f.write("\n".join(d["doc_ids"]) + "\n")
+            f.flush()
+            out = subprocess.run([sys.executable, "-m", "pipelines.datasets", "--storage", storage.root, "forget",
+                                  d["dataset"], "--doc-ids", f.name, "--reason",
+                                  f"takedown {request_id}: {request['reason']}", "--json",
+                                  *(["--purge"] if purge else [])], capture_output=True, text=True)
+        if out.returncode:
+            why = (out.stderr.strip().splitlines() or ["no output"])[-1]
+            raise TakedownError(f"forget on dataset {d['dataset']} failed ({why}); "
+                                f"rerun strata takedown apply {request_id}") from None
+        commit = json.loads(out.stdout.strip().splitlines()[-1])
+        request["events"].append({"event": "applied", "at": time.time(), "commit": commit["ref"],
+                                  "rows_removed": commit["rows_removed"], "purged": len(commit["purged"])})
+        _write(storage, request)  # each commit recorded as it is made
+        done.append(commit["ref"])
+    return {**request, "applied": done}
+
+
+def status_text(request: dict) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(request["received_at"]))
+    lines = [f"takedown {request['id']}: {request['reason']}", f"  received   {when}"]
+    for e in request["events"][1:]:
+        lines.append(f"  {e['event']:<10} {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(e['at']))}"
+                     + (f"  {e['commit']}" if e.get("commit") else "")
+                     + (f" ({e['rows_removed']} row(s) removed)" if "rows_removed" in e else ""))
+    paths = sorted({c["path"] for c in request["copies"]})
+    if request["digests"]:
+        lines.append(f"  copies     {len(paths)} file(s) with digest {', '.join(request['digests'])}"
+                     + "".join(f"\n               {p}" for p in paths))
+    lines.append(f"  documents  {len(request['documents'])}"
+                 + "".join(f"\n               {d['doc_id']}  (added in {d['added_in']})" for d in request["documents"]))
+    lines.append(f"  held by    {', '.join(v['ref'] for v in request['versions']) or 'no version'}")
+    return "\n".join(lines)
+
+
+def _literal(path: str) -> str:
+    """`path` as a glob that matches only itself."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in path)
+
+
+def _new_id(storage: Storage, at: float) -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(at))
+    for n in range(1, 1000):
+        rid = f"td-{stamp}-{n}"
+        if not exists(join(storage.root, DIR, f"{rid}.json")):
+            return rid
+    raise TakedownError("more than 999 takedown requests in one second")
+
+
+def _canonical(request: dict) -> bytes:
+    return json.dumps(request, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _write(storage: Storage, request: dict) -> None:
+    from strata import signing
+
+    doc = {"request": request, **signing.signature(_canonical(request))}
+    write_bytes_atomic(join(storage.root, DIR, f"{request['id']}.json"),
+                       (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode())
+
+
+def main(argv: list[str] | None = None) -> int:
+    return Command("python -m strata takedown", argv, tag="takedown").run(_main, user_errors=(ValueError,))
+
+
+def _main(cmd: Command) -> int:
+    p = Parser(prog="python -m strata takedown", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    op = sub.add_parser("open", help="record a request and find every copy of its documents")
+    op.add_argument("--source", help="the file to take down (its bytes, under any path, in any dataset)")
+    op.add_argument("--sha256", help="instead: the file's SHA-256, as sha256sum prints it")
+    op.add_argument("--doc-ids", help="instead: a file of record ids (PATH:POSITION), one a line")
+    op.add_argument("--reason", required=True, help="why: recorded with the request and every commit it makes")
+    st = sub.add_parser("status", help="a request's timeline and what it found")
+    st.add_argument("id", help="the request's id (td-...)")
+    pl = sub.add_parser("plan", help="what is left to do: datasets, runs, checkpoints, exports, uses; a command each")
+    pl.add_argument("id", help="the request's id (td-...)")
+    ap = sub.add_parser("apply", help="forget the documents in every dataset that holds them, one commit each")
+    ap.add_argument("id", help="the request's id (td-...)")
+    ap.add_argument("--dataset", help="only this dataset")
+    ap.add_argument("--purge", action="store_true", help="also delete every earlier file holding them")
+    sub.add_parser("list", help="every request, oldest first")
+    for sp in (op, st, pl, ap, sub.choices["list"]):
+        sp.add_argument("--storage", help="storage root (default: $STRATA_STORAGE or ~/strata-data)")
+        sp.add_argument("--json", action="store_true", help="print JSON instead")
+    a = p.parse_args(cmd.argv)
+    storage = Storage.from_env(a.storage)
+    if a.what == "open":
+        ids = None
+        if a.doc_ids:
+            try:
+                with open(a.doc_ids) as f:
+                    ids = [line.strip() for line in f if line.strip()]
+            except OSError as e:
+                raise TakedownError(f"--doc-ids {a.doc_ids}: {e.strerror}") from None
+        out = open_request(storage, reason=a.reason, source=a.source, sha256=a.sha256, doc_ids=ids)
+    elif a.what == "status":
+        out = read(storage, a.id)
+    elif a.what == "plan":
+        out = plan(storage, read(storage, a.id))
+        print(json.dumps(out) if a.json else plan_text(out))
+        return 0
+    elif a.what == "apply":
+        out = apply(storage, a.id, purge=a.purge, dataset=a.dataset)
+    else:
+        out = list_requests(storage)
+        if not a.json:
+            for r in out:
+                print(f"{r['id']}  {r['events'][-1]['event']:<10} {len(r['documents']):>5} document(s)  {r['reason']}")
+            return 0
+    print(json.dumps(out) if a.json else status_text(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
