@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import REPO, make_corpus
@@ -111,10 +112,14 @@ def test_plan_names_what_learned_from_them_and_apply_forgets_every_copy_one_comm
     from train.takedown import apply, open_request, plan, read
 
     storage = two_datasets["storage"]
-    # A file whose copy in beta has rows in its train split: the run below trains on beta.
-    trained = {r["doc_id"] for h in documents(storage, doc_ids=[f"{c}:0" for c in two_datasets["copies"].values()])
-               ["versions"] for r in h["rows"] if r["split"] == "train"}
-    original, copy = next((o, c) for o, c in sorted(two_datasets["copies"].items()) if f"{c}:0" in trained)
+    # A file alpha holds (dedup kept it, not its planted duplicate) whose copy in beta has rows in its train
+    # split: the run below trains on beta.
+    pairs = sorted(two_datasets["copies"].items())
+    rows = [(h["dataset"], r) for h in documents(storage, doc_ids=[f"{x}:0" for p in pairs for x in p])["versions"]
+            for r in h["rows"]]
+    kept = {r["doc_id"] for d, r in rows if d == "alpha"}
+    trained = {r["doc_id"] for d, r in rows if d == "beta" and r["split"] == "train"}
+    original, copy = next((o, c) for o, c in pairs if f"{o}:0" in kept and f"{c}:0" in trained)
     monkeypatch.setenv("STRATA_STORAGE", storage.root)
     tcfg = TrainConfig(max_steps=4, batch_size=4, warmup_steps=1, log_every=1, eval_every=100, eval_batches=1,
                        checkpoint_every=2, checkpoint_every_s=0)
@@ -144,3 +149,12 @@ def test_plan_names_what_learned_from_them_and_apply_forgets_every_copy_one_comm
 
     with pytest.raises(TakedownError, match="holds none of takedown"):
         apply(storage, request["id"], dataset="alpha")
+    from train.takedown import report
+
+    rows = {r["id"]: r for r in report(storage, time.strftime("%Y-%m-%d", time.gmtime(request["received_at"])))}
+    refused = [r for r in rows.values() if "refused" in r]  # the request the test before changed, named
+    assert len(refused) == 1 and "does not match its signature" in refused[0]["refused"]
+    events = read(storage, request["id"])["events"]
+    assert rows[request["id"]]["hours_to_honor"] == round((events[-1]["at"] - events[0]["at"]) / 3600, 3)
+    assert sorted(rows[request["id"]]["commits"]) == ["alpha@v0002", "beta@v0002"]
+    assert [r for r in report(storage, "2999-01-01") if "refused" not in r] == []

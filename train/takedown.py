@@ -1,4 +1,4 @@
-"""Takedown requests (`python -m strata takedown open | plan | apply | status | list`): one request, recorded with an id and
+"""Takedown requests (`python -m strata takedown open | plan | apply | status | report | list`): one request, recorded with an id and
 the time it was received, and every copy of its documents across the datasets under the root. It lives in
 train/ because where a document went runs through training's own data order (train/lineage.py).
 
@@ -12,7 +12,7 @@ written to `takedowns/ID.json`, signed (strata.signing): `status` reads it back 
 verifies. `plan` finds, again, what is left: the datasets whose newest version holds the documents, the
 runs that trained on them from which step, their checkpoints, exports and uses; `apply` forgets them in
 each such dataset (`python -m pipelines.datasets forget`, one commit under each dataset's lease), and each
-commit is an event in the request's timeline.
+commit is an event in the request's timeline; `report` gives each request's time to honor.
 """
 
 from __future__ import annotations
@@ -132,12 +132,18 @@ def read(storage: Storage, request_id: str) -> dict:
     return doc["request"]
 
 
-def list_requests(storage: Storage) -> list[dict]:
-    out = []
+def list_requests(storage: Storage) -> tuple[list[dict], list[dict]]:
+    """Every request that verifies, and those refused ({"id", "refused": why}): one bad file hides no other."""
+    from strata.signing import Untrusted
+
+    out, refused = [], []
     for name, is_dir in sorted(list_dir(join(storage.root, DIR))):
         if not is_dir and name.endswith(".json"):
-            out.append(read(storage, name.removesuffix(".json")))
-    return out
+            try:
+                out.append(read(storage, name.removesuffix(".json")))
+            except (TakedownError, Untrusted, ValueError) as e:
+                refused.append({"id": name.removesuffix(".json"), "refused": str(e)})
+    return out, refused
 
 
 def plan(storage: Storage, request: dict) -> dict:
@@ -201,7 +207,7 @@ def plan_text(p: dict) -> str:
 def apply(storage: Storage, request_id: str, *, purge: bool = False, dataset: str | None = None) -> dict:
     """`forget` on every dataset whose newest version still holds the request's documents (or only on
     `dataset`): each under its own lease, one commit each, the request's id and reason in the commit. Each
-    commit is an event in the request's timeline."""
+    commit is an event in the request's timeline; `report` gives each request's time to honor."""
     import subprocess
     import tempfile
 
@@ -228,6 +234,47 @@ def apply(storage: Storage, request_id: str, *, purge: bool = False, dataset: st
         _write(storage, request)  # each commit recorded as it is made
         done.append(commit["ref"])
     return {**request, "applied": done}
+
+
+def report(storage: Storage, since: str | None = None) -> list[dict]:
+    """Every request received on or after `since` (YYYY-MM-DD, UTC), oldest first, with its time to honor:
+    from its receipt to the last of its datasets' forget commits (None while a dataset still holds them);
+    first, any request file that does not verify, with why."""
+    import calendar
+
+    start = 0.0
+    if since:
+        try:
+            start = calendar.timegm(time.strptime(since, "%Y-%m-%d"))
+        except ValueError:
+            raise TakedownError(f"--since {since}: give a date as YYYY-MM-DD") from None
+    requests, refused = list_requests(storage)
+    out = list(refused)  # named first: a request that does not verify is not counted as honored or open
+    for r in sorted(requests, key=lambda r: r["received_at"]):
+        if r["received_at"] < start:
+            continue
+        left = [d["dataset"] for d in plan(storage, r)["datasets"] if not d["done"]]
+        applied = [e["at"] for e in r["events"] if e["event"] == "applied"]
+        honored = max(applied) if applied and not left else None
+        out.append({"id": r["id"], "reason": r["reason"], "received_at": r["received_at"],
+                    "honored_at": honored, "hours_to_honor": None if honored is None else
+                    round((honored - r["received_at"]) / 3600, 3), "commits": [e["commit"] for e in r["events"]
+                                                                               if e.get("commit")],
+                    "still_held_by": left})
+    return out
+
+
+def report_text(rows: list[dict]) -> str:
+    lines = [f"{'request':<24} {'received (UTC)':<20} {'honored in':>12}  reason"]
+    for r in rows:
+        if "refused" in r:
+            lines.append(f"{r['id']:<24} refused: {r['refused']}")
+            continue
+        took = f"{r['hours_to_honor']:.2f} h" if r["hours_to_honor"] is not None else (
+            f"open: {', '.join(r['still_held_by'])}" if r["still_held_by"] else "nothing held")
+        lines.append(f"{r['id']:<24} {time.strftime('%Y-%m-%d %H:%M', time.gmtime(r['received_at'])):<20} "
+                     f"{took:>12}  {r['reason']}")
+    return "\n".join(lines)
 
 
 def status_text(request: dict) -> str:
@@ -293,8 +340,10 @@ def _main(cmd: Command) -> int:
     ap.add_argument("id", help="the request's id (td-...)")
     ap.add_argument("--dataset", help="only this dataset")
     ap.add_argument("--purge", action="store_true", help="also delete every earlier file holding them")
+    rp = sub.add_parser("report", help="every request with its time to honor")
+    rp.add_argument("--since", help="only requests received on or after this date (YYYY-MM-DD, UTC)")
     sub.add_parser("list", help="every request, oldest first")
-    for sp in (op, st, pl, ap, sub.choices["list"]):
+    for sp in (op, st, pl, ap, rp, sub.choices["list"]):
         sp.add_argument("--storage", help="storage root (default: $STRATA_STORAGE or ~/strata-data)")
         sp.add_argument("--json", action="store_true", help="print JSON instead")
     a = p.parse_args(cmd.argv)
@@ -316,11 +365,18 @@ def _main(cmd: Command) -> int:
         return 0
     elif a.what == "apply":
         out = apply(storage, a.id, purge=a.purge, dataset=a.dataset)
+    elif a.what == "report":
+        rows = report(storage, a.since)
+        print(json.dumps(rows) if a.json else report_text(rows))
+        return 0
     else:
-        out = list_requests(storage)
+        requests, refused = list_requests(storage)
+        out = [*requests, *refused]
         if not a.json:
-            for r in out:
+            for r in requests:
                 print(f"{r['id']}  {r['events'][-1]['event']:<10} {len(r['documents']):>5} document(s)  {r['reason']}")
+            for r in refused:
+                print(f"{r['id']}  refused: {r['refused']}")
             return 0
     print(json.dumps(out) if a.json else status_text(out))
     return 0
