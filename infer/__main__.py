@@ -97,6 +97,8 @@ def _main(cmd: Command) -> dict:
                         "it can go on a job's command line)")
     parser.add_argument("--proxies", choices=["EveryNode", "HeadOnly"], default="EveryNode",
                         help="serve: where Ray Serve runs its HTTP proxies (every node: any node takes traffic)")
+    parser.add_argument("--allow-tainted", action="store_true", help="use a model a takedown tainted (it learned "
+                        "from documents since removed) anyway; the use is recorded in its run (strata takedown)")
     parser.add_argument("--ingress", choices=["direct", "proxy", "ha-proxy"],
                         help="serve: direct (the default where it can be: an embedded Ray and one ingress replica) "
                         "has the ingress replica listen on --port itself; proxy puts Serve's HTTP proxy there; "
@@ -122,7 +124,8 @@ def _main(cmd: Command) -> dict:
         parser.error("score needs --input PATH or --dataset NAME[@VERSION] (one of them)")
     cfg = _config(args, parser)
     try:
-        summary = score(args.model, args.input, cfg, Storage.from_env(args.storage), name, args.dataset or "")
+        summary = score(args.model, args.input, cfg, Storage.from_env(args.storage), name, args.dataset or "",
+                        allow_tainted=args.allow_tainted)
     except LeaseBusy as e:
         sys.exit(f"error: {e}")
     except (FileNotFoundError, ValueError) as e:
@@ -158,7 +161,7 @@ def _eval(args, parser, name: str) -> dict:
     storage = Storage.from_env(args.storage)
     try:
         items = load_task(args.task)
-        model = resolve(args.model, storage)
+        model = resolve(args.model, storage, allow_tainted=args.allow_tainted)
         texts = [d["text"] for d in documents(args.input) if d["status"] == "ok"]
     except (FileNotFoundError, ValueError, TaskError) as e:
         sys.exit(f"error: {e}")
@@ -204,7 +207,7 @@ def _generate(args, parser, name: str) -> dict:
                 prompts.append(item["prompt"])
         if not prompts:
             raise ValueError(f"{args.prompts} holds no prompt")
-        model = resolve(args.model, storage)
+        model = resolve(args.model, storage, allow_tainted=args.allow_tainted)
         if not 1 <= args.max_tokens < model.cfg.seq_len:
             raise ValueError(f"--max-tokens must be between 1 and {model.cfg.seq_len - 1} (the model's context "
                              "less one)")
@@ -249,7 +252,7 @@ def _serve(args, parser) -> dict:
         summary = serve_models(specs, cfg, Storage.from_env(args.storage), name, host=args.host, port=args.port,
                                address=args.address, token_file=args.token_file,
                                token_sha256=args.token_sha256, proxies=args.proxies,
-                               ingress=args.ingress)
+                               ingress=args.ingress, allow_tainted=args.allow_tainted)
     except LeaseBusy as e:
         sys.exit(f"error: {e}")
     except (FileNotFoundError, ValueError) as e:

@@ -38,7 +38,8 @@ class ScoreConfig:
             raise ValueError("--stride, --batch-tokens and --actors must be >= 0, --docs-per-batch >= 1")
 
 
-def score(spec: str, inputs: list[str], cfg: ScoreConfig, storage: Storage, name: str, dataset: str = "") -> dict:
+def score(spec: str, inputs: list[str], cfg: ScoreConfig, storage: Storage, name: str, dataset: str = "",
+          allow_tainted: bool = False) -> dict:
     """Score every document of `inputs` (or every row of `dataset`, NAME[@VERSION]) under model `spec`; the
     summary (output table, counts, loss, bpb, throughput, cost)."""
     import ray
@@ -47,7 +48,7 @@ def score(spec: str, inputs: list[str], cfg: ScoreConfig, storage: Storage, name
     from infer.score import default_actors, scoring
     from strata.sources import ReadConfig, list_inputs, read_file
 
-    model = resolve(spec, storage)  # on the driver: a bad --model fails before Ray starts
+    model = resolve(spec, storage, allow_tainted=allow_tainted)  # on the driver: a bad --model fails before Ray starts
     items, reader = _dataset_rows(dataset, model, storage) if dataset else (list_inputs(inputs), None)
     stride = cfg.stride or max(1, model.cfg.seq_len // 2)
     if stride > model.cfg.seq_len:

@@ -88,9 +88,10 @@ def pack(model: GPT) -> bool:
     return True
 
 
-def resolve(spec: str, storage: Storage, flag: str = "--model") -> Model:
+def resolve(spec: str, storage: Storage, flag: str = "--model", allow_tainted: bool | None = False) -> Model:
     """`RUN[@STEP]` under the storage root's runs, or an exported directory (`flag`: the option that named
-    it, for the errors)."""
+    it, for the errors). A model a takedown tainted (train/taint.py) is refused unless `allow_tainted` (the
+    use is then recorded); None: not checked here, because the driver that chose the model checked it."""
     from train.pretrained import load
 
     if exists(join(spec, "config.json")):
@@ -101,16 +102,19 @@ def resolve(spec: str, storage: Storage, flag: str = "--model") -> Model:
         definition = read_bytes(join(spec, "tokenizer.json")).decode() if exists(join(spec, "tokenizer.json")) else None
         config = join(spec, "tokenizer_config.json")
         template = read_json(config).get("chat_template") if exists(config) else None
+        origin = _origin(meta, storage)
+        _gate(origin, storage, f"{flag} {spec}", allow_tainted)
         p = load(spec, storage)
-        return Model(spec, p.cfg, p.weights, TokenizerInfo(**meta["tokenizer"]), definition, _origin(meta, storage),
+        return Model(spec, p.cfg, p.weights, TokenizerInfo(**meta["tokenizer"]), definition, origin,
                      template if isinstance(template, str) else None)
-    return _from_run(spec, storage, flag)
+    return _from_run(spec, storage, flag, allow_tainted)
 
 
-def check(spec: str, storage: Storage, flag: str = "--model") -> str:
+def check(spec: str, storage: Storage, flag: str = "--model", allow_tainted: bool = False) -> str:
     """What `resolve(spec)` would load (its source: RUN@STEP, or the directory), checked without reading its
     weights: an exported directory's files and tokenizer, or the run's newest committed checkpoint (at STEP)
-    whose signed lists and meta verify. The same errors as `resolve`."""
+    whose signed lists and meta verify, and not tainted by a takedown (unless `allow_tainted`). The same
+    errors as `resolve`."""
     if exists(join(spec, "config.json")):
         if not exists(join(spec, "strata.json")):
             raise ValueError(f"{flag} {spec}: no strata.json beside config.json, so the tokenizer is unknown; "
@@ -121,6 +125,7 @@ def check(spec: str, storage: Storage, flag: str = "--model") -> str:
             raise ValueError(f"{flag} {spec}: strata.json names no usable tokenizer ({e})") from None
         if not exists(join(spec, "model.safetensors")):
             raise ValueError(f"{flag} {spec}: no model.safetensors: export the model with python -m train.export")
+        _gate(_origin(read_json(join(spec, "strata.json")), storage), storage, f"{flag} {spec}", allow_tainted)
         return spec
     from train.checkpoint import SignedFiles, newest
 
@@ -130,19 +135,25 @@ def check(spec: str, storage: Storage, flag: str = "--model") -> str:
         at = f" at step {step}" if step else ""
         raise ValueError(f"{flag} {spec}: no committed checkpoint{at} " + ("that verifies " if refused else "") +
                          f"in {run_dir}")
+    _gate(f"{run}@{meta['step']}", storage, f"{flag} {spec}", allow_tainted)
     return f"{run}@{meta['step']}"
 
 
+def _gate(source: str, storage: Storage, what: str, allow: bool | None) -> None:
+    """Refuse (train.taint.Tainted) a model, RUN@STEP, that a takedown tainted, unless `allow`; None: the
+    driver that chose it checked it."""
+    if allow is None or not source:
+        return
+    from train.taint import check
+
+    run, _, step = source.rpartition("@")
+    check(storage.run(run), int(step), what, allow)
+
+
 def _origin(meta: dict, storage: Storage) -> str:
-    """RUN@STEP of an exported directory (`meta`: its strata.json) whose checkpoint is a run's under this
-    storage root; else ""."""
-    run_dir, _, _ = str(meta.get("checkpoint") or "").rstrip("/").rpartition("/")
-    name = run_dir.rpartition("/")[2]
-    try:
-        ours = bool(name) and storage.run(name).rstrip("/") == run_dir
-    except ValueError:  # not a name a run can have
-        ours = False
-    return f"{name}@{int(meta.get('step') or 0)}" if ours else ""
+    from train.taint import export_origin
+
+    return export_origin(meta, storage)
 
 
 def _run_of(spec: str, storage: Storage, flag: str) -> tuple[str, str, str]:
@@ -159,7 +170,7 @@ def _run_of(spec: str, storage: Storage, flag: str) -> tuple[str, str, str]:
     return run, step, run_dir
 
 
-def _from_run(spec: str, storage: Storage, flag: str) -> Model:
+def _from_run(spec: str, storage: Storage, flag: str, allow_tainted: bool | None = False) -> Model:
     from train.sample import load_newest
 
     run, step, run_dir = _run_of(spec, storage, flag)
@@ -167,6 +178,7 @@ def _from_run(spec: str, storage: Storage, flag: str) -> Model:
         _, (model, tok, at) = load_newest(run_dir, int(step) if step else None, what=f"{flag} {spec}")
     except FileNotFoundError as e:
         raise ValueError(f"{flag} {spec}: {e}") from None
+    _gate(f"{run}@{at}", storage, f"{flag} {spec}", allow_tainted)
     weights = {k: v.detach().float().numpy() for k, v in model.state_dict().items() if k != "head.weight"}
     return Model(f"{run}@{at}", model.cfg, weights, tok.info(), getattr(tok, "definition", None))
 

@@ -17,7 +17,7 @@ STRATA_COMMANDS = {"demo", "submit", "head", "keys", "runs", "report", "ledger",
                    "migrate"}
 SUBCOMMANDS = {"pipelines.datasets": {"list", "show", "delete", "forget"}}
 STRATA_SUBCOMMANDS = {"lineage": {"step", "doc"}, "keys": {"show", "trust", "rotate"},
-                      "takedown": {"open", "plan", "apply", "status", "report", "list"}}  # strata commands with subcommands of their own
+                      "takedown": {"open", "plan", "apply", "retrain", "delete", "status", "report", "list"}}  # strata commands with subcommands of their own
 
 
 @functools.cache

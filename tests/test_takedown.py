@@ -101,19 +101,23 @@ def test_the_command_shows_the_timeline_and_refuses_a_changed_request(two_datase
 
 
 @pytest.mark.ray
-@pytest.mark.slow("trains a run, then forgets in two datasets")
-def test_plan_names_what_learned_from_them_and_apply_forgets_every_copy_one_commit_each(two_datasets, monkeypatch):
+@pytest.mark.slow("trains a run, forgets in two datasets, retrains without the documents")
+def test_a_takedown_from_request_to_retrained_model(two_datasets, monkeypatch, capsys):
     from conftest import train_run
 
+    from infer.model import check as check_model
     from strata.dataset import resolve
+    from train import taint
     from train.config import TrainConfig
-    from train.lineage import documents
+    from train.lineage import documents, step_rows
     from train.model import preset
-    from train.takedown import apply, open_request, plan, read
+    from train.pretrained import load as init_from
+    from train.sample import main as sample
+    from train.takedown import apply, delete_tainted, open_request, plan, read, retrain
 
     storage = two_datasets["storage"]
     # A file alpha holds (dedup kept it, not its planted duplicate) whose copy in beta has rows in its train
-    # split: the run below trains on beta.
+    # split: the run below trains on beta, over all of its rows.
     pairs = sorted(two_datasets["copies"].items())
     rows = [(h["dataset"], r) for h in documents(storage, doc_ids=[f"{x}:0" for p in pairs for x in p])["versions"]
             for r in h["rows"]]
@@ -121,8 +125,10 @@ def test_plan_names_what_learned_from_them_and_apply_forgets_every_copy_one_comm
     trained = {r["doc_id"] for d, r in rows if d == "beta" and r["split"] == "train"}
     original, copy = next((o, c) for o, c in pairs if f"{o}:0" in kept and f"{c}:0" in trained)
     monkeypatch.setenv("STRATA_STORAGE", storage.root)
-    tcfg = TrainConfig(max_steps=4, batch_size=4, warmup_steps=1, log_every=1, eval_every=100, eval_batches=1,
-                       checkpoint_every=2, checkpoint_every_s=0)
+    beta = resolve(storage, "beta@v0001")
+    steps = -(-beta.rows("train") // 4) + 1  # one pass and a step
+    tcfg = TrainConfig(max_steps=steps, batch_size=4, warmup_steps=1, log_every=1, eval_every=100, eval_batches=1,
+                       checkpoint_every=2, checkpoint_every_s=0, keep_checkpoints=steps)
     train_run(preset("debug", n_layer=1, n_embd=32, n_head=2), tcfg, dataset="beta@v0001", run_name="copier",
               storage=storage, workers=1, use_gpu=False)
     request = open_request(storage, reason="erasure request 19", source=original)
@@ -132,29 +138,69 @@ def test_plan_names_what_learned_from_them_and_apply_forgets_every_copy_one_comm
         ("beta", False, f"strata takedown apply {request['id']} --dataset beta")]
     (run,) = [r for r in before["runs"] if r["run"] == "copier"]
     learned = documents(storage, doc_ids=[f"{copy}:0"])["runs"]
-    assert run["first_step"] == next(r["first_step"] for r in learned if r["run"] == "copier")
-    if run["first_step"]:  # the copy's rows came up in the run's 4 steps: the checkpoints from then on
-        assert [c["step"] for c in run["checkpoints"]] == [s for s in (2, 4) if s >= run["first_step"]]
+    first = run["first_step"]
+    assert first and first == next(r["first_step"] for r in learned if r["run"] == "copier")
+    made = sorted({*range(2, steps + 1, 2), steps})
+    assert [c["step"] for c in run["checkpoints"]] == [s for s in made if s >= first]
 
     done = apply(storage, request["id"])
     assert sorted(done["applied"]) == ["alpha@v0002", "beta@v0002"]
+    assert done["marked"] == [{"run": "copier", "from_step": first}]
     for name in ("alpha", "beta"):
         assert resolve(storage, name).manifest.forget["reason"] == f"takedown {request['id']}: erasure request 19"
-    assert [e["event"] for e in read(storage, request["id"])["events"]] == ["received", "applied", "applied"]
+    assert [e["event"] for e in read(storage, request["id"])["events"]] == ["received", "applied", "applied", "marked"]
     after = plan(storage, request)
     assert all(d["done"] and d["command"] is None for d in after["datasets"])
     held = {h["ref"] for h in documents(storage, doc_ids=[f"{original}:0", f"{copy}:0"])["versions"]}
     assert held == {"alpha@v0001", "beta@v0001"}  # only the versions before the takedown
+
+    # Every way the tainted weights leave the run refuses, naming the request; --allow-tainted is recorded.
+    with pytest.raises(SystemExit, match=f"taken down by request {request['id']} .erasure request 19. from step {first}"):
+        sample(["--run", "copier", "--tokens", "2"])
+    with pytest.raises(taint.Tainted, match=f"--model copier: copier@{steps} learned from documents taken down"):
+        check_model("copier", storage)
+    with pytest.raises(taint.Tainted, match="retrain with `strata takedown retrain"):
+        init_from("copier", storage)
+    clean = max(s for s in [0, *made] if s < first)
+    if clean:
+        assert check_model(f"copier@{clean}", storage) == f"copier@{clean}"  # before the documents: clean
+    assert check_model("copier", storage, allow_tainted=True) == f"copier@{steps}"
+    (use,) = taint.allowances(storage.run("copier"))
+    assert use["what"] == "--model copier" and use["step"] == steps and use["requests"] == [request["id"]]
+
+    # Retraining: from the newest clean checkpoint, on the newest (clean) versions; its data order never
+    # holds the forgotten documents.
+    (plan_,) = retrain(storage, request["id"])
+    assert plan_["init_from"] == (clean or None) and plan_["dataset"] == "beta"
+    assert ("--init-from" in plan_["command"]) == bool(clean)
+    capsys.readouterr()
+    retrain(storage, request["id"], start=True)
+    new = plan_["new_run"]
+    forgotten = {d["doc_id"] for d in request["documents"]}
+    for step in range(1, int(plan_["command"][plan_["command"].index("--max-steps") + 1]) + 1):
+        for rank in step_rows(storage, new, step)["ranks"]:
+            assert rank["rows"] and not forgotten & {d["doc_id"] for r in rank["rows"] for d in r["documents"]}
+    assert check_model(new, storage).startswith(f"{new}@")  # not tainted
+
+    gone = delete_tainted(storage, request["id"])["deleted"]
+    assert sorted(gone) == sorted(c["path"] for c in run["checkpoints"])
+    assert [e["event"] for e in read(storage, request["id"])["events"]][-2:] == ["retrained", "deleted"]
+    if clean:  # what is left of the run is what it learned before
+        assert check_model("copier", storage) == f"copier@{clean}"
     from train.takedown import TakedownError
 
     with pytest.raises(TakedownError, match="holds none of takedown"):
         apply(storage, request["id"], dataset="alpha")
     from train.takedown import report
 
+    forged = os.path.join(storage.root, "takedowns", "td-forged.json")
+    with open(os.path.join(storage.root, "takedowns", f"{request['id']}.json")) as f:
+        doc = json.load(f)
+    with open(forged, "w") as f:  # honored, it says, and signed by no key of ours
+        json.dump({**doc, "request": {**doc["request"], "id": "td-forged"}}, f)
     rows = {r["id"]: r for r in report(storage, time.strftime("%Y-%m-%d", time.gmtime(request["received_at"])))}
-    refused = [r for r in rows.values() if "refused" in r]  # the request the test before changed, named
-    assert len(refused) == 1 and "does not match its signature" in refused[0]["refused"]
-    events = read(storage, request["id"])["events"]
+    assert "does not match its signature" in rows["td-forged"]["refused"]
+    events = [e for e in read(storage, request["id"])["events"] if e["event"] in ("received", "applied")]
     assert rows[request["id"]]["hours_to_honor"] == round((events[-1]["at"] - events[0]["at"]) / 3600, 3)
     assert sorted(rows[request["id"]]["commits"]) == ["alpha@v0002", "beta@v0002"]
     assert [r for r in report(storage, "2999-01-01") if "refused" not in r] == []

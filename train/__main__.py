@@ -67,6 +67,8 @@ def _main(cmd: Command) -> dict:
     parser.add_argument("--max-failures", type=int, default=2, help="worker-group restarts from checkpoint")
     parser.add_argument("--allow-change", action="store_true", help="continue a run on another dataset or "
                         f"with another data order ({', '.join(DATA_ORDER)})")
+    parser.add_argument("--allow-tainted", action="store_true", help="start from (--init-from) or continue weights "
+                        "a takedown tainted anyway; the use is recorded in their run (strata takedown)")
     parser.add_argument("--reschedule", action="store_true", help="continuing with another --max-steps: decay the "
                         "learning rate over the new length (by default a run keeps the schedule it started with)")
     add_config_arguments(parser, GPTConfig)
@@ -111,12 +113,12 @@ def _main(cmd: Command) -> dict:
         spec = resolve(storage, dataset, model_cfg, train_cfg, model_flags=overrides(args, GPTConfig),
                        # a fine-tuning sweep's best config: the same start
                        init_from=args.init_from or best.get("init_from"), run_name=run_name,
-                       allow_change=args.allow_change)
+                       allow_change=args.allow_change, allow_tainted=args.allow_tainted)
         summary = run(spec, run_name=run_name, storage=storage, workers=args.workers, use_gpu=args.use_gpu,
                       cpus_per_worker=args.cpus_per_worker, max_failures=args.max_failures,
                       allow_change=args.allow_change, allow_mixed_gpus=args.allow_mixed_gpus,
                       gpu_wait_s=args.gpu_wait_s, verbose=args.verbose, reschedule=args.reschedule,
-                      from_sweep=args.from_sweep)
+                      from_sweep=args.from_sweep, allow_tainted=args.allow_tainted)
     except LeaseBusy as e:
         sys.exit(f"error: {e}: wait for it to end, or use another --run")
     except (DatasetError, ValueError, FileNotFoundError, PlacementError) as e:

@@ -35,6 +35,7 @@ from strata.shell import log as _logger
 from strata.storage import Storage
 from train.model import GPT, GPTConfig
 from train.sample import load, load_newest
+from train.taint import check_checkpoint
 
 _log = _logger("export")
 
@@ -157,14 +158,17 @@ def main(argv: list[str] | None = None) -> dict:
     where.add_argument("--run", help="run name under $STRATA_STORAGE/runs (uses its latest checkpoint)")
     where.add_argument("--checkpoint", help="a checkpoint directory")
     parser.add_argument("--out", required=True, help="new directory to write the Hugging Face model to")
+    parser.add_argument("--allow-tainted", action="store_true", help="export a checkpoint a takedown tainted anyway "
+                        "(the use is recorded in its run)")
     args = parser.parse_args(argv)
     try:
         storage = Storage.from_env(args.storage)
         storage.check_output(args.out, "--out")
         if args.checkpoint:
-            ckpt, loaded = args.checkpoint, None
+            ckpt, loaded = args.checkpoint, load(args.checkpoint)
         else:
             ckpt, loaded = load_newest(storage.run(args.run), what=f"--run {args.run}")
+        check_checkpoint(ckpt, loaded[2], "exporting", args.allow_tainted)
         result = export(ckpt, args.out, loaded)
     except (FileNotFoundError, FileExistsError, ValueError, StrataError) as e:
         sys.exit(f"error: {e}")

@@ -186,7 +186,7 @@ def documents(storage: Storage, doc_ids: list[str] | None = None, source: str | 
                  "first_step": min(first.values()) if first else None, "first_step_by_document": first,
                  "checkpoints": [], "exports": [], "used_by": []}
         if first:
-            entry["checkpoints"], entry["exports"] = _made_after(storage.run(run), entry["first_step"])
+            entry["checkpoints"], entry["exports"] = made_after(storage.run(run), entry["first_step"])
             entry["used_by"] = [{"kind": r["kind"], "name": r["name"], "model": (r.get("config") or {}).get("model")}
                                 for r in records if r["kind"] in USES
                                 and (m := model_of(r))[0] == run and m[1] >= entry["first_step"]]
@@ -199,7 +199,7 @@ def documents(storage: Storage, doc_ids: list[str] | None = None, source: str | 
     return {**out, "runs": runs, "sweeps": sweeps}
 
 
-def _made_after(run_dir: str, step: int) -> tuple[list[dict], list[dict]]:
+def made_after(run_dir: str, step: int) -> tuple[list[dict], list[dict]]:
     """The run's checkpoints of step `step` or later, and the exports made of them."""
     from train.checkpoint import committed_checkpoints, read_meta
     from train.export import exports

@@ -51,9 +51,13 @@ class Pretrained:
         return GPTConfig(**{**vars(self.cfg), "seq_len": seq_len}), weights
 
 
-def load(spec: str, storage: Storage) -> Pretrained:
-    """A GPT-2-layout directory, or RUN[@STEP] under the storage root's runs."""
+def load(spec: str, storage: Storage, allow_tainted: bool = False) -> Pretrained:
+    """A GPT-2-layout directory, or RUN[@STEP] under the storage root's runs. Weights a takedown tainted
+    (train/taint.py), a run's or exported from one, are refused unless `allow_tainted` (the use recorded)."""
+    from train.taint import check_export
+
     if exists(join(spec, "config.json")):
+        check_export(spec, storage, f"--init-from {spec}", allow_tainted)
         return read_gpt2(spec)
     run, _, step = spec.partition("@")
     try:
@@ -63,7 +67,7 @@ def load(spec: str, storage: Storage) -> Pretrained:
     if run_dir and exists(run_dir):
         if step and not step.isdigit():
             raise ValueError(f"--init-from {spec}: the step after '@' must be a number")
-        return read_run(run_dir, int(step) if step else None, spec)
+        return read_run(run_dir, int(step) if step else None, spec, allow_tainted)
     raise ValueError(f"--init-from {spec}: neither a directory with config.json and model.safetensors nor a run "
                      f"under {storage.runs()}")
 
@@ -153,14 +157,16 @@ def _tokenizer_hash(directory: str) -> str | None:
     return None
 
 
-def read_run(run_dir: str, step: int | None, spec: str) -> Pretrained:
+def read_run(run_dir: str, step: int | None, spec: str, allow_tainted: bool = False) -> Pretrained:
     """A run's newest committed checkpoint, or the one at `step`."""
     from train.sample import load_newest
+    from train.taint import check
 
     try:
-        found, (model, tok, _) = load_newest(run_dir, step, what=f"--init-from {spec}")
+        found, (model, tok, at) = load_newest(run_dir, step, what=f"--init-from {spec}")
     except FileNotFoundError as e:
         raise ValueError(f"--init-from {spec}: {e}") from None
+    check(run_dir, at, f"--init-from {spec}", allow_tainted)
     weights = {k: v.detach().float().numpy() for k, v in model.state_dict().items() if k != "head.weight"}
     return Pretrained(f"{spec} ({found})", model.cfg, weights, tok.info().hash)
 

@@ -27,6 +27,7 @@ from train.checkpoint import (
     newest,
 )
 from train.model import GPT
+from train.taint import check_checkpoint
 
 _log = _logger("sample")
 
@@ -98,12 +99,15 @@ def main(argv: list[str] | None = None) -> dict:
                         "lower is more predictable, 0 picks the most likely token (default: 0.8)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling: the same seed, the same text "
                         "(default: 0)")
+    parser.add_argument("--allow-tainted", action="store_true", help="sample a checkpoint a takedown tainted anyway "
+                        "(the use is recorded in its run)")
     args = parser.parse_args(argv)
     try:
         if args.checkpoint:
             ckpt, loaded = args.checkpoint, load(args.checkpoint)
         else:
             ckpt, loaded = load_newest(Storage.from_env(args.storage).run(args.run), what=f"--run {args.run}")
+        check_checkpoint(ckpt, loaded[2], "sampling", args.allow_tainted)
         torch.set_num_threads(max(1, os.cpu_count() or 1))
         texts = sample(loaded, args.prompt, args.tokens, args.samples, args.temperature, args.seed)
     except (FileNotFoundError, ValueError, StrataError) as e:

@@ -54,7 +54,7 @@ class RunSpec:
 
 def resolve(storage: Storage, dataset: str, model: GPTConfig, train: TrainConfig, *, model_flags: dict | None = None,
             init_from: str | None = None, weighted: bool = True, run_name: str | None = None,
-            allow_change: bool = False) -> RunSpec:
+            allow_change: bool = False, allow_tainted: bool = False) -> RunSpec:
     """The spec of training `model` (a preset, with any swept hyperparameters) with `train` on `dataset`.
 
     - The model is shaped for the dataset (its vocabulary and seq_len), or, with `init_from`, takes the
@@ -73,7 +73,7 @@ def resolve(storage: Storage, dataset: str, model: GPTConfig, train: TrainConfig
     if init_from:
         if shaped := sorted(set(flags) & SHAPE):
             raise ValueError(f"--init-from takes the model's shape from the weights: drop --{shaped[0]}")
-        source = pretrained.load(init_from, storage)
+        source = pretrained.load(init_from, storage, allow_tainted)
         log("train").info(f"initialising from {pretrained.describe_source(source)}")
         shaped_cfg, weights = source.for_dataset(m.seq_len, m.tokenizer.hash, m.tokenizer.vocab_size)
         model = replace(shaped_cfg, dropout=model.dropout, **flags)  # a swept dropout stays

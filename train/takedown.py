@@ -1,4 +1,4 @@
-"""Takedown requests (`python -m strata takedown open | plan | apply | status | report | list`): one request, recorded with an id and
+"""Takedown requests (`python -m strata takedown open | plan | apply | retrain | delete | status | report | list`): one request, recorded with an id and
 the time it was received, and every copy of its documents across the datasets under the root. It lives in
 train/ because where a document went runs through training's own data order (train/lineage.py).
 
@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shlex
 import sys
 import time
 
 from strata.shell import Command, Parser, StrataError
-from strata.storage import Storage, exists, filesystem, join, list_dir, write_bytes_atomic
+from strata.storage import Storage, exists, filesystem, join, list_dir
 from train.lineage import documents
+from train.taint import read_signed, write_signed
 
 DIR = "takedowns"
 
@@ -115,21 +118,15 @@ def open_request(storage: Storage, *, reason: str, source: str | None = None, sh
 
 def read(storage: Storage, request_id: str) -> dict:
     """A request as `open` (and each later step) wrote it, its signature verified."""
-    from strata import signing
     from strata.storage import check_name
 
     path = join(storage.root, DIR, f"{check_name(request_id, 'a takedown id')}.json")
     if not exists(path):
         raise TakedownError(f"no takedown request {request_id} under {storage.root} (strata takedown list shows them)")
-    fs, p = filesystem(path)
-    with fs.open_input_stream(p) as f:
-        doc = json.loads(f.read())
-    if not isinstance(doc, dict) or not isinstance(doc.get("request"), dict):
-        raise TakedownError(f"{path}: not a takedown request")
-    signing.check(_canonical(doc["request"]), doc.get("signature"), f"takedown request {path}", doc.get("key"))
-    if doc["request"].get("id") != request_id:
-        raise TakedownError(f"{path} holds request {doc['request'].get('id')!r}, not {request_id}: refused")
-    return doc["request"]
+    request = read_signed(path, "request", "takedown request")
+    if request.get("id") != request_id:
+        raise TakedownError(f"{path} holds request {request.get('id')!r}, not {request_id}: refused")
+    return request
 
 
 def list_requests(storage: Storage) -> tuple[list[dict], list[dict]]:
@@ -175,7 +172,9 @@ def plan(storage: Storage, request: dict) -> dict:
         exports = {e.get("path") for e in r["exports"]}
         served = [s["name"] for s in servings for spec in ((s.get("config") or {}).get("models") or {}).values()
                   if isinstance(spec, str) and (spec.partition("@")[0] == r["run"] or spec in exports)]
-        runs.append({**r, "servings": sorted(set(served))})
+        command = (f"strata takedown retrain {request['id']} --run && strata takedown delete {request['id']}"
+                   if r["first_step"] else None)
+        runs.append({**r, "servings": sorted(set(served)), "command": command})
     return {"id": request["id"], "reason": request["reason"], "datasets": datasets, "runs": runs,
             "sweeps": located["sweeps"]}
 
@@ -199,7 +198,8 @@ def plan_text(p: dict) -> str:
         lines += [f"    checkpoint step {c['step']}  {c['path']}" for c in r["checkpoints"]]
         lines += [f"    export of step {e['step']}  {e['path']}" for e in r["exports"]]
         lines += [f"    used by {u['kind']} {u['name']}" for u in r["used_by"]]
-        lines += [f"    served by {s}" for s in r["servings"]]
+        lines += [f"    served by {s}: stop it, and serve the retrained run" for s in r["servings"]]
+        lines.append(f"    finish: {r['command']}")
     lines += [f"sweep {s['sweep']} read {', '.join(s['datasets'])}" for s in p["sweeps"]]
     return "\n".join(lines)
 
@@ -212,7 +212,8 @@ def apply(storage: Storage, request_id: str, *, purge: bool = False, dataset: st
     import tempfile
 
     request = read(storage, request_id)
-    todo = [d for d in plan(storage, request)["datasets"] if not d["done"] and dataset in (None, d["dataset"])]
+    planned = plan(storage, request)
+    todo = [d for d in planned["datasets"] if not d["done"] and dataset in (None, d["dataset"])]
     if dataset and not todo:
         raise TakedownError(f"dataset {dataset}'s newest version holds none of takedown {request_id}'s documents")
     done = []
@@ -233,7 +234,133 @@ def apply(storage: Storage, request_id: str, *, purge: bool = False, dataset: st
                                   "rows_removed": commit["rows_removed"], "purged": len(commit["purged"])})
         _write(storage, request)  # each commit recorded as it is made
         done.append(commit["ref"])
-    return {**request, "applied": done}
+    marked = mark_runs(storage, request, planned["runs"])
+    return {**request, "applied": done, "marked": marked}
+
+
+def mark_runs(storage: Storage, request: dict, runs: list[dict]) -> list[dict]:
+    """Mark each run that trained on the request's documents tainted from its first such step
+    (train/taint.py), once; each mark is an event in the request's timeline."""
+    from train import taint
+
+    out = []
+    for r in runs:
+        if not r["first_step"]:
+            continue
+        run_dir = storage.run(r["run"])
+        if any(m["request"] == request["id"] for m in taint.marks(run_dir)):
+            continue
+        taint.mark(run_dir, request, r["first_step"])
+        request["events"].append({"event": "marked", "at": time.time(), "run": r["run"], "from_step": r["first_step"]})
+        _write(storage, request)
+        out.append({"run": r["run"], "from_step": r["first_step"]})
+    return out
+
+
+def tainted_runs(storage: Storage, request: dict) -> list[dict]:
+    """The runs `apply` marked for the request: [{"run", "from_step"}]."""
+    return [{"run": e["run"], "from_step": e["from_step"]} for e in request["events"] if e["event"] == "marked"]
+
+
+def retraining(storage: Storage, request: dict) -> list[dict]:
+    """For each tainted run, how to train it again without the documents: from its newest checkpoint before
+    the first tainted step (`--init-from RUN@STEP`, for the steps it had left), or from scratch with its model
+    and settings when it has none, on the newest version of each dataset it read, which no longer holds them
+    (`apply` made it). [{"run", "from_step", "init_from", "dataset", "new_run", "command"}]."""
+    from strata.runlog import read_launches
+    from train.checkpoint import committed_checkpoints, read_meta
+    from train.config import TrainConfig
+    from train.model import GPTConfig
+
+    out = []
+    for t in tainted_runs(storage, request):
+        run_dir = storage.run(t["run"])
+        launches = read_launches(run_dir)
+        if not launches:
+            raise TakedownError(f"run {t['run']} has no launch record: its settings are unknown, so it cannot be "
+                                "retrained from here")
+        config = launches[-1]["config"]
+        steps = [int(read_meta(c)["step"]) for c in committed_checkpoints(run_dir)]
+        before = max((s for s in steps if s < t["from_step"]), default=None)
+        parts = [p.strip() for p in str(config.get("dataset", "")).split(",") if p.strip()]
+        datasets = [p.partition(":")[0].partition("@")[0] + (f":{p.partition(':')[2]}" if ":" in p else "")
+                    for p in parts]
+        train = dict(config.get("train") or {})
+        if before is not None:
+            train["max_steps"] = max(1, int(train.get("max_steps", 0)) - before)
+        new_run = f"{t['run']}-{request['id']}"
+        argv = [sys.executable, "-m", "train", *(a for d in datasets for a in ("--dataset", d)), "--run", new_run]
+        if before is not None:
+            argv += ["--init-from", f"{t['run']}@{before}"]
+        else:
+            argv += _flags(GPTConfig, config.get("model") or {}, skip={"vocab_size", "seq_len"})
+        argv += _flags(TrainConfig, train, skip={"schedule_steps"})
+        out.append({"run": t["run"], "from_step": t["from_step"], "init_from": before, "dataset": ",".join(datasets),
+                    "new_run": new_run, "command": argv})
+    return out
+
+
+def _flags(cls: type, recorded: dict, skip: set[str]) -> list[str]:
+    """The flags that give `cls`'s fields the recorded values that differ from its defaults."""
+    import dataclasses
+
+    from strata.cli import flag_of
+
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.name in skip or f.name not in recorded or f.default is dataclasses.MISSING:
+            continue
+        value = recorded[f.name]
+        if value == f.default or isinstance(value, list | tuple) and tuple(value) == tuple(f.default):
+            continue
+        flag = flag_of(cls, f.name)
+        if isinstance(value, bool):
+            out.append(flag if value else f"--no-{flag.removeprefix('--')}")
+        elif isinstance(value, list | tuple):
+            out += [a for v in value for a in (flag, str(v))]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def retrain(storage: Storage, request_id: str, *, start: bool = False) -> list[dict]:
+    """`retraining`'s commands; with `start`, each is run (its output shown as it goes) and recorded as a
+    `retrained` event naming the new run."""
+    import subprocess
+
+    request = read(storage, request_id)
+    todo = retraining(storage, request)
+    if not todo:
+        raise TakedownError(f"takedown {request_id} tainted no run (strata takedown apply {request_id} marks them)")
+    for r in todo:
+        if not start:
+            continue
+        print(f"retraining {r['run']}: {shlex.join(r['command'][1:])}", file=sys.stderr, flush=True)
+        if subprocess.run(r["command"], env={**os.environ, "STRATA_STORAGE": storage.root}).returncode:
+            raise TakedownError(f"retraining {r['run']} as {r['new_run']} failed (its output is above); rerun "
+                                f"strata takedown retrain {request_id} --run: the new run continues")
+        request["events"].append({"event": "retrained", "at": time.time(), "run": r["run"], "new_run": r["new_run"]})
+        _write(storage, request)
+    return todo
+
+
+def delete_tainted(storage: Storage, request_id: str) -> dict:
+    """Delete every checkpoint and export a takedown tainted (from each marked run's first tainted step on):
+    what is left of each run is what it learned before it met the documents. Recorded as a `deleted` event."""
+    from strata.storage import delete_dir
+    from train.lineage import made_after
+
+    request = read(storage, request_id)
+    gone = []
+    for t in tainted_runs(storage, request):
+        checkpoints, exports = made_after(storage.run(t["run"]), t["from_step"])
+        for item in [*exports, *checkpoints]:
+            if exists(item["path"]):
+                delete_dir(item["path"])
+                gone.append(item["path"])
+    request["events"].append({"event": "deleted", "at": time.time(), "paths": gone})
+    _write(storage, request)
+    return {**request, "deleted": gone}
 
 
 def report(storage: Storage, since: str | None = None) -> list[dict]:
@@ -283,7 +410,10 @@ def status_text(request: dict) -> str:
     for e in request["events"][1:]:
         lines.append(f"  {e['event']:<10} {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(e['at']))}"
                      + (f"  {e['commit']}" if e.get("commit") else "")
-                     + (f" ({e['rows_removed']} row(s) removed)" if "rows_removed" in e else ""))
+                     + (f" ({e['rows_removed']} row(s) removed)" if "rows_removed" in e else "")
+                     + (f"  run {e['run']} from step {e['from_step']}" if e["event"] == "marked" else "")
+                     + (f"  run {e['run']} as {e['new_run']}" if e["event"] == "retrained" else "")
+                     + (f"  {len(e['paths'])} checkpoint(s) and export(s)" if e["event"] == "deleted" else ""))
     paths = sorted({c["path"] for c in request["copies"]})
     if request["digests"]:
         lines.append(f"  copies     {len(paths)} file(s) with digest {', '.join(request['digests'])}"
@@ -308,16 +438,8 @@ def _new_id(storage: Storage, at: float) -> str:
     raise TakedownError("more than 999 takedown requests in one second")
 
 
-def _canonical(request: dict) -> bytes:
-    return json.dumps(request, sort_keys=True, separators=(",", ":")).encode()
-
-
 def _write(storage: Storage, request: dict) -> None:
-    from strata import signing
-
-    doc = {"request": request, **signing.signature(_canonical(request))}
-    write_bytes_atomic(join(storage.root, DIR, f"{request['id']}.json"),
-                       (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode())
+    write_signed(join(storage.root, DIR, f"{request['id']}.json"), "request", request)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,10 +462,15 @@ def _main(cmd: Command) -> int:
     ap.add_argument("id", help="the request's id (td-...)")
     ap.add_argument("--dataset", help="only this dataset")
     ap.add_argument("--purge", action="store_true", help="also delete every earlier file holding them")
+    rt = sub.add_parser("retrain", help="how to retrain each tainted run without the documents (--run: do it)")
+    rt.add_argument("id", help="the request's id (td-...)")
+    rt.add_argument("--run", action="store_true", help="start the retraining now, each run in turn")
+    dl = sub.add_parser("delete", help="delete every checkpoint and export the documents tainted")
+    dl.add_argument("id", help="the request's id (td-...)")
     rp = sub.add_parser("report", help="every request with its time to honor")
     rp.add_argument("--since", help="only requests received on or after this date (YYYY-MM-DD, UTC)")
     sub.add_parser("list", help="every request, oldest first")
-    for sp in (op, st, pl, ap, rp, sub.choices["list"]):
+    for sp in (op, st, pl, ap, rt, dl, rp, sub.choices["list"]):
         sp.add_argument("--storage", help="storage root (default: $STRATA_STORAGE or ~/strata-data)")
         sp.add_argument("--json", action="store_true", help="print JSON instead")
     a = p.parse_args(cmd.argv)
@@ -365,6 +492,17 @@ def _main(cmd: Command) -> int:
         return 0
     elif a.what == "apply":
         out = apply(storage, a.id, purge=a.purge, dataset=a.dataset)
+    elif a.what == "retrain":
+        todo = retrain(storage, a.id, start=a.run)
+        if a.json:
+            print(json.dumps(todo))
+        for r in [] if a.json else todo:
+            start = f"from {r['run']}@{r['init_from']}" if r["init_from"] is not None else "from scratch"
+            print(f"{r['run']} (tainted from step {r['from_step']}): {start} on {r['dataset']}, as run {r['new_run']}"
+                  + ("" if a.run else f"\n    {shlex.join(['python', *r['command'][1:]])}"))
+        return 0
+    elif a.what == "delete":
+        out = delete_tainted(storage, a.id)
     elif a.what == "report":
         rows = report(storage, a.since)
         print(json.dumps(rows) if a.json else report_text(rows))

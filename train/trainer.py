@@ -34,9 +34,11 @@ EVAL_WAIT_S = 300.0  # how long the driver waits, once training ends, for evalua
 
 def run(spec: RunSpec, *, run_name: str, storage: Storage, workers: int | None = None, use_gpu: bool | None = None,
         cpus_per_worker: float = 1, max_failures: int = 2, allow_change: bool = False, allow_mixed_gpus: bool = False,
-        gpu_wait_s: float = 900.0, verbose: bool = False, reschedule: bool = False, from_sweep: str | None = None) -> dict:
+        gpu_wait_s: float = 900.0, verbose: bool = False, reschedule: bool = False, from_sweep: str | None = None,
+        allow_tainted: bool = False) -> dict:
     """Train (or continue) run `run_name` on `spec` (train.spec.resolve, with the same run_name), holding
-    the run's lease: one writer per run."""
+    the run's lease: one writer per run. Continuing from a checkpoint a takedown tainted (train/taint.py) is
+    refused unless `allow_tainted`."""
     run_dir = storage.run(run_name)
     if spec.train.eval_task:
         from train.tasks import load_task
@@ -48,11 +50,12 @@ def run(spec: RunSpec, *, run_name: str, storage: Storage, workers: int | None =
         return _run_leased(spec, run_name=run_name, run_dir=run_dir, job=job, workers=workers, use_gpu=use_gpu,
                            cpus_per_worker=cpus_per_worker, max_failures=max_failures, allow_change=allow_change,
                            allow_mixed_gpus=allow_mixed_gpus, gpu_wait_s=gpu_wait_s, verbose=verbose,
-                           reschedule=reschedule, from_sweep=from_sweep)
+                           reschedule=reschedule, from_sweep=from_sweep, allow_tainted=allow_tainted)
 
 
 def _run_leased(spec: RunSpec, *, run_name, run_dir, job: Job, workers, use_gpu, cpus_per_worker, max_failures,
-                allow_change, allow_mixed_gpus, gpu_wait_s, verbose, reschedule, from_sweep) -> dict:
+                allow_change, allow_mixed_gpus, gpu_wait_s, verbose, reschedule, from_sweep,
+                allow_tainted=False) -> dict:
     import ray
 
     # The driver speaks for the run (train/progress.py): Ray's worker and controller logs stay in its log
@@ -71,6 +74,9 @@ def _run_leased(spec: RunSpec, *, run_name, run_dir, job: Job, workers, use_gpu,
     fence(run_dir, job.lease.gen)  # before anything is read: an earlier holder's late checkpoints do not count
     resume_from = _newest_intact(run_dir)
     if resume_from:
+        from train.taint import check
+
+        check(run_dir, read_meta(resume_from)["step"], f"continuing run {run_name}", allow_tainted)
         what = f"continuing run {run_name} from step {read_meta(resume_from)['step']} ({resume_from})"
     else:
         what = f"{'restarting' if launches else 'starting'} run {run_name} (no checkpoint yet)"
