@@ -4,6 +4,7 @@
     python -m pipelines.datasets show NAME[@VERSION] [--json]
     python -m pipelines.datasets delete NAME@VERSION
     python -m pipelines.datasets forget NAME (--doc-ids FILE | --source GLOB) --reason TEXT [--purge] [--json]
+    python -m pipelines.datasets near --doc-ids FILE [--json]
 
 A dataset is a Delta Lake table; a version is one of its commits, a snapshot:
 every shard of the versions before it plus what its own run added. `show` says
@@ -126,6 +127,9 @@ def _main(cmd: Command) -> None:
                     help="also delete every earlier file holding their tokens, and their text samples in the rejects "
                          "reports: earlier versions then cannot be read")
     fg.add_argument("--json", action="store_true", help="print what was done as JSON")
+    nr = sub.add_parser("near", help="the documents of every dataset that share a MinHash band with these")
+    nr.add_argument("--doc-ids", required=True, help="a file of record ids (PATH:POSITION), one a line")
+    nr.add_argument("--json", action="store_true", help="print the result as JSON")
     for p in sub.choices.values():  # --storage after the subcommand too (not overriding one given before it)
         p.add_argument("--storage", default=argparse.SUPPRESS, help="storage root (default: $STRATA_STORAGE)")
     args = parser.parse_args(cmd.argv)
@@ -133,6 +137,13 @@ def _main(cmd: Command) -> None:
     try:
         if args.command == "forget":
             _forget(storage, args)
+            return
+        if args.command == "near":
+            from pipelines.near import near_copies
+            from strata.storage import text_of
+
+            out = near_copies(storage, [x for x in text_of(args.doc_ids, "--doc-ids").split("\n") if x.strip()])
+            print(json.dumps(out) if args.json else "\n".join(out["doc_ids"]))
             return
         if args.command == "list" and not args.name:
             for name, what in datasets(storage):

@@ -140,6 +140,7 @@ class MinHasher:
     def __init__(self, cfg: DedupConfig, seed: int = 1):
         rng = np.random.default_rng(seed)
         self.k = cfg.shingle_words
+        self.params = cfg.params()  # what a forget list's near keys must have been made with to be comparable
         self.bands, self.rows = cfg.lsh()
         self.a = rng.integers(1, 2**63, cfg.num_perm, dtype=np.uint64) | np.uint64(1)  # odd multipliers
         self.b = rng.integers(0, 2**63, cfg.num_perm, dtype=np.uint64)
@@ -358,6 +359,28 @@ def segment_rows(segment: dict, lo: int, hi: int):
                 keys, docs = t.column("key").to_numpy(), t.column("doc").to_numpy()
                 mine = (keys >= np.uint64(lo)) & (keys <= np.uint64(hi - 1))
                 yield keys[mine], docs[mine]
+
+
+def segment_lookup(segment: dict, keys: np.ndarray) -> np.ndarray:
+    """The docs of a segment's entries whose key is one of `keys` (sorted uint64): each file opened once, and
+    in it only the row groups whose key statistics can hold one of them."""
+    import pyarrow.parquet as pq
+
+    out = []
+    for f in segment["files"]:
+        mine = keys[(keys >= np.uint64(f["lo"])) & (keys <= np.uint64(f["hi"] - 1))]
+        if not len(mine):
+            continue
+        with _opened(f) as source:
+            pf = pq.ParquetFile(source)
+            for g in range(pf.metadata.num_row_groups):
+                stats = pf.metadata.row_group(g).column(0).statistics
+                if stats is not None and stats.has_min_max and not (
+                        (mine >= np.uint64(stats.min)) & (mine <= np.uint64(stats.max))).any():
+                    continue
+                t = pf.read_row_group(g, columns=["key", "doc"])
+                out.append(t.column("doc").to_numpy()[np.isin(t.column("key").to_numpy(), mine)])
+    return np.concatenate(out) if out else np.zeros(0, np.uint64)
 
 
 def _opened(f: dict):

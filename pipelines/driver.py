@@ -287,9 +287,11 @@ class Preprocess:
         listed = self.parent.manifest.forgotten.get("list") if self.parent else None
         if not listed:
             return None
-        keys = read_list(self.parent.named(listed, legacy_ok=True))
-        _say(f"forget list: {len(keys):,} keys of documents taken down; pass 1 drops them")
-        return {"ref": ray.put(keys)}
+        named = self.parent.named(listed, legacy_ok=True)
+        keys, near = read_list(named), read_list(named, near=True)
+        _say(f"forget list: {len(keys):,} keys of documents taken down"
+             + (f" and {len(near):,} MinHash band keys of their text" if len(near) else "") + "; pass 1 drops them")
+        return {"ref": ray.put({"keys": keys, "near": near, "params": self.parent.manifest.forgotten.get("near")})}
 
     def run_tag(self, files: list[dict]) -> str:
         """This run's name (`g<lease generation>-<work>`; its shards go to `data/<tag>`, its own files to

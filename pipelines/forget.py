@@ -10,6 +10,8 @@ Under the dataset's lease, in one Delta commit that makes the next version:
 - The tails the next version would pack first lose the forgotten documents' tokens too.
 - The forget list, which pass 1 of every later run checks, gains the documents' record keys and exact keys
   (the same text, case and spacing aside): a new copy of the same file, under any name, is never ingested.
+  It gains their MinHash band keys too (`near`, by the dataset's dedup parameters, from the documents' text
+  decoded from their rows): an edited copy is filtered as `forgotten`, whatever the dedup window.
 - The commit records the reason and the ids (the manifest's `forget`), and every later version carries the
   takedown on (`forgotten`): training refuses, in one line, a snapshot that still holds the rows.
 
@@ -65,10 +67,13 @@ LIST_FILE = "forget-list.parquet"
 LIST_SCHEMA = pa.schema([("key", pa.uint64()), ("kind", pa.string()), ("version", pa.string())])
 
 
-def read_list(named) -> np.ndarray:
-    """A forget list's keys (record and exact keys together), sorted: what pass 1 drops. `named`: the list as
-    its version's commit names it (strata.integrity.Named), checked against its digest."""
-    return np.unique(named.parquet(columns=["key"])["key"].to_numpy())
+def read_list(named, near: bool = False) -> np.ndarray:
+    """A forget list's record and exact keys together, sorted (with `near`: its MinHash band keys instead):
+    what pass 1 drops. `named`: the list as its version's commit names it (strata.integrity.Named), checked
+    against its digest."""
+    t = named.parquet(columns=["key", "kind"])
+    is_near = pc.equal(t["kind"], "near")
+    return np.unique(t.filter(is_near if near else pc.invert(is_near))["key"].to_numpy())
 
 
 def forget(storage: Storage, name: str, *, doc_ids: list[str] | None = None, source: str | None = None,
@@ -126,13 +131,14 @@ class Forget:
             return self.nothing_more(finished)
         learned = self.learned_from(ids)  # before anything changes: the runs read the versions as they were
         exact = {int(d["exact"]) for d in docs.values()}
+        near, params = self.near_keys(held, docs)
         try:
             make_dirs(self.own, self.storage.run_shards(self.name, self.tag))
             removed, added, lineage, co_packed = self.rewrite(held, doc_keys)
             tails = self.rewrite_tails(doc_keys, exact)
-            forget_list = self.write_list(doc_keys, exact)
+            forget_list = self.write_list(doc_keys, exact, near)
             plan = self.plan_purge(removed, added, tails, found, doc_keys, exact) if self.purge else None
-            version = self.commit(ids, removed, added, lineage, co_packed, tails, forget_list, len(held), plan)
+            version = self.commit(ids, removed, added, lineage, co_packed, tails, forget_list, len(held), plan, params)
         except BaseException:
             delete_run(self.storage, self.name, self.tag)  # nothing half-made is left
             raise
@@ -282,13 +288,31 @@ class Forget:
         write_tails(join(self.path, rel), carry, runs)
         return rel
 
-    def write_list(self, doc_keys: set[int], exact: set[int]) -> str:
+    def near_keys(self, held: list[dict], docs: dict[str, dict]) -> tuple[set[int], dict | None]:
+        """The MinHash band keys of the documents' texts (pipelines/near.py), by the dataset's dedup
+        parameters (the forget list's own, once it has near keys): pass 1 then drops an edited copy as
+        `forgotten`, as near dedup would drop it, but for good, not only within the dedup window. (keys, the
+        parameters); no keys when the parameters are not ones this code computes."""
+        from pipelines.near import band_keys, hasher_of, texts
+
+        m = self.newest.manifest
+        params = m.forgotten.get("near") or m.dedup.get("params")
+        hasher = hasher_of(params)
+        if hasher is None or not held:
+            if held:
+                _say("WARNING: the dataset's dedup parameters are not ones this version of strata computes: edited "
+                     "copies are kept out only by the record and exact keys")
+            return set(), m.forgotten.get("near")
+        return band_keys(hasher, texts(self.newest, held, docs).values()), params
+
+    def write_list(self, doc_keys: set[int], exact: set[int], near: set[int] = frozenset()) -> str:
         """The forget list as of the new version: the parent's, and these documents' keys."""
         m = self.newest.manifest
         parts = []
         if m.forgotten.get("list"):
             parts.append(self.newest.named(m.forgotten["list"], legacy_ok=True).parquet().cast(LIST_SCHEMA))
-        new = [(k, "doc") for k in sorted(doc_keys)] + [(k, "exact") for k in sorted(exact)]
+        new = ([(k, "doc") for k in sorted(doc_keys)] + [(k, "exact") for k in sorted(exact)]
+               + [(k, "near") for k in sorted(near)])
         parts.append(pa.table({"key": pa.array([k for k, _ in new], pa.uint64()), "kind": [k for _, k in new],
                                "version": [self.label] * len(new)}, schema=LIST_SCHEMA))
         rel = f"_strata/{self.tag}/{LIST_FILE}"
@@ -296,7 +320,7 @@ class Forget:
         pq.write_table(pa.concat_tables(parts).sort_by("key"), p, filesystem=fs)
         return rel
 
-    def commit(self, ids, removed, added, lineage, co_packed, tails, forget_list, spans, plan=None):
+    def commit(self, ids, removed, added, lineage, co_packed, tails, forget_list, spans, plan=None, near=None):
         m = self.newest.manifest
         rows = dict(m.totals.get("rows", {}))
         for s in removed:
@@ -316,7 +340,8 @@ class Forget:
                       lineage=lineage,
                       forget={"reason": self.reason, "doc_ids": ids, "rows_removed": sum(s.rows for s in removed) -
                               sum(s.rows for s in added), "spans": spans, "co_packed": co_packed},
-                      forgotten={"list": forget_list, "forgets": forgets}, digests=self.digests)
+                      forgotten={"list": forget_list, "forgets": forgets, **({"near": near} if near else {})},
+                      digests=self.digests)
         return commit_rewrite(self.storage, self.name, self.tag, fields, removed=removed, added=added,
                               lease=self.lease, head=self.head)
 

@@ -125,25 +125,37 @@ class Outcomes:
 
 
 def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, seen: Outcomes, clock: StageClock,
-                  contamination: dict | None = None, forget: dict | None = None) -> Iterator[tuple[str, str]]:
-    """(doc_id, text) of the unit's kept documents; every other record is counted by reason in `seen`. A
-    document the dataset's forget list names (its record key, or its exact key: the same text in a new
-    copy) is filtered as `forgotten`."""
+                  contamination: dict | None = None, forget: dict | None = None,
+                  hasher: MinHasher | None = None) -> Iterator[tuple[str, str, np.ndarray | None]]:
+    """(doc_id, text, its MinHash band keys or None) of the unit's kept documents; every other record is counted
+    by reason in `seen`. A document the dataset's forget list names (its record key, its exact key: the same
+    text in a new copy, or one of its band keys: an edited copy) is filtered as `forgotten`. The band keys are
+    computed only for a list with near keys, by its parameters; with `hasher` (the run's) when they match, and
+    then handed on, so no document is signed twice."""
     quality = QualityFilter(ccfg, evaluation_index(contamination))
     forgotten = fetch_once(forget["ref"]) if forget else None
+    near = None
+    if forgotten is not None and len(forgotten["near"]):
+        from pipelines.near import hasher_of
+
+        same = hasher is not None and forgotten["params"] == hasher.params
+        near = hasher if same else hasher_of(forgotten["params"])
     for f in unit:
         for rec in read_file(f, rcfg):
             clock.lap("read")
-            status, reason = rec["status"], rec["reason"]
+            status, reason, bands = rec["status"], rec["reason"], None
             if status == "ok":
                 text = normalize(rec["text"], ccfg)
-                reason = "forgotten" if forgotten is not None and _listed(forgotten, rec["doc_id"], text) \
-                    else quality.reason(text)
+                listed = forgotten is not None and (_listed(forgotten["keys"], rec["doc_id"], text) or near is not None
+                                                    and _holds(forgotten["near"], bands := near.band_keys(near.signature(text))))
+                reason = "forgotten" if listed else quality.reason(text)
                 status = "filtered" if reason else "kept"
+                if near is not hasher:
+                    bands = None  # another hasher's: the run signs the document itself
             clock.lap("clean")
             if status == "kept":
                 seen.counts[("kept", "")] += 1
-                yield rec["doc_id"], text
+                yield rec["doc_id"], text, bands
                 continue
             seen.counts[(status, reason)] += 1
             if len(examples := seen.samples[f"{status}:{reason}"]) < SAMPLES_PER_REASON:
@@ -154,11 +166,13 @@ def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, seen: O
 
 def _listed(keys: np.ndarray, doc_id: str, text: str) -> bool:
     """Whether a sorted forget list holds the record's key or its text's exact key."""
-    for k in (doc_key(doc_id), exact_key(text)):
-        i = np.searchsorted(keys, np.uint64(k))
-        if i < len(keys) and keys[i] == k:
-            return True
-    return False
+    return _holds(keys, np.array([doc_key(doc_id), exact_key(text)], dtype=np.uint64))
+
+
+def _holds(keys: np.ndarray, wanted: np.ndarray) -> bool:
+    """Whether sorted `keys` holds any of `wanted`."""
+    i = np.minimum(np.searchsorted(keys, wanted), max(0, len(keys) - 1))
+    return bool(len(keys)) and bool((keys[i] == wanted).any())
 
 
 def evaluation_index(contamination: dict | None) -> dict | None:
@@ -223,11 +237,12 @@ def _read_clean_sign(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, dcfg
 
     clock = StageClock()
     with pq.ParquetWriter(path, schema, filesystem=fs) as writer:
-        for doc_id, text in clean_records(unit, rcfg, ccfg, seen, clock, contamination, forget):
+        for doc_id, text, bands in clean_records(unit, rcfg, ccfg, seen, clock, contamination, forget, hasher):
             pending["doc_id"].append(doc_id)
             pending["doc"].append(hash64(doc_id))
             pending["exact"].append(exact_key(text) if dcfg.exact_dedup else 0)
-            pending["bands"].append(hasher.band_keys(hasher.signature(text)) if hasher else [0])
+            pending["bands"].append(bands if bands is not None else hasher.band_keys(hasher.signature(text))
+                                    if hasher else [0])
             pending["text"].append(text)
             kept_by_path[doc_path(doc_id)] += 1
             chars += len(text)

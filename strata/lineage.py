@@ -225,6 +225,61 @@ def _lookup_format1(f: pq.ParquetFile, doc_ids, source) -> tuple[pa.Table, int]:
     return t.filter(match), f.metadata.num_row_groups
 
 
+def lookup_keys(path, exact=None, docs=None) -> tuple[list[str], int]:
+    """The record ids in lineage file `path` of the documents whose exact key is one of `exact`, or whose
+    record key (`doc_key` of the id) is one of `docs`, and the row groups read. By exact key: the `exact`
+    column, then only the row groups holding a match (exact keys are not in (source, position) order, so
+    the column is read whole: 8 bytes a document). By record key: each document's id, hashed."""
+    f, meta = _open(path)
+    if meta is None:
+        t = f.read(columns=["doc", "exact", "source", "position"])
+        hit = pc.is_in(t["exact" if exact is not None else "doc"], pa.array(sorted(exact if exact is not None else docs),
+                                                                           pa.uint64()))
+        t = t.filter(hit)
+        ids = {f"{s}:{p}" for s, p in zip(t["source"].to_pylist(), t["position"].to_pylist(), strict=True)}
+        return sorted(ids), f.metadata.num_row_groups
+    if exact is not None:
+        keys = np.array(sorted(exact), dtype=np.uint64)
+        hit = np.flatnonzero(np.isin(f.read(columns=["exact"])["exact"].to_numpy(), keys))
+    else:
+        t = f.read(columns=["source", "position"])
+        keys = np.array(sorted(docs), dtype=np.uint64)
+        own = np.array([doc_key(f"{s}:{p}") for s, p in zip(t["source"].to_pylist(), t["position"].to_pylist(),
+                                                             strict=True)], dtype=np.uint64)
+        hit = np.flatnonzero(np.isin(own, keys))
+    if not len(hit):
+        return [], 1
+    ends = np.cumsum([f.metadata.row_group(g).num_rows for g in range(f.metadata.num_row_groups)])
+    groups = sorted(set(np.searchsorted(ends, hit, side="right").tolist()))
+    starts = ends - np.array([f.metadata.row_group(g).num_rows for g in range(len(ends))])
+    t = f.read_row_groups(groups, columns=["source", "position"])
+    rows = np.concatenate([np.arange(starts[g], ends[g]) for g in groups])
+    take = np.flatnonzero(np.isin(rows, hit))
+    src, pos = t["source"].take(pa.array(take)).to_pylist(), t["position"].take(pa.array(take)).to_pylist()
+    return sorted({f"{s}:{p}" for s, p in zip(src, pos, strict=True)}), len(groups) + 1
+
+
+def find_keys(storage: Storage, exact=None, docs=None, dataset: str | None = None) -> dict:
+    """Every document, in every version of every dataset (or `dataset`) with lineage, whose exact key is one
+    of `exact` (the same text, up to case and spacing, under any path), or whose record key is one of
+    `docs`: {"doc_ids", "row_groups_read"}. Lineage is read as each version's commit names it."""
+    from strata.dataset import DatasetError, history
+
+    names = [dataset] if dataset else [n for n, d in list_dir(storage.datasets()) if d]
+    ids, groups = set(), 0
+    for name in names:
+        try:
+            versions = history(storage, name)
+        except DatasetError:
+            continue
+        for v in versions:
+            if v.manifest.lineage.get("file"):
+                found, n = lookup_keys(v.named(v.manifest.lineage["file"], legacy_ok=True), exact, docs)
+                ids.update(found)
+                groups += n
+    return {"doc_ids": sorted(ids), "row_groups_read": groups}
+
+
 def find(storage: Storage, doc_ids: list[str] | None = None, source: str | None = None,
          dataset: str | None = None, verified_only: bool = False) -> dict:
     """Where documents are, by record id or input-file glob, in every dataset (or `dataset`): each
@@ -319,4 +374,31 @@ def row_documents(storage: Storage, version, rows: set[tuple[str, int]]) -> dict
                                  "position": r["position"], "start": r["start"], "length": r["length"]})
     for spans in out.values():
         spans.sort(key=lambda d: d["start"])
+    return out
+
+
+def document_tokens(version, rows: list[dict]) -> dict[str, np.ndarray]:
+    """The tokens of each document of `rows` (`find`'s rows of `version`: doc_id, shard, row, start, length, a
+    document's spans in the lineage's order, the one holding its end last) in `version`'s shards: what tier 1
+    packed of it (normalized text, tokenized; its end-of-text id included when packed). What a takedown's
+    near keys are computed from, the original file being gone or another's."""
+    from strata.dataset import read_rows
+
+    by_shard: dict[str, list[dict]] = {}
+    for r in rows:
+        by_shard.setdefault(r["shard"], []).append(r)
+    pieces: dict[str, list[tuple[int, int, np.ndarray]]] = {}
+    order = {id(r): i for i, r in enumerate(rows)}
+    for shard, spans in sorted(by_shard.items()):
+        table = read_rows(version.file(shard))
+        for r in spans:
+            pieces.setdefault(r["doc_id"], []).append(
+                (order[id(r)], r["start"], table[r["row"], r["start"]: r["start"] + r["length"]]))
+    out = {}
+    for doc_id, parts in pieces.items():
+        *before, last = sorted(parts, key=lambda x: x[0])
+        # The span that starts inside its row is the document's first (its row began with another's end);
+        # full rows come between, in an order lineage does not keep.
+        before.sort(key=lambda x: x[1] == 0)
+        out[doc_id] = np.concatenate([t for _, _, t in [*before, last]]).astype(np.int64)
     return out

@@ -515,6 +515,24 @@ def part_digests(f: dict, cfg: ReadConfig) -> list[tuple[str, int, str]]:
     return out
 
 
+def path_digest(path: str) -> str:
+    """The digest of the file at `path` as tier 1 records its inputs' (`file_digest`), read whole here;
+    FileNotFoundError if there is none."""
+    import hashlib
+
+    from strata.storage import filesystem
+
+    fs, p = filesystem(path)
+    parts, size = {}, 0
+    with fs.open_input_stream(p) as f:
+        while chunk := f.read(DIGEST_PART):
+            parts[len(parts)] = hashlib.sha256(chunk).hexdigest()
+            size += len(chunk)
+    if not parts:
+        parts[0] = hashlib.sha256(b"").hexdigest()
+    return file_digest(size, parts)
+
+
 def file_digest(size: int, parts: dict[int, str]) -> str | None:
     """A file's digest from its parts' sha256s (`part_digests`): `sha256:HEX` of its bytes when it is one
     part (what `sha256sum` prints), else `sha256-8MiB-parts:HEX`, the sha256 of its parts' digests in

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -114,14 +115,18 @@ def test_a_takedown_removes_a_document_from_the_newest_version_and_every_later_r
     copies = tmp_path / "copies"
     copies.mkdir()
     shutil.copy(source, copies / "renamed.txt")
+    words = Path(source).read_text().split()
+    words[len(words) // 2] = "edited"  # an edited copy: one word changed, so its exact key is another
+    (copies / "edited.txt").write_text(" ".join(words))
     (copies / "fresh.txt").write_text(" ".join(f"fresh{i % 17} words" for i in range(120)))  # and one new document
     v3 = preprocess(debug("takedown", read={"inputs": (str(inputs), str(copies))},
                           pack={"validation_fraction": 0.3}), storage)
-    assert v3["version"] == "v0003" and v3["reasons"].get("filtered:forgotten") == 1, v3["reasons"]
-    assert documents(storage, [f"{copies}/renamed.txt:0"])["documents"] == []
+    assert v3["version"] == "v0003" and v3["reasons"].get("filtered:forgotten") == 2, v3["reasons"]
+    assert documents(storage, [f"{copies}/renamed.txt:0", f"{copies}/edited.txt:0"])["documents"] == []
     v3v = resolve(storage, "takedown")
-    report = json.loads(read_bytes(v3v.file(v3v.manifest.rejects)))  # the copy is named, its text not shown
-    assert [x["doc_id"] for x in report["samples"]["filtered:forgotten"]] == [f"{copies}/renamed.txt:0"]
+    report = json.loads(read_bytes(v3v.file(v3v.manifest.rejects)))  # the copies are named, their text not shown
+    assert sorted(x["doc_id"] for x in report["samples"]["filtered:forgotten"]) == [f"{copies}/edited.txt:0",
+                                                                                    f"{copies}/renamed.txt:0"]
     assert " ".join((copies / "renamed.txt").read_text().split()[:8]) not in json.dumps(report)
     tags = [t for t, _ in list_dir(join(any_root, "datasets", "takedown", "_strata"))]
     assert [t for t in tags if "-forget-" in t] == [v2.manifest.files.rpartition("/")[2]]  # the crashed one's went

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import REPO, make_corpus
@@ -32,10 +33,20 @@ def two_datasets(tmp_path_factory):
     for i in range(10):
         shutil.copy(a / f"doc{i:03d}.txt", b / f"renamed{i}.txt")
         copies[str(a / f"doc{i:03d}.txt")] = str(b / f"renamed{i}.txt")
+    # gamma: alpha's doc003 in other bytes but the same text up to case and spacing, and doc005 edited (its
+    # last word changed), beside documents of its own.
+    c = base / "c"
+    make_corpus(str(c), docs=4, seed=7)
+    (c / "upper3.txt").write_text("  " + (a / "doc003.txt").read_text().upper() + "\n")
+    edited = (a / "doc005.txt").read_text().split()
+    (c / "edited5.txt").write_text(" ".join([*edited[:-1], "changed."]))
+    for i in range(3):  # documents of 140 bytes: two rows of the debug preset's 129 tokens at most
+        (c / f"short{i}.txt").write_text((f"short document {i} " * 20)[:140])
     storage = Storage(str(root))
-    for name, where in (("alpha", a), ("beta", b)):
+    for name, where in (("alpha", a), ("beta", b), ("gamma", c)):
         preprocess(debug(name, read={"inputs": (str(where),)}, pack={"validation_fraction": 0.2}), storage)
-    return {"storage": storage, "original": str(a / "doc003.txt"), "copy": str(b / "renamed3.txt"), "copies": copies}
+    return {"storage": storage, "original": str(a / "doc003.txt"), "copy": str(b / "renamed3.txt"), "copies": copies,
+            "upper": str(c / "upper3.txt"), "edited": str(c / "edited5.txt"), "edited_from": str(a / "doc005.txt")}
 
 
 def _takedown(root: str, *args: str) -> subprocess.CompletedProcess:
@@ -49,15 +60,13 @@ def test_one_request_finds_every_copy_by_file_by_digest_and_by_record_id(two_dat
     from train.takedown import open_request, read
 
     storage, original, copy = two_datasets["storage"], two_datasets["original"], two_datasets["copy"]
-    ids = sorted([f"{original}:0", f"{copy}:0"])
+    ids = sorted([f"{original}:0", f"{copy}:0", f"{two_datasets['upper']}:0"])
     by_file = open_request(storage, reason="erasure request 17", source=original)
     assert sorted(c["path"] for c in by_file["copies"]) == sorted([original, copy])
     assert {c["version"] for c in by_file["copies"]} == {"alpha@v0001", "beta@v0001"}
     assert sorted(d["doc_id"] for d in by_file["documents"]) == ids
-    assert [v["ref"] for v in by_file["versions"]] == ["alpha@v0001", "beta@v0001"]
+    assert [v["ref"] for v in by_file["versions"]] == ["alpha@v0001", "beta@v0001", "gamma@v0001"]
     assert read(storage, by_file["id"]) == by_file  # read back, its signature verified
-
-    from pathlib import Path
 
     digest = hashlib.sha256(Path(original).read_bytes()).hexdigest()
     by_digest = open_request(storage, reason="copyright claim", sha256=digest.upper())
@@ -65,10 +74,44 @@ def test_one_request_finds_every_copy_by_file_by_digest_and_by_record_id(two_dat
     by_record = open_request(storage, reason="the same record, asked by id", doc_ids=[f"{original}:0"])
     assert sorted(d["doc_id"] for d in by_record["documents"]) == ids  # its copy under another path too
 
+    assert by_file["same_text"] == [f"{two_datasets['upper']}:0"]  # other bytes, the same text: found by exact key
+    assert f"{two_datasets['upper']}:0" in {d["doc_id"] for d in by_file["documents"]}
+
     nothing = tmp_path / "unknown.txt"
     nothing.write_text("never ingested anywhere")
     none = open_request(storage, reason="not ours", source=str(nothing))
     assert none["copies"] == [] and none["documents"] == [] and none["versions"] == []
+
+
+@pytest.mark.ray
+def test_near_copies_are_found_with_near_and_decoded_text_is_the_text(two_datasets):
+    from pipelines.clean import CleanConfig, normalize
+    from strata.dataset import resolve
+    from strata.lineage import document_tokens, find
+    from strata.tokenizer import from_info
+    from train.takedown import open_request
+
+    storage, edited, source = two_datasets["storage"], f"{two_datasets['edited']}:0", two_datasets["edited_from"]
+    plain = open_request(storage, reason="exact copies only", source=source)
+    assert edited not in {d["doc_id"] for d in plain["documents"]} and plain["near"] == []
+    near = open_request(storage, reason="and edited copies", source=source, near=True)
+    assert near["near"] == [edited] and edited in {d["doc_id"] for d in near["documents"]}
+
+    # With the input file gone, a document's text comes from its rows: exact for one of up to two rows, or of
+    # three that starts inside its first (lineage keeps which span is last; one that starts inside a row is
+    # first).
+    v = resolve(storage, "gamma@v0001")
+    rows = [r for h in find(storage, source=f"{os.path.dirname(two_datasets['edited'])}/*")["versions"]
+            if h["ref"] == v.ref for r in h["rows"]]
+    tokens = document_tokens(v, rows)
+    tok = from_info(v.manifest.tokenizer, v.tokenizer_definition())
+    spans = {d: [r for r in rows if r["doc_id"] == d] for d in tokens}
+    short = [d for d, s in spans.items() if (len(s) <= 2 or len(s) == 3 and sum(r["start"] > 0 for r in s[:-1]) == 1)
+             and tok.eot_id in tokens[d] and d.endswith(".txt:0")]  # a whole file is one document
+    assert short
+    for d in short:
+        text = normalize(Path(d.rpartition(":")[0]).read_text(), CleanConfig())
+        assert tok.decode([t for t in tokens[d].tolist() if t != tok.eot_id]) == text
 
 
 @pytest.mark.ray
@@ -117,8 +160,8 @@ def test_a_takedown_from_request_to_retrained_model(two_datasets, monkeypatch, c
 
     storage = two_datasets["storage"]
     # A file alpha holds (dedup kept it, not its planted duplicate) whose copy in beta has rows in its train
-    # split: the run below trains on beta, over all of its rows.
-    pairs = sorted(two_datasets["copies"].items())
+    # split: the run below trains on beta, over all of its rows. (Not doc003: gamma holds its text too.)
+    pairs = sorted((o, c) for o, c in two_datasets["copies"].items() if o != two_datasets["original"])
     rows = [(h["dataset"], r) for h in documents(storage, doc_ids=[f"{x}:0" for p in pairs for x in p])["versions"]
             for r in h["rows"]]
     kept = {r["doc_id"] for d, r in rows if d == "alpha"}

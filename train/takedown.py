@@ -17,7 +17,6 @@ commit is an event in the request's timeline; `report` gives each request's time
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shlex
@@ -25,7 +24,7 @@ import sys
 import time
 
 from strata.shell import Command, Parser, StrataError
-from strata.storage import Storage, exists, filesystem, join, list_dir
+from strata.storage import Storage, exists, join, list_dir
 from train.lineage import documents
 from train.taint import read_signed, write_signed
 
@@ -37,22 +36,13 @@ class TakedownError(StrataError):
 
 
 def digest_of(path: str) -> str:
-    """A file's digest as tier 1 records its inputs' (strata.sources.file_digest): `sha256:HEX` of a file up to
-    8 MiB, the sha256 of its 8-MiB parts' sha256s above."""
-    from strata.sources import DIGEST_PART, file_digest
+    """A file's digest as tier 1 records its inputs' (strata.sources.path_digest)."""
+    from strata.sources import path_digest
 
-    fs, p = filesystem(path)
-    parts, size = {}, 0
     try:
-        with fs.open_input_stream(p) as f:
-            while chunk := f.read(DIGEST_PART):
-                parts[len(parts)] = hashlib.sha256(chunk).hexdigest()
-                size += len(chunk)
+        return path_digest(path)
     except FileNotFoundError:
         raise TakedownError(f"--source {path}: no such file") from None
-    if not parts:
-        parts[0] = hashlib.sha256(b"").hexdigest()
-    return file_digest(size, parts)
 
 
 def copies(storage: Storage, digests: set[str]) -> list[dict]:
@@ -76,8 +66,14 @@ def copies(storage: Storage, digests: set[str]) -> list[dict]:
 
 
 def open_request(storage: Storage, *, reason: str, source: str | None = None, sha256: str | None = None,
-                 doc_ids: list[str] | None = None) -> dict:
-    """Record a takedown request and find its documents: the request, as `status` shows it."""
+                 doc_ids: list[str] | None = None, near: bool = False) -> dict:
+    """Record a takedown request and find its documents: the request, as `status` shows it. Its documents are
+    those of the file (every copy of it, by digest) or the record ids given, then every document anywhere
+    with the same exact key (the same text, up to case and spacing, in a file of other bytes), and, with
+    `near`, every document sharing a MinHash band with one of them (pipelines/near.py, the window of each
+    dataset's dedup index)."""
+    from strata.lineage import find_keys
+
     if sum(x is not None for x in (source, sha256, doc_ids)) != 1:
         raise TakedownError("name what to take down: --source PATH, --sha256 HEX or --doc-ids FILE (one of them)")
     if not reason.strip():
@@ -99,21 +95,44 @@ def open_request(storage: Storage, *, reason: str, source: str | None = None, sh
                 digests.add(d["file"]["digest"])
                 positions.setdefault(d["file"]["digest"], set()).add(d["position"])
     found = copies(storage, digests) if digests else []
-    for c in found:
+    for path in sorted({c["path"] for c in found}):  # each copy's lineage read once
         if doc_ids is None:  # a whole file: the documents read from each copy, in every dataset's lineage
-            ids.update(d["doc_id"] for d in documents(storage, source=_literal(c["path"]))["documents"])
-        else:  # the same records in each copy
-            ids.update(f"{c['path']}:{p}" for p in positions.get(c["digest"], ()))
+            ids.update(d["doc_id"] for d in documents(storage, source=_literal(path))["documents"])
+    if doc_ids is not None:  # the same records in each copy
+        ids.update(f"{c['path']}:{p}" for c in found for p in positions.get(c["digest"], ()))
+    located = documents(storage, doc_ids=sorted(ids)) if ids else {"documents": []}
+    same_text = find_keys(storage, exact={int(d["exact"]) for d in located["documents"]})["doc_ids"] if ids else []
+    by_text = sorted(set(same_text) - ids)
+    ids.update(by_text)
+    by_near = _near(storage, sorted(ids)) if near and ids else []
+    ids.update(by_near)
     located = documents(storage, doc_ids=sorted(ids)) if ids else {"documents": [], "versions": []}
     request = {"id": _new_id(storage, received), "reason": reason, "received_at": received,
-               "asked": {"source": source, "sha256": sha256, "doc_ids": doc_ids},
-               "digests": sorted(digests), "copies": found,
+               "asked": {"source": source, "sha256": sha256, "doc_ids": doc_ids, "near": near},
+               "digests": sorted(digests), "copies": found, "same_text": by_text, "near": by_near,
                "documents": [{k: d[k] for k in ("doc_id", "source", "position", "exact", "added_in")}
                              for d in located["documents"]],
                "versions": [{"ref": h["ref"], "rows": len(h["rows"])} for h in located["versions"]],
                "events": [{"event": "received", "at": received}]}
     _write(storage, request)
     return request
+
+
+def _near(storage: Storage, doc_ids: list[str]) -> list[str]:
+    """The near copies of `doc_ids` in every dataset (`python -m pipelines.datasets near`: MinHash lives in
+    tier 1, which training does not import)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        f.write("\n".join(doc_ids) + "\n")
+        f.flush()
+        out = subprocess.run([sys.executable, "-m", "pipelines.datasets", "--storage", storage.root, "near",
+                              "--doc-ids", f.name, "--json"], capture_output=True, text=True)
+    if out.returncode:
+        why = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise TakedownError(f"--near: finding near copies failed ({why})")
+    return json.loads(out.stdout.strip().splitlines()[-1])["doc_ids"]
 
 
 def read(storage: Storage, request_id: str) -> dict:
@@ -418,6 +437,10 @@ def status_text(request: dict) -> str:
     if request["digests"]:
         lines.append(f"  copies     {len(paths)} file(s) with digest {', '.join(request['digests'])}"
                      + "".join(f"\n               {p}" for p in paths))
+    for what, key in (("same text", "same_text"), ("near copies", "near")):
+        if request.get(key):
+            lines.append(f"  {what:<10} {len(request[key])} document(s) in files of other bytes"
+                         + "".join(f"\n               {d}" for d in request[key]))
     lines.append(f"  documents  {len(request['documents'])}"
                  + "".join(f"\n               {d['doc_id']}  (added in {d['added_in']})" for d in request["documents"]))
     lines.append(f"  held by    {', '.join(v['ref'] for v in request['versions']) or 'no version'}")
@@ -454,6 +477,8 @@ def _main(cmd: Command) -> int:
     op.add_argument("--sha256", help="instead: the file's SHA-256, as sha256sum prints it")
     op.add_argument("--doc-ids", help="instead: a file of record ids (PATH:POSITION), one a line")
     op.add_argument("--reason", required=True, help="why: recorded with the request and every commit it makes")
+    op.add_argument("--near", action="store_true", help="also every near copy (an edited copy): documents sharing "
+                    "a MinHash band with them, by each dataset's dedup parameters")
     st = sub.add_parser("status", help="a request's timeline and what it found")
     st.add_argument("id", help="the request's id (td-...)")
     pl = sub.add_parser("plan", help="what is left to do: datasets, runs, checkpoints, exports, uses; a command each")
@@ -483,7 +508,7 @@ def _main(cmd: Command) -> int:
                     ids = [line.strip() for line in f if line.strip()]
             except OSError as e:
                 raise TakedownError(f"--doc-ids {a.doc_ids}: {e.strerror}") from None
-        out = open_request(storage, reason=a.reason, source=a.source, sha256=a.sha256, doc_ids=ids)
+        out = open_request(storage, reason=a.reason, source=a.source, sha256=a.sha256, doc_ids=ids, near=a.near)
     elif a.what == "status":
         out = read(storage, a.id)
     elif a.what == "plan":
