@@ -38,6 +38,9 @@ JSONL = (".jsonl", ".ndjson")
 SAMPLE_BYTES = 120
 
 
+ORIGINS = ("", "public", "licensed", "third-party", "crawled", "user", "synthetic", "other")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ReadConfig:
     inputs: tuple[str, ...] = field(default=(), metadata={"flag": "--input"})
@@ -66,7 +69,18 @@ class ReadConfig:
     """A file still unreadable after every retry: `fail` (the run fails, nothing is committed) or `defer`
     (the version is published without it, and it is not recorded as consumed: the next run reads it)."""
 
+    license: str = ""
+    """The license under which this run's inputs may be used (an SPDX id such as CC-BY-4.0, or words): recorded
+    in the version, for each model's training-content summary (`strata lineage summary`)."""
+    origin: str = ""
+    """Where this run's inputs come from, in the terms of the EU AI Office's training-content summary:
+    `public` (a publicly available dataset), `licensed` (licensed from its rightsholders), `third-party` (another
+    private dataset), `crawled` (crawled or scraped online), `user` (your users' data), `synthetic` or `other`;
+    recorded in the version."""
+
     def __post_init__(self):
+        if self.origin not in ORIGINS:
+            raise ValueError(f"--origin {self.origin!r}: one of {', '.join(o for o in ORIGINS if o)}")
         if self.txt_documents not in ("file", "blank-line"):
             raise ValueError("txt_documents must be `file` or `blank-line`")
         if self.unreadable not in ("fail", "defer"):

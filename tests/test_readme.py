@@ -16,7 +16,7 @@ from conftest import REPO, readme_blocks
 STRATA_COMMANDS = {"demo", "submit", "head", "keys", "runs", "report", "ledger", "lineage", "takedown", "plan",
                    "migrate"}
 SUBCOMMANDS = {"pipelines.datasets": {"list", "show", "delete", "forget"}}
-STRATA_SUBCOMMANDS = {"lineage": {"step", "doc"}, "keys": {"show", "trust", "rotate"},
+STRATA_SUBCOMMANDS = {"lineage": {"step", "doc", "summary"}, "keys": {"show", "trust", "rotate"},
                       "takedown": {"open", "plan", "apply", "retrain", "delete", "status", "report", "list"}}  # strata commands with subcommands of their own
 
 

@@ -44,7 +44,8 @@ def two_datasets(tmp_path_factory):
         (c / f"short{i}.txt").write_text((f"short document {i} " * 20)[:140])
     storage = Storage(str(root))
     for name, where in (("alpha", a), ("beta", b), ("gamma", c)):
-        preprocess(debug(name, read={"inputs": (str(where),)}, pack={"validation_fraction": 0.2}), storage)
+        read = {"inputs": (str(where),), **({"license": "CC-BY-4.0", "origin": "public"} if name == "beta" else {})}
+        preprocess(debug(name, read=read, pack={"validation_fraction": 0.2}), storage)
     return {"storage": storage, "original": str(a / "doc003.txt"), "copy": str(b / "renamed3.txt"), "copies": copies,
             "upper": str(c / "upper3.txt"), "edited": str(c / "edited5.txt"), "edited_from": str(a / "doc005.txt")}
 
@@ -224,6 +225,24 @@ def test_a_takedown_from_request_to_retrained_model(two_datasets, monkeypatch, c
         for rank in step_rows(storage, new, step)["ranks"]:
             assert rank["rows"] and not forgotten & {d["doc_id"] for r in rank["rows"] for d in r["documents"]}
     assert check_model(new, storage).startswith(f"{new}@")  # not tainted
+
+    # The training-content summary: beta's sources, as recorded, under the template's sections; the retrained
+    # model's lists the takedown its data honored.
+    from train.summary import summary
+
+    first_summary = summary(storage, "copier")
+    (source,) = first_summary["2 Data sources"]["2.1 Publicly available datasets"]
+    assert (source["dataset"], source["version"], source["license"]) == ("beta", "v0001", "CC-BY-4.0")
+    assert (source["files"], source["bytes"]) == (len(beta.manifest.inputs), sum(f["size"] for f in beta.manifest.inputs))
+    sizes = first_summary["1 General information"]["1.3 Modalities and size"]
+    assert sizes["training_data_tokens"] == beta.manifest.totals["packed_tokens"] and sizes["size_band"].startswith("less")
+    assert first_summary["3 Data processing"]["3.1 Opt-outs and takedowns honored"] == []
+    honored = summary(storage, new)["3 Data processing"]["3.1 Opt-outs and takedowns honored"]
+    assert honored == [{"dataset": "beta", "version": "v0002", "reason": f"takedown {request['id']}: erasure request 19",
+                        "documents": len([d for d in request["documents"] if "/b/" in d["doc_id"]])}]
+    shown = subprocess.run([sys.executable, "-m", "strata", "lineage", "summary", new, "--storage", storage.root],
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "## 2. Data sources" in shown.stdout and "license: CC-BY-4.0" in shown.stdout
 
     gone = delete_tainted(storage, request["id"])["deleted"]
     assert sorted(gone) == sorted(c["path"] for c in run["checkpoints"])

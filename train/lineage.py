@@ -230,7 +230,18 @@ def _main(cmd: Command) -> int:
     dp.add_argument("--dataset", help="look in this dataset only (default: every one)")
     dp.add_argument("--storage", help="storage root (default: $STRATA_STORAGE or ~/strata-data)")
     dp.add_argument("--json", action="store_true", help="print JSON instead")
+    sm = sub.add_parser("summary", help="a model's training-content summary, in the EU AI Office template's sections")
+    sm.add_argument("model", help="RUN or RUN@STEP (its newest checkpoint, or the one at STEP)")
+    sm.add_argument("--provider", default="", help="the provider's name, for section 1.1")
+    sm.add_argument("--storage", help="storage root (default: $STRATA_STORAGE or ~/strata-data)")
+    sm.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     a = p.parse_args(cmd.argv)
+    if a.what == "summary":
+        from train.summary import summary, summary_text
+
+        out = summary(Storage.from_env(a.storage), a.model, a.provider)
+        print(json.dumps(out) if a.json else summary_text(out))
+        return 0
     if a.what == "doc":
         ids = a.doc_id
         if a.doc_ids:
