@@ -50,7 +50,7 @@ import sys
 import time
 from dataclasses import asdict
 
-from strata.cli import add_config_arguments, finish, overrides
+from strata.cli import add_config_arguments, add_openlineage, finish, overrides, use_openlineage
 from strata.cli import parser as cli_parser
 from strata.lease import LeaseBusy
 from strata.shell import EXIT_INTERRUPTED, EXIT_TERMINATED, Command
@@ -105,7 +105,9 @@ def _main(cmd: Command) -> dict:
                         "ha-proxy is Ray's HAProxy mode, on every interface, only with a token")
     add_config_arguments(parser, ScoreConfig)
     add_config_arguments(parser, ServeConfig, skip=("tier",))
+    add_openlineage(parser)
     args = parser.parse_args(cmd.argv)
+    use_openlineage(args)
     if args.command == "serve":
         return _serve(args, parser)
     if len(args.model) != 1:

@@ -57,6 +57,12 @@ def score(spec: str, inputs: list[str], cfg: ScoreConfig, storage: Storage, name
     with Job("score", name, storage, holds=out, what=f"scores {name}") as job:
         job.connect(quiet=True, log_to_driver=False)
         job.begin({"model": model.source, "origin": model.origin, "inputs": inputs, "dataset": dataset, **asdict(cfg)})
+        from strata.openlineage import dataset as lineage_dataset
+
+        name_, _, version_ = dataset.partition("@")
+        job.lineage([*model_dataset(model.source, storage), *(lineage_dataset(p) for p in inputs),
+                     *([lineage_dataset(storage.dataset(name_), version_ or None)] if dataset else [])],
+                    [lineage_dataset(out)])
         actors = cfg.actors or default_actors(cfg.tier)
         read = ReadConfig()
 
@@ -92,6 +98,22 @@ def score(spec: str, inputs: list[str], cfg: ScoreConfig, storage: Storage, name
 SHOWN = 12  # documents a score's summary names, best scored first (the table has them all)
 
 
+def model_dataset(source: str, storage: Storage) -> list[dict]:
+    """A model a run reads, as an OpenLineage dataset: RUN@STEP as its run's directory at that step, or the
+    exported directory."""
+    from strata.openlineage import dataset
+
+    if not source:
+        return []
+    run, _, step = source.rpartition("@")
+    if run and step.isdigit():
+        try:
+            return [dataset(storage.run(run), step)]
+        except ValueError:
+            pass
+    return [dataset(source)]
+
+
 def on_tier(kind: str, name: str, storage: Storage, out: str, tier: str, config: dict, fn, *args,
             figures, **kwargs) -> tuple[object, dict]:
     """`fn(*args, **kwargs, cpus=, device=)` as one Ray task on `tier` (a cpu-tier node's CPUs, or one GPU), under a
@@ -99,9 +121,15 @@ def on_tier(kind: str, name: str, storage: Storage, out: str, tier: str, config:
     task's result and the cost figures (cost, node_hours, cpu_busy)."""
     import ray
 
+    from strata.openlineage import dataset
+
     with Job(kind, name, storage, holds=out, what=f"{kind} {name}") as job:
         job.connect(quiet=True, log_to_driver=False)
         job.begin(config)
+        job.lineage([*model_dataset(config.get("model", ""), storage),
+                     *(dataset(p) for p in config.get("inputs") or [] if isinstance(p, str)),
+                     *(dataset(config[k]) for k in ("task", "prompts") if isinstance(config.get(k), str))],
+                    [dataset(out)])
         gpu = tier == tiers.Tier.GPU
         nodes = tiers.nodes_of(tier, ray.nodes())
         if not nodes:

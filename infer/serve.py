@@ -140,6 +140,9 @@ def serve_models(specs: dict[str, str], cfg: ServeConfig, storage, name: str, *,
     with Job("serve", name, storage, holds=out, what=f"serving {name}") as job:
         job.connect(address=address, quiet=True, log_to_driver=False)
         job.begin({"models": specs, "host": host, "port": port, "ingress": mode, **asdict(cfg)})
+        from infer.driver import model_dataset
+
+        job.lineage([d for src in sources.values() for d in model_dataset(src, storage)], [], streaming=True)
         if not tiers.nodes_of(cfg.tier, ray.nodes()):
             raise StrataError(f"no alive node serves the {cfg.tier} tier (label {tiers.label_key(cfg.tier)}=true)")
         if not logging.getLogger("strata").isEnabledFor(logging.DEBUG):  # Serve's INFO lines with --verbose only

@@ -41,6 +41,7 @@ from strata.dataset import (
     token_dtype,
 )
 from strata.lineage import FILE as LINEAGE_FILE
+from strata.openlineage import dataset as lineage_dataset
 from strata.shell import Job, StrataError
 from strata.shell import log as _logger
 from strata.sources import (
@@ -202,6 +203,7 @@ class Preprocess:
                 _say("no document survived: no version created")
                 return self.empty("no rows")
             version = self.commit(files)
+            self.job.events.outputs = [lineage_dataset(self.storage.dataset(self.cfg.dataset), version.manifest.version)]
         except Exception:
             if self.tag:
                 delete_run(self.storage, self.cfg.dataset, self.tag)  # a failed run leaves nothing behind
@@ -275,6 +277,9 @@ class Preprocess:
         self.done = {name: Output.from_json(read_json(join(self.work, "done", name)))
                      for name, is_dir in list_dir(join(self.work, "done")) if not is_dir}
         write_json_atomic(join(self.staging, "run.json"), self.job.begin({**asdict(self.cfg), "run_id": self.run_id}))
+        self.job.lineage([lineage_dataset(p) for p in self.cfg.read.inputs],
+                         [lineage_dataset(self.storage.dataset(self.cfg.dataset))],
+                         path=join(self.storage.dataset(self.cfg.dataset), "_strata", "openlineage", f"{self.tag}.jsonl"))
         self.contamination = {"ref": ray.put(self.evaluation)} if self.evaluation else None  # one copy per node
         self.forget = self.forget_list()
 

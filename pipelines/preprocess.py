@@ -17,7 +17,7 @@ import time
 from pipelines.config import PRESETS, STAGES
 from pipelines.driver import run
 from pipelines.stats import format_table
-from strata.cli import add_config_arguments, finish, overrides
+from strata.cli import add_config_arguments, add_openlineage, finish, overrides, use_openlineage
 from strata.cli import parser as cli_parser
 from strata.dataset import DatasetError, latest
 from strata.lease import LeaseBusy
@@ -43,7 +43,9 @@ def _main(cmd: Command) -> dict:
                         f"at once with code {EXIT_BUSY} instead of waiting for it")
     for cls in STAGES.values():
         add_config_arguments(parser, cls)
+    add_openlineage(parser)
     args = parser.parse_args(argv)
+    use_openlineage(args)
     try:
         cfg = PRESETS[args.preset](args.dataset, **{n: overrides(args, c) for n, c in STAGES.items()})
     except ValueError as e:

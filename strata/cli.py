@@ -98,6 +98,23 @@ def parser(prog: str, doc: str | None, json_summary: bool = True) -> argparse.Ar
     return p
 
 
+def add_openlineage(parser: argparse.ArgumentParser) -> None:
+    """--openlineage-url, for a command whose run emits OpenLineage events (strata/openlineage.py)."""
+    parser.add_argument("--openlineage-url", help="also post the run's OpenLineage events to this endpoint "
+                        "(Marquez's: URL/api/v1/lineage; default: $STRATA_OPENLINEAGE_URL); they always go to "
+                        "openlineage.jsonl under the run")
+
+
+def use_openlineage(args: argparse.Namespace) -> None:
+    """The --openlineage-url given, for this process's runs (and the jobs it starts)."""
+    import os
+
+    from strata.openlineage import URL_ENV
+
+    if getattr(args, "openlineage_url", None):
+        os.environ[URL_ENV] = args.openlineage_url
+
+
 def finish(summary: dict, as_json: bool) -> dict:
     """Stop the Ray this command connected (so no late log line follows), then print the JSON summary as the
     last line. A Ray the caller connected before the command ran in-process stays up: it is the caller's."""

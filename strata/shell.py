@@ -278,8 +278,9 @@ class Job:
         """`kind` names its records (preprocess, train, sweep); `tag` its log lines (default: kind)."""
         from strata.lease import Lease
 
-        self.kind, self.name, self.storage, self.wait = kind, name, storage, wait
+        self.kind, self.name, self.storage, self.wait, self.holds = kind, name, storage, wait, holds
         self.lease = Lease(holds, what, purpose=purpose or kind)
+        self.events = None  # the run's OpenLineage events (strata/openlineage.py), once `lineage` names its data
         self.log = log(tag or kind)
         self.info: dict | None = None
         """The run info (strata/runinfo.py): resolved config, code and library versions, start."""
@@ -289,8 +290,24 @@ class Job:
         self.lease.acquire(wait=self.wait, log=self.log.info)
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.lease.release()
+    def __exit__(self, kind, error, tb) -> None:
+        try:
+            if self.events is not None:
+                self.events.end(error if kind is not None else None)
+        finally:
+            self.lease.release()
+
+    def lineage(self, inputs: list[dict], outputs: list[dict], path: str | None = None, streaming: bool = False) -> None:
+        """What the run reads and writes (strata.openlineage.dataset of each): its OpenLineage START event, to
+        `path` (default: openlineage.jsonl in the directory it holds) and $STRATA_OPENLINEAGE_URL; its end
+        (COMPLETE, or FAIL with the error) follows when the job ends. `outputs` may be named again before the
+        end (`self.events.outputs`), once a version is known."""
+        from strata.openlineage import FILE, Emitter
+        from strata.storage import join
+
+        self.events = Emitter(self.kind, self.name, path or join(self.holds, FILE), inputs, outputs,
+                              streaming=streaming)
+        self.events.start()
 
     def connect(self, **kwargs) -> None:
         """Connect to the cluster (or start an embedded Ray): strata.connect.connect's arguments."""

@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import replace
 
-from strata.cli import add_config_arguments, finish, overrides
+from strata.cli import add_config_arguments, add_openlineage, finish, overrides, use_openlineage
 from strata.cli import parser as cli_parser
 from strata.dataset import DatasetError
 from strata.lease import LeaseBusy
@@ -73,7 +73,9 @@ def _main(cmd: Command) -> dict:
                         "learning rate over the new length (by default a run keeps the schedule it started with)")
     add_config_arguments(parser, GPTConfig)
     add_config_arguments(parser, TrainConfig)
+    add_openlineage(parser)
     args = parser.parse_args(argv)
+    use_openlineage(args)
     storage = Storage.from_env(args.storage)
     for flag, value, ok in (("--cpus-per-worker", args.cpus_per_worker, args.cpus_per_worker > 0),
                             ("--gpu-wait-s", args.gpu_wait_s, args.gpu_wait_s >= 0),

@@ -89,6 +89,12 @@ def _run_leased(spec: RunSpec, *, run_name, run_dir, job: Job, workers, use_gpu,
                         "init_from": spec.init_from, "tokenizer": asdict(spec.tokenizer), "workers": workers,
                         "use_gpu": use_gpu, "cpus_per_worker": cpus_per_worker, "from_sweep": from_sweep, **size})
     record_launch(run_dir, len(launches), record)
+    from strata.openlineage import dataset
+
+    reads = [dataset(job.storage.dataset(s.name.partition("@")[0]), s.name.partition("@")[2]) for s in spec.sources]
+    if spec.init_from:
+        reads.append(dataset(spec.init_from.partition(" (")[0]))
+    job.lineage(reads, [dataset(run_dir)])
     # Starting weights go to the object store once; every worker takes them from there.
     spec = replace(spec, init=ray.put(spec.init) if spec.init is not None and not resume_from else None)
     started = time.time()
