@@ -276,12 +276,17 @@ class Preprocess:
                   *(join(self.staging, d) for d in ("dedup", REMOVED_DIR)))
         self.done = {name: Output.from_json(read_json(join(self.work, "done", name)))
                      for name, is_dir in list_dir(join(self.work, "done")) if not is_dir}
+        self.begin()
+        self.contamination = {"ref": ray.put(self.evaluation)} if self.evaluation else None  # one copy per node
+        self.forget = self.forget_list()
+
+    def begin(self) -> None:
+        """The run's record (run.json), and its OpenLineage START event (to _strata/openlineage/TAG.jsonl in the
+        dataset: a failed run's own directory goes, its events stay)."""
         write_json_atomic(join(self.staging, "run.json"), self.job.begin({**asdict(self.cfg), "run_id": self.run_id}))
         self.job.lineage([lineage_dataset(p) for p in self.cfg.read.inputs],
                          [lineage_dataset(self.storage.dataset(self.cfg.dataset))],
                          path=join(self.storage.dataset(self.cfg.dataset), "_strata", "openlineage", f"{self.tag}.jsonl"))
-        self.contamination = {"ref": ray.put(self.evaluation)} if self.evaluation else None  # one copy per node
-        self.forget = self.forget_list()
 
     def forget_list(self) -> dict | None:
         """The dataset's forget list (pipelines/forget.py) in the object store, for pass 1; None without one."""
