@@ -1,7 +1,7 @@
 """Growth laws of tier 1 and of training reads: what a version costs as history and input grow.
 
     python -m bench.scale [--mb 2] [--versions 16] [--window 4] [--all-versions 8] [--sizes 1,4,16]
-                          [--storage local,s3] [--json]
+                          [--storage local,s3] [--takedown-versions 100] [--takedown-datasets 3] [--json]
 
 Each run is the real command, `python -m pipelines.preprocess`, in its own process with its own
 embedded Ray, timed on the wall clock. On `s3` the storage root is on moto's S3 API server on
@@ -19,6 +19,8 @@ directory (no requests to count).
   shards, dedup index, tails, records; target <= 0.05) and of its shard bytes alone (`lineage_shard_share`);
   and one document of version 1 looked up across the history: row groups read (of how many) and, on s3,
   requests.
+- Takedown (on s3): one request against `--takedown-datasets` datasets of `--takedown-versions` versions
+  each (bench/takedown.py): open, plan and apply, each the real command, with its requests and seconds.
 - Resume: row groups a training reader reads to give its first batch at the start of an epoch and at
   its last batch (`train.data.TokenBatches` over the newest version's shards).
 
@@ -245,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="versions under --dedup-window all, on s3, for its law (default 8; 0: none)")
     p.add_argument("--sizes", default="1,4,16", help="input multiples for the single-version runs")
     p.add_argument("--storage", default="local,s3")
+    p.add_argument("--takedown-versions", type=int, default=100, help="versions of each takedown dataset, on s3 "
+                   "(bench/takedown.py; 0: no takedown; default 100)")
+    p.add_argument("--takedown-datasets", type=int, default=3, help="datasets holding the taken-down file (default 3)")
     p.add_argument("--out", default=str(OUT), help="results directory (default bench/results)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
@@ -287,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[scale] {kind} input x{k}: {json.dumps(results['input'][kind][k])}", file=sys.stderr, flush=True)
             if kind == "local":
                 results["resume"] = resume_reads(root, "grow")
+            if kind == "s3" and a.takedown_versions:
+                from bench.takedown import takedown_at_scale, text
+
+                results["takedown"] = takedown_at_scale(work, root, env, proxy, a.takedown_datasets,
+                                                        a.takedown_versions)
+                print(f"[scale] {text(results['takedown'])}", file=sys.stderr, flush=True)
     finally:
         if proxy:
             proxy.close()
@@ -407,6 +418,10 @@ def tables(results: dict) -> str:
                      f"{r['row_groups_read']} of their {r['row_groups']} lineage row groups"
                      + (f" ({r['lineage_requests']} requests, {r['lineage_read_kb']} KB)" if "lineage_requests" in r else "")
                      + f"; {r['versions_holding']} versions hold it.")
+    if "takedown" in results:
+        from bench.takedown import text
+
+        lines.append(text(results["takedown"]))
     if "resume" in results:
         r = results["resume"]
         lines.append(f"Resume: {r['row_groups_at_start']} row groups read for the first batch of an epoch, "

@@ -82,7 +82,7 @@ def test_tune_benchmark_lists_its_targets_and_extrapolates_to_50000_configs_last
 @pytest.mark.bench  # about 2 minutes
 def test_scale_benchmark_counts_requests_per_version_and_prints_its_targets_last(tmp_path):
     lines = _run("bench.scale", "--mb", "0.5", "--versions", "3", "--window", "1", "--all-versions", "3",
-                 "--sizes", "1", "--storage", "s3", "--out", str(tmp_path), "--json")
+                 "--sizes", "1", "--storage", "s3", "--takedown-versions", "2", "--out", str(tmp_path), "--json")
     result = json.loads(lines[-2])
     s3, every = result["history"]["s3"], result["history"]["s3 all"]
     assert [r["version"] for r in s3] == ["v0001", "v0002", "v0003"] and all(r["total_requests"] > 0 for r in s3)
@@ -90,6 +90,10 @@ def test_scale_benchmark_counts_requests_per_version_and_prints_its_targets_last
     assert s3[0]["keys_compared"] == 0 < s3[2]["keys_compared"] < every[2]["keys_compared"]
     assert result["law"]["versions"] == 3 and "s3 worst of v3-v3 / v2 total_requests" in result["ratios"]
     assert lines[-1].startswith("ratio targets met ") and (tmp_path / "scale.md").exists()
+    # The takedown: the claimed file's two copies by digest, its text in other bytes by exact key, three forgets.
+    t = result["takedown"]
+    assert (t["copies"], t["same_text"], t["datasets_forgotten"]) == (2, 1, 3)
+    assert all(t[k]["requests"] > 0 and t[k]["wall_s"] > 0 for k in ("open", "plan", "apply"))
 
 
 def test_the_results_table_has_a_row_per_benchmark_run():
