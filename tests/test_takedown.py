@@ -266,3 +266,42 @@ def test_a_takedown_from_request_to_retrained_model(two_datasets, monkeypatch, c
     assert rows[request["id"]]["hours_to_honor"] == round((events[-1]["at"] - events[0]["at"]) / 3600, 3)
     assert sorted(rows[request["id"]]["commits"]) == ["alpha@v0002", "beta@v0002"]
     assert [r for r in report(storage, "2999-01-01") if "refused" not in r] == []
+
+
+@pytest.mark.ray
+@pytest.mark.s3
+def test_on_s3_a_request_finds_copies_near_copies_and_is_applied_and_marks_runs(s3_root, tmp_path):
+    from conftest import ensure_local_ray
+
+    from pipelines.config import debug
+    from pipelines.driver import run as preprocess
+    from strata.dataset import resolve
+    from train import taint
+    from train.takedown import apply, open_request, plan, read
+
+    ensure_local_ray()
+    storage = Storage(s3_root)
+    a, b = tmp_path / "a", tmp_path / "b"
+    make_corpus(str(a), docs=6, seed=11)
+    make_corpus(str(b), docs=3, seed=12)
+    shutil.copy(a / "doc002.txt", b / "copy.txt")
+    words = (a / "doc004.txt").read_text().split()
+    (b / "edited.txt").write_text(" ".join([*words[:-1], "changed."]))
+    for name, where in (("alpha", a), ("beta", b)):
+        preprocess(debug(name, read={"inputs": (str(where),)}, pack={"validation_fraction": 0.2}), storage)
+    copied = open_request(storage, reason="erasure on s3", source=str(a / "doc002.txt"))
+    assert sorted(c["path"] for c in copied["copies"]) == sorted([str(a / "doc002.txt"), str(b / "copy.txt")])
+    edited = open_request(storage, reason="edited copy on s3", source=str(a / "doc004.txt"), near=True)
+    assert edited["near"] == [f"{b / 'edited.txt'}:0"]
+    assert read(storage, copied["id"]) == copied
+    assert [d["dataset"] for d in plan(storage, copied)["datasets"]] == ["alpha", "beta"]
+    assert sorted(apply(storage, copied["id"])["applied"]) == ["alpha@v0002", "beta@v0002"]
+    assert resolve(storage, "beta").manifest.forget["reason"] == f"takedown {copied['id']}: erasure on s3"
+
+    run_dir = storage.run("somebody")  # a run's marks and recorded uses, in the object store
+    taint.mark(run_dir, copied, 3)
+    assert taint.check(run_dir, 2, "sampling") == []
+    with pytest.raises(taint.Tainted, match=f"somebody@3 learned from documents taken down by request {copied['id']}"):
+        taint.check(run_dir, 3, "sampling")
+    assert [m["request"] for m in taint.check(run_dir, 4, "exporting", allow=True)] == [copied["id"]]
+    assert [u["what"] for u in taint.allowances(run_dir)] == ["exporting"]
