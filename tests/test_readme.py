@@ -119,6 +119,8 @@ def test_every_flag_the_readme_names_is_a_flag_of_a_command():
     named = set(re.findall(r"`[^`]*?(--[a-z][a-z0-9-]*)", text))
     known = "\n".join(help_of(*m) for m in (("pipelines.preprocess",), ("pipelines.datasets", "show"),
                                            ("pipelines.datasets", "forget"), ("strata", "lineage", "doc"), ("train",),
+                                           ("strata", "takedown", "open"), ("strata", "takedown", "report"),
+                                           ("strata", "takedown", "retrain"), ("strata", "lineage", "summary"),
                                            ("train.sample",), ("train.export",), ("tune",), ("infer",), ("strata", "submit"),
                                            ("strata", "report"), ("strata", "plan"), ("strata", "demo"),
                                            ("strata", "keys", "trust"), ("train.convert",), ("tune.convert",),

@@ -305,3 +305,16 @@ def test_on_s3_a_request_finds_copies_near_copies_and_is_applied_and_marks_runs(
         taint.check(run_dir, 3, "sampling")
     assert [m["request"] for m in taint.check(run_dir, 4, "exporting", allow=True)] == [copied["id"]]
     assert [u["what"] for u in taint.allowances(run_dir)] == ["exporting"]
+
+
+def test_requests_opened_in_the_same_second_get_ids_of_their_own(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from train.takedown import _create, read
+
+    storage, at = Storage(str(tmp_path / "root")), time.time()
+    with ThreadPoolExecutor(8) as pool:
+        made = list(pool.map(lambda i: _create(storage, {"id": "", "reason": f"request {i}", "received_at": at,
+                                                         "events": []}), range(8)))
+    assert len({r["id"] for r in made}) == 8
+    assert all(read(storage, r["id"]) == r for r in made)  # each file is its own request, whole

@@ -86,7 +86,8 @@ def summary(storage: Storage, spec: str, provider: str = "") -> dict:
             kinds.update(f["path"].rsplit(".", 1)[-1].lower() for f in m.inputs if "." in f["path"].rsplit("/", 1)[-1])
             for lang, n in ((m.stats or {}).get("documents_by_language") or {}).items():
                 languages[lang] = languages.get(lang, 0) + int(n)
-            filters.update(k for k, on in clean.items() if isinstance(on, bool) and on)
+            filters.update(f"{k} {v}" for k, v in clean.items() if k.startswith(("min_", "max_", "languages"))
+                           and v not in (None, "", False) and not isinstance(v, bool))
             if dd.get("exact_dedup") or dd.get("near_dedup"):
                 dedup.add(f"exact {'on' if dd.get('exact_dedup') else 'off'}, near (MinHash, Jaccard "
                           f"{dd.get('threshold')}) {'on' if dd.get('near_dedup') else 'off'}, window {dd.get('window')}")
@@ -116,7 +117,7 @@ def summary(storage: Storage, spec: str, provider: str = "") -> dict:
         "2 Data sources": by_section,
         "3 Data processing": {
             "3.1 Opt-outs and takedowns honored": takedowns,
-            "3.2 Removal of illegal or unwanted content": sorted(filters) or ["none recorded"],
+            "3.2 Removal of illegal or unwanted content": sorted(filters) or ["no quality rule set"],
             "3.3 Other": sorted(dedup) or ["no deduplication"]},
     }
 
@@ -149,6 +150,6 @@ def summary_text(s: dict) -> str:
     lines += ["## 3. Data processing", "", "### 3.1 Opt-outs and takedowns honored"]
     lines += [f"- {t['dataset']}@{t['version']}: {t['documents']} document(s): {t['reason']}"
               for t in p["3.1 Opt-outs and takedowns honored"]] or ["- none"]
-    lines += ["", "### 3.2 Removal of illegal or unwanted content", f"- filters: {', '.join(p['3.2 Removal of illegal or unwanted content'])}",
+    lines += ["", "### 3.2 Removal of illegal or unwanted content", f"- quality rules (tier 1's filters, as set): {', '.join(p['3.2 Removal of illegal or unwanted content'])}",
               "", "### 3.3 Other", *[f"- deduplication: {d}" for d in p["3.3 Other"]]]
     return "\n".join(lines)

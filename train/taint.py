@@ -35,12 +35,17 @@ def canonical(body: dict) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def write_signed(path: str, key: str, body: dict) -> None:
-    """`body` under `key`, with its signature, written whole (a reader sees the old file or the new one)."""
+def write_signed(path: str, key: str, body: dict, exclusive: bool = False) -> bool:
+    """`body` under `key`, with its signature, written whole (a reader sees the old file or the new one);
+    `exclusive`: only where nothing is (False if something was)."""
     from strata import signing
+    from strata.storage import create_exclusive
 
-    doc = {key: body, **signing.signature(canonical(body))}
-    write_bytes_atomic(path, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode())
+    data = (json.dumps({key: body, **signing.signature(canonical(body))}, indent=2, sort_keys=True) + "\n").encode()
+    if exclusive:
+        return create_exclusive(path, data)
+    write_bytes_atomic(path, data)
+    return True
 
 
 def read_signed(path: str, key: str, what: str) -> dict:

@@ -107,15 +107,14 @@ def open_request(storage: Storage, *, reason: str, source: str | None = None, sh
     by_near = _near(storage, sorted(ids)) if near and ids else []
     ids.update(by_near)
     located = documents(storage, doc_ids=sorted(ids)) if ids else {"documents": [], "versions": []}
-    request = {"id": _new_id(storage, received), "reason": reason, "received_at": received,
+    request = {"id": "", "reason": reason, "received_at": received,
                "asked": {"source": source, "sha256": sha256, "doc_ids": doc_ids, "near": near},
                "digests": sorted(digests), "copies": found, "same_text": by_text, "near": by_near,
                "documents": [{k: d[k] for k in ("doc_id", "source", "position", "exact", "added_in")}
                              for d in located["documents"]],
                "versions": [{"ref": h["ref"], "rows": len(h["rows"])} for h in located["versions"]],
                "events": [{"event": "received", "at": received}]}
-    _write(storage, request)
-    return request
+    return _create(storage, request)
 
 
 def _near(storage: Storage, doc_ids: list[str]) -> list[str]:
@@ -437,9 +436,9 @@ def status_text(request: dict) -> str:
     if request["digests"]:
         lines.append(f"  copies     {len(paths)} file(s) with digest {', '.join(request['digests'])}"
                      + "".join(f"\n               {p}" for p in paths))
-    for what, key in (("same text", "same_text"), ("near copies", "near")):
+    for what, key, how in (("same text", "same_text", "the same text"), ("near", "near", "an edited copy")):
         if request.get(key):
-            lines.append(f"  {what:<10} {len(request[key])} document(s) in files of other bytes"
+            lines.append(f"  {what:<10} {len(request[key])} document(s) holding {how}, in files of other bytes"
                          + "".join(f"\n               {d}" for d in request[key]))
     lines.append(f"  documents  {len(request['documents'])}"
                  + "".join(f"\n               {d['doc_id']}  (added in {d['added_in']})" for d in request["documents"]))
@@ -452,12 +451,14 @@ def _literal(path: str) -> str:
     return "".join(f"[{c}]" if c in "*?[" else c for c in path)
 
 
-def _new_id(storage: Storage, at: float) -> str:
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(at))
+def _create(storage: Storage, request: dict) -> dict:
+    """`request` written under the first free id of its second (`td-YYYYMMDD-HHMMSS-N`): created only where
+    nothing is, so two requests opened at once never share one."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(request["received_at"]))
     for n in range(1, 1000):
-        rid = f"td-{stamp}-{n}"
-        if not exists(join(storage.root, DIR, f"{rid}.json")):
-            return rid
+        request = {**request, "id": f"td-{stamp}-{n}"}
+        if write_signed(join(storage.root, DIR, f"{request['id']}.json"), "request", request, exclusive=True):
+            return request
     raise TakedownError("more than 999 takedown requests in one second")
 
 
