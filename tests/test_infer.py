@@ -194,6 +194,14 @@ def test_eval_command_reports_accuracy_and_heldout_bits_per_byte_and_refuses_a_b
     with open(out["output"]) as f:
         assert json.load(f)["acc"] == out["acc"]
     assert os.path.exists(os.path.join(os.path.dirname(out["output"]), "record.json"))
+    from test_openlineage import check_event
+
+    with open(os.path.join(os.path.dirname(out["output"]), "openlineage.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    assert [e["eventType"] for e in events] == ["START", "COMPLETE"] and events[0]["job"]["name"].startswith("eval.")
+    assert {d["name"] for d in events[0]["inputs"]} >= {exported, TASK, str(tmp_path / "held")}
+    for e in events:
+        check_event(e)
     # Every item as it was judged (lm-evaluation-harness's --log_samples): the mean of its acc is the summary's.
     with open(out["samples"]) as f:
         judged = [json.loads(line) for line in f]
@@ -255,6 +263,14 @@ def test_generate_command_writes_a_completion_per_prompt(tmp_path, exported, joi
     assert out["prompts"] == 2 and 0 < out["tokens"] <= 16 and out["tokens_per_s"] > 0
     assert out["dollars_per_million_tokens"] is not None and out["node_hours"] > 0
     assert os.path.exists(os.path.join(os.path.dirname(out["output"]), "record.json"))
+    from test_openlineage import check_event
+
+    with open(os.path.join(os.path.dirname(out["output"]), "openlineage.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    assert [e["eventType"] for e in events] == ["START", "COMPLETE"] and events[0]["job"]["name"].startswith("eval.")
+    assert {d["name"] for d in events[0]["inputs"]} >= {exported, TASK, str(tmp_path / "held")}
+    for e in events:
+        check_event(e)
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     with open(json.loads(again.stdout.strip().splitlines()[-1])["output"]) as f:
         assert [json.loads(line) for line in f] == lines  # greedy: the same text

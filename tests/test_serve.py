@@ -587,6 +587,13 @@ def test_sigterm_stops_the_server_and_its_record_counts_what_it_served(server, t
     assert summary["dollars_per_million_tokens"] is not None
     record = json.loads(Path(summary["record"]).read_text())
     assert record["kind"] == "serve" and record["figures"]["requests"] == summary["requests"]
+    from test_openlineage import check_event
+
+    events = [json.loads(line) for line in (Path(summary["record"]).parent / "openlineage.jsonl").read_text().splitlines()]
+    assert [e["eventType"] for e in events] == ["START", "COMPLETE"]  # a server's SIGTERM is its normal end
+    assert events[0]["job"]["facets"]["jobType"]["processingType"] == "STREAMING" and events[0]["inputs"]
+    for e in events:
+        check_event(e)
     from strata.report import runs_table
 
     assert "requests" in runs_table([record])
