@@ -104,7 +104,7 @@ def _main(cmd: Command) -> dict:
                         "has the ingress replica listen on --port itself; proxy puts Serve's HTTP proxy there; "
                         "ha-proxy is Ray's HAProxy mode, on every interface, only with a token")
     add_config_arguments(parser, ScoreConfig)
-    add_config_arguments(parser, ServeConfig, skip=("tier",))
+    add_config_arguments(parser, ServeConfig, skip=("tier", "allow_tainted"))  # --allow-tainted is every command's
     add_openlineage(parser)
     args = parser.parse_args(cmd.argv)
     use_openlineage(args)
@@ -242,7 +242,7 @@ def _serve(args, parser) -> dict:
     from infer.serve import ServeConfig, model_specs, serve_models
 
     try:
-        cfg = ServeConfig(**overrides(args, ServeConfig))
+        cfg = ServeConfig(**{**overrides(args, ServeConfig), "allow_tainted": args.allow_tainted})
         specs = model_specs(args.model, args.models_file)
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))

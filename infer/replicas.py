@@ -33,7 +33,7 @@ def _load(spec: str, root: str, device: str, limits: ServeConfig, pool) -> tuple
     from strata.chat import DEFAULT_TEMPLATE, compile_template
     from strata.storage import Storage
 
-    model = resolve(spec, Storage(root), allow_tainted=None)  # the driver (or the application's builder) checked it
+    model = resolve(spec, Storage(root), allow_tainted=limits.allow_tainted)  # a tainted model: refused, or its use recorded
     template = compile_template(model.chat_template or DEFAULT_TEMPLATE)
     net, tok = model.build(device)
     return model.source, Engine(net, tok, pool=pool, device=device, max_batch_tokens=limits.max_batch_tokens,

@@ -52,6 +52,9 @@ class ServeConfig:
     """How long a request's body may take to arrive once its headers have; past it the answer is 408."""
     follow_s: float = 10.0
     """How often a RUN@latest model looks for a newer checkpoint."""
+    allow_tainted: bool = False
+    """Serve a model a takedown tainted (train/taint.py) anyway; each replica that loads it records the use.
+    Otherwise a replica refuses to load it (and `infer serve` refuses before it starts)."""
 
     def __post_init__(self):
         if self.tier not in (tiers.Tier.CPU, tiers.Tier.GPU):

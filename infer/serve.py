@@ -135,7 +135,8 @@ def serve_models(specs: dict[str, str], cfg: ServeConfig, storage, name: str, *,
 
     sources = {}
     for n, spec in specs.items():  # on the driver, weights unread: a bad --model fails before anything starts
-        sources[n] = check(spec.removesuffix("@latest"), storage, "--model", allow_tainted)
+        # a tainted model refused here, in one line (allowed: each replica that loads it records the use)
+        sources[n] = check(spec.removesuffix("@latest"), storage, "--model", None if allow_tainted else False)
     out = storage.servings(name)
     with Job("serve", name, storage, holds=out, what=f"serving {name}") as job:
         job.connect(address=address, quiet=True, log_to_driver=False)
@@ -332,19 +333,19 @@ def app(args: dict):
     """Ray Serve's application builder, for a Serve config (a RayService's serveConfigV2, `serve deploy`):
     `import_path: infer.serve:app` with args `models` ({name: spec}), `storage` (the root; default
     $STRATA_STORAGE), `config` (ServeConfig's fields), `name` (the serving's name: each ingress replica writes
-    its record under servings/NAME/replicas/ as it stops; default `rayservice`), `token_sha256`, the SHA-256
+    its record under servings/NAME/replicas/ as it stops; default `rayservice`) and `token_sha256`, the SHA-256
     of the bearer token clients send (`printf %s "$TOKEN" | sha256sum`): such a server listens beyond
-    loopback, so it is required; and `allow_tainted` (default false): serve a model a takedown tainted.
+    loopback, so it is required. A model a takedown tainted is refused by each replica as it loads it,
+    unless config's `allow_tainted`.
     """
     import re
 
-    from infer.model import check
     from strata.storage import Storage, check_name
 
-    unknown = set(args) - {"models", "storage", "config", "token_sha256", "name", "allow_tainted"}
+    unknown = set(args) - {"models", "storage", "config", "token_sha256", "name"}
     if unknown:
         raise ValueError(f"infer.serve:app: unknown args {sorted(unknown)} (models, storage, config, name, "
-                         "token_sha256, allow_tainted)")
+                         "token_sha256)")
     name = check_name(str(args.get("name", "rayservice")), "infer.serve:app's name")
     digest = str(args.get("token_sha256", ""))
     if not re.fullmatch(r"[0-9a-f]{64}", digest):
@@ -357,9 +358,6 @@ def app(args: dict):
     if not isinstance(models, dict) or not models:
         raise ValueError("infer.serve:app needs models: {name: RUN[@STEP|@latest] or an exported directory}")
     specs = model_specs([f"{n}={s}" for n, s in models.items()], None)
-    storage = Storage.from_env(args.get("storage"))
-    root = storage.root
-    for spec in specs.values():  # a tainted model is refused here, as `infer serve` refuses it
-        check(spec.removesuffix("@latest"), storage, "models", args.get("allow_tainted") is True)
+    root = Storage.from_env(args.get("storage")).root
     return build(specs, root, ServeConfig(**args.get("config", {})), digest,
                  record={"root": root, "name": name, "models": specs})
