@@ -69,6 +69,11 @@ class ReadConfig:
     """A file still unreadable after every retry: `fail` (the run fails, nothing is committed) or `defer`
     (the version is published without it, and it is not recorded as consumed: the next run reads it)."""
 
+    warc_library: str = "fastwarc"
+    """What parses WARC and WET files (.warc.gz, .warc.wet.gz): `fastwarc` or `warcio`."""
+    html_extractor: str = "resiliparse"
+    """What takes a WARC page's main text from its HTML: `resiliparse` or `trafilatura` (bench.peer --workload
+    web measures both)."""
     license: str = ""
     """The license under which this run's inputs may be used (an SPDX id such as CC-BY-4.0, or words): recorded
     in the version, for each model's training-content summary (`strata lineage summary`)."""
@@ -79,6 +84,11 @@ class ReadConfig:
     recorded in the version."""
 
     def __post_init__(self):
+        from strata.web import EXTRACTORS, WARC_LIBRARIES
+
+        if self.warc_library not in WARC_LIBRARIES or self.html_extractor not in EXTRACTORS:
+            raise ValueError(f"--warc-library is one of {', '.join(WARC_LIBRARIES)}; --html-extractor one of "
+                             f"{', '.join(EXTRACTORS)}")
         if self.origin not in ORIGINS:
             raise ValueError(f"--origin {self.origin!r}: one of {', '.join(o for o in ORIGINS if o)}")
         if self.txt_documents not in ("file", "blank-line"):
@@ -104,6 +114,10 @@ def describe(path: str) -> tuple[str, str]:
         return "json", compression
     if base.endswith(".parquet"):
         return "parquet", compression
+    if base.endswith(".wet"):  # Common Crawl's CC-MAIN-....warc.wet.gz
+        return "wet", compression
+    if base.endswith(".warc"):
+        return "warc", compression
     return "text", compression
 
 
@@ -462,6 +476,9 @@ def _read_once(f: dict, cfg: ReadConfig) -> Iterator[dict]:
         if kind == "parquet":
             yield from _parquet(f, cfg)
             return
+        if kind in ("warc", "wet"):
+            yield from _web(f, cfg, kind)
+            return
         stream = open_stream(path, max(0, f["start"] - 1))
         with stream:
             if kind in ("jsonl", "json"):
@@ -480,6 +497,26 @@ def _read_once(f: dict, cfg: ReadConfig) -> Iterator[dict]:
             "a local path must be on every cpu-tier node (a shared filesystem), or give a URI", path) from e
     except OSError as e:  # a reset, a timeout, throttling: not the file's fault, so never recorded as read
         raise InputUnreadable(f"reading {path} failed: {e}", path) from e
+
+
+def _web(f: dict, cfg: ReadConfig, kind: str) -> Iterator[dict]:
+    """A WARC or WET file's records (strata/web.py): gzip members one by one, so damage costs one record."""
+    from strata.web import documents
+
+    path = f["path"]
+    compression = describe(path)[1]
+    if compression == "gz":  # each record its own member, as Common Crawl ships them
+        fs, p = filesystem(path)
+        stream = io.BufferedReader(_Raw(fs.open_input_file(p)), buffer_size=1 << 20)
+    else:
+        stream = open_stream(path)
+    with stream:
+        for status, row in documents(stream, path, kind, library=cfg.warc_library, extractor=cfg.html_extractor,
+                                     limit=cfg.max_record_bytes, compressed=compression == "gz"):
+            if status == "ok":
+                yield {**_row(row["doc_id"], row["text"]), "meta": row["meta"]}
+            else:
+                yield _row(row["doc_id"], "", "rejected", status, row["sample"])
 
 
 class InputUnreadable(OSError):

@@ -1,0 +1,167 @@
+"""Web crawls into tier 1 (strata/web.py): WARC and WET files built here with warcio's writer, as Common Crawl
+ships them (a gzip member a record), with damage planted; pages of known main text inside realistic
+boilerplate, for the extractors."""
+
+import gzip
+import io
+import random
+from collections import Counter
+
+import pytest
+
+from strata.sources import ReadConfig, documents
+
+MENU = ["Home", "Products", "Pricing", "Blog", "Careers", "Contact us", "Sign in", "Search"]
+FOOTER = ("Copyright 2026 Example Media Group. All rights reserved. Privacy policy · Terms of service · "
+          "Cookie settings · Accessibility · Sitemap")
+COOKIES = ("We use cookies to improve your experience, analyse traffic and personalise ads. By clicking "
+           "Accept all you agree to our use of cookies. Accept all Reject Manage preferences")
+WORDS = ["river", "market", "garden", "engine", "winter", "signal", "harbor", "lantern", "orbit", "meadow", "canyon", "ledger", "summit", "copper", "violet", "thunder", "pepper", "marble", "falcon", "ember"]
+
+
+def article(seed: int, paragraphs: int = 5) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 70))).capitalize() + "."
+            for _ in range(paragraphs)]
+
+
+def page(title: str, paragraphs: list[str], related: int = 6) -> str:
+    """An HTML page as news and blog sites make them: navigation, a cookie banner, a sidebar of links and
+    a footer around the article."""
+    nav = "".join(f'<li><a href="/{m.lower()}">{m}</a></li>' for m in MENU)
+    side = "".join(f'<li><a href="/story/{i}">Related story number {i}: read more</a></li>' for i in range(related))
+    body = "".join(f"<p>{p}</p>" for p in paragraphs)
+    return (f"<!DOCTYPE html><html><head><title>{title} | Example News</title><meta charset='utf-8'>"
+            "<script>window.dataLayer=[];function gtag(){dataLayer.push(arguments)}</script>"
+            f"<style>body{{font-family:sans-serif}}</style></head><body>"
+            f'<div id="cookie-banner" class="cookie-consent"><p>{COOKIES}</p></div>'
+            f'<header><nav class="menu"><ul>{nav}</ul></nav></header>'
+            f'<main><article><h1>{title}</h1>{body}</article></main>'
+            f'<aside class="sidebar"><h3>Most read</h3><ul>{side}</ul></aside>'
+            f'<footer><p>{FOOTER}</p><ul>{nav}</ul></footer></body></html>')
+
+
+def div_page(title: str, paragraphs: list[str], related: int = 6) -> str:
+    """The same, as older sites build it: divs and classes only, share buttons and a newsletter box inside
+    the post, comments below it."""
+    nav = " | ".join(f'<a href="/{m.lower()}">{m}</a>' for m in MENU)
+    side = "".join(f'<div class="item"><a href="/p/{i}">You may also like: post {i}</a></div>' for i in range(related))
+    body = "".join(f'<div class="para">{p}</div>' for p in paragraphs)
+    return (f"<html><head><title>{title}</title></head><body><div id='top'><div class='logo'>Example</div>"
+            f"<div class='menu'>{nav}</div></div><div class='cookie'>{COOKIES}</div>"
+            f"<div id='wrapper'><div class='content'><div class='post'><div class='post-title'>{title}</div>"
+            "<div class='share'>Share on Facebook Share on X Email this</div>"
+            f"<div class='post-body'>{body}</div>"
+            "<div class='newsletter'>Subscribe to our newsletter for weekly updates. Enter your email Subscribe</div>"
+            "</div><div class='comments'><div class='comment'>Great post, thanks!</div>"
+            "<div class='comment'>First!</div></div></div>"
+            f"<div class='sidebar'>{side}</div></div><div class='bottom'>{FOOTER}</div></body></html>")
+
+
+def _record(writer, uri: str, kind: str, payload: bytes, content_type: str = "text/html; charset=utf-8"):
+    from warcio.statusandheaders import StatusAndHeaders
+
+    if kind == "response":
+        http = StatusAndHeaders("200 OK", [("Content-Type", content_type)], protocol="HTTP/1.1")
+        return writer.create_warc_record(uri, "response", payload=io.BytesIO(payload), http_headers=http)
+    return writer.create_warc_record(uri, kind, payload=io.BytesIO(payload), warc_content_type=content_type)
+
+
+def write_warc(path, pages: dict[str, str], *, damage: bool = False) -> None:
+    """A WARC of `pages` (url -> html): a warcinfo, and per page a request and a response; then a PNG, a page
+    whose bytes its charset cannot decode, a metadata record. With `damage`: garbage between two members, a
+    member cut short, a record whose header is not WARC's."""
+    from warcio.warcwriter import WARCWriter
+
+    out = io.BytesIO()
+    writer = WARCWriter(out, gzip=True)
+    writer.write_record(writer.create_warcinfo_record("test.warc.gz", {"software": "strata tests"}))
+    for url, html in pages.items():
+        writer.write_record(_record(writer, url, "request", f"GET {url} HTTP/1.1\r\n\r\n".encode(),
+                                    "application/http; msgtype=request"))
+        writer.write_record(_record(writer, url, "response", html.encode()))
+    writer.write_record(_record(writer, "https://example.com/logo.png", "response", b"\x89PNG\r\n\x1a\n" + bytes(64),
+                                "image/png"))
+    writer.write_record(_record(writer, "https://example.com/bad", "response", b"<p>caf\xe9 \xff\xfe</p>" * 20,
+                                "text/html; charset=utf-8"))
+    writer.write_record(_record(writer, "https://example.com/", "metadata", b"fetchTimeMs: 12\r\n",
+                                "application/warc-fields"))
+    data = out.getvalue()
+    if damage:
+        bad_header = gzip.compress(b"NOT/1.0 A WARC HEADER\r\nwhatever: yes\r\n\r\nbody\r\n\r\n")
+        cut = gzip.compress(b"WARC/1.0\r\nWARC-Type: response\r\n" + b"x" * 5000)
+        last = gzip.compress(b"")  # an empty member, then a last page after it all
+        tail = io.BytesIO()
+        w2 = WARCWriter(tail, gzip=True)
+        w2.write_record(_record(w2, "https://example.com/after-damage", "response",
+                                page("After the damage", article(99)).encode()))
+        data = data + b"garbage between members" + bad_header + cut[: len(cut) // 2]
+        data = data + tail.getvalue() + last
+    path.write_bytes(data)
+
+
+def write_wet(path, texts: dict[str, str]) -> None:
+    from warcio.warcwriter import WARCWriter
+
+    out = io.BytesIO()
+    writer = WARCWriter(out, gzip=True)
+    writer.write_record(writer.create_warcinfo_record("test.warc.wet.gz", {"software": "strata tests"}))
+    for url, text in texts.items():
+        writer.write_record(_record(writer, url, "conversion", text.encode(), "text/plain"))
+    path.write_bytes(out.getvalue())
+
+
+def overlap(extracted: str, truth: str) -> tuple[float, float]:
+    """(recall, precision) of the words of `extracted` against `truth`, as multisets."""
+    got, want = Counter(extracted.lower().split()), Counter(truth.lower().split())
+    common = sum((got & want).values())
+    return common / max(1, sum(want.values())), common / max(1, sum(got.values()))
+
+
+@pytest.mark.parametrize("library", ["fastwarc", "warcio"])
+def test_a_warc_gives_its_html_pages_and_accounts_for_every_other_record(tmp_path, library):
+    pages = {f"https://example.com/news/{i}": page(f"Story {i}", article(i)) for i in range(3)}
+    path = tmp_path / "crawl.warc.gz"
+    write_warc(path, pages, damage=True)
+    rows = list(documents([str(path)], ReadConfig(warc_library=library)))
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert [r["meta"]["url"] for r in ok] == [*pages, "https://example.com/after-damage"]  # read past the damage
+    reasons = Counter(r["reason"] for r in rows if r["status"] != "ok")
+    assert reasons == {"not-a-document": 5, "not-html": 1, "undecodable-charset": 1, "truncated-record": 2,
+                       "bad-record-header": 1}, reasons
+    assert all(r["meta"]["date"] and r["meta"]["record_id"].startswith("<urn:uuid:") for r in ok)
+    offsets = [int(r["doc_id"].rpartition(":")[2]) for r in rows]
+    assert offsets == sorted(offsets) and len(set(offsets)) == len(rows)  # a record's place: its member's offset
+    data = path.read_bytes()
+    assert all(data[o:o + 3] == b"\x1f\x8b\x08" for o, r in zip(offsets, rows, strict=True)
+               if r["reason"] != "truncated-record")
+
+
+@pytest.mark.parametrize("extractor", ["resiliparse", "trafilatura"])
+def test_extraction_keeps_the_article_and_drops_the_boilerplate(tmp_path, extractor):
+    pages, truth = {}, {}
+    for i in range(8):
+        paragraphs = article(100 + i, paragraphs=3 + i % 4)
+        url = f"https://example.com/post/{i}"
+        layout = page if i % 2 else div_page
+        pages[url], truth[url] = layout(f"Post {i}", paragraphs, related=4 + i), f"Post {i} " + " ".join(paragraphs)
+    path = tmp_path / "pages.warc.gz"
+    write_warc(path, pages)
+    got = {r["meta"]["url"]: r["text"] for r in documents([str(path)], ReadConfig(html_extractor=extractor))
+           if r["status"] == "ok"}
+    assert set(got) == set(pages)
+    scores = [overlap(got[u], truth[u]) for u in pages]
+    recall = sum(r for r, _ in scores) / len(scores)
+    precision = sum(p for _, p in scores) / len(scores)
+    print(f"{extractor}: recall {recall:.3f}, precision {precision:.3f}")
+    assert recall >= 0.9 and precision >= 0.9, (recall, precision)
+    assert not any("sign in" in t.lower() or "you may also like" in t.lower() for t in got.values())  # menus, links
+
+
+def test_a_wet_gives_its_conversion_records(tmp_path):
+    texts = {f"https://example.org/{i}": " ".join(article(i, 2)) for i in range(4)}
+    path = tmp_path / "crawl.warc.wet.gz"
+    write_wet(path, texts)
+    rows = list(documents([str(path)]))
+    assert [(r["meta"]["url"], r["text"]) for r in rows if r["status"] == "ok"] == list(texts.items())
+    assert Counter(r["reason"] for r in rows if r["status"] != "ok") == {"not-a-document": 1}
