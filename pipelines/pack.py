@@ -121,7 +121,7 @@ class Outcomes:
         return Tally(kept=self.counts[("kept", "")], filtered=by["filtered"], rejected=by["rejected"],
                      samples={k: tuple(v) for k, v in self.samples.items()},
                      languages=dict(self.tallies.get("language", {})),
-                     contaminated_by=dict(self.tallies.get("contaminated", {})))
+                     contaminated_by=dict(self.tallies.get("contaminated", {})), pii=dict(self.tallies.get("pii", {})))
 
 
 def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, seen: Outcomes, clock: StageClock,
@@ -148,10 +148,12 @@ def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, seen: O
                 text = normalize(rec["text"], ccfg)
                 listed = forgotten is not None and (_listed(forgotten["keys"], rec["doc_id"], text) or near is not None
                                                     and _holds(forgotten["near"], bands := near.band_keys(near.signature(text))))
-                reason = "forgotten" if listed else quality.reason(text)
+                reason = "forgotten" if listed else quality.url_reason(rec.get("meta")) or quality.reason(text)
                 status = "filtered" if reason else "kept"
+                if status == "kept" and (formatted := quality.formatted(text)) != text:  # --pii: replaced
+                    text, bands = formatted, None
                 if near is not hasher:
-                    bands = None  # another hasher's: the run signs the document itself
+                    bands = None  # another hasher's (or of the text before --pii): the run signs the document
             clock.lap("clean")
             if status == "kept":
                 seen.counts[("kept", "")] += 1

@@ -61,6 +61,8 @@ class Tally:
     """With --languages: documents the language rule scored, by detected language."""
     contaminated_by: Mapping[str, int] = field(default_factory=dict)
     """With --decontaminate: documents filtered as contaminated, by the evaluation file that caught them."""
+    pii: Mapping[str, int] = field(default_factory=dict)
+    """With --pii: replacements in the text kept, by kind (email, ip)."""
     deferred: Mapping[str, str] = _merge(lambda a, b: {**a, **b})
     """Input files left out (--unreadable defer), with why."""
 
@@ -205,6 +207,8 @@ def summary_table(t: Tally, seconds: float, *, cpus: float, total_bytes: int, sh
         # With --languages: the documents the language rule scored, by detected language (kept or not).
         "documents_by_language": _most_first(t.languages),
         "contaminated_by_file": _most_first(t.contaminated_by),
+        # With --pii: what was replaced in the text kept, by kind.
+        "pii_replaced": dict(t.pii),
         # With --quality-model: the rule, its threshold, the documents it filtered, scores computed and reused.
         "quality": quality or {},
         # Per evaluation file: its records, n-grams (whole short items among them) and the documents it caught.
@@ -239,6 +243,8 @@ def format_table(stats: dict) -> str:
     lines += [f"{'  rejected':<28}{d['rejected']:>14,}"]
     lines += [f"{'    ' + k:<28}{v:>14,}" for k, v in sorted(stats["rejected_by_reason"].items())]
     lines += [f"{'  unpacked (carried on)':<28}{d.get('unpacked', 0):>14,}"]
+    if stats.get("pii_replaced"):
+        lines += ["personal data replaced (--pii)"] + [f"{'  ' + k:<28}{v:>14,}" for k, v in stats["pii_replaced"].items()]
     if stats.get("documents_by_language"):
         lines += ["documents by language"] + [f"{'  ' + k:<28}{v:>14,}" for k, v in stats["documents_by_language"].items()]
     if q := stats.get("quality"):

@@ -165,3 +165,68 @@ def test_a_wet_gives_its_conversion_records(tmp_path):
     rows = list(documents([str(path)]))
     assert [(r["meta"]["url"], r["text"]) for r in rows if r["status"] == "ok"] == list(texts.items())
     assert Counter(r["reason"] for r in rows if r["status"] != "ok") == {"not-a-document": 1}
+
+
+def test_finewebs_line_rules_each_count_under_their_name():
+    from pipelines.clean import CleanConfig, QualityFilter
+
+    q = QualityFilter(CleanConfig(min_punct_line_fraction=0.12, max_short_line_fraction=0.67,
+                                  max_duplicate_line_char_fraction=0.1))
+    prose = "\n".join(" ".join(article(i, 1)) for i in range(6))
+    assert q.reason(prose) == ""
+    menu = "\n".join(f"{w} and more {w} items here for you" for w in WORDS[:12])  # long lines, no full stops
+    assert q.reason(menu) == "fineweb-punctuation-lines"
+    short = "\n".join(["A short line."] * 2 + [f"Item {i}." for i in range(8)] + [" ".join(article(1, 1))])
+    assert q.reason(short) == "fineweb-short-lines"
+    repeated = prose + "\n" + "\n".join([" ".join(article(7, 1))] * 3)
+    assert q.reason(repeated) == "fineweb-duplicate-line-chars"
+    assert q.counts() == {"fineweb-punctuation-lines": 1, "fineweb-short-lines": 1, "fineweb-duplicate-line-chars": 1}
+
+
+def test_the_url_blocklist_takes_domains_with_their_subdomains_and_whole_words(tmp_path):
+    from pipelines.clean import UrlBlocklist
+
+    (tmp_path / "block.txt").write_text("# adult and spam\nspam-example.com\ncasino\n")
+    b = UrlBlocklist.load(str(tmp_path / "block.txt"))
+    assert b.blocks("https://spam-example.com/a") and b.blocks("http://www.SPAM-example.com/")
+    assert b.blocks("https://news.example.org/best-casino-bonus")
+    assert not b.blocks("https://news.example.org/casinorama") and not b.blocks("https://notspam-example.com/")
+    assert not b.blocks("not a url at all [")
+
+
+def test_pii_formatting_replaces_emails_and_public_addresses_only():
+    from pipelines.clean import EMAIL_STANDIN, IP_STANDIN, format_pii
+
+    text = ("Write to jane.doe+news@mail.example.org or ops@example.co.uk; the server is 8.8.4.4, the router "
+            "192.168.1.1, this host 127.0.0.1, and version 1.2.3.4.5 is not an address.")
+    out, counts = format_pii(text)
+    assert counts == {"email": 2, "ip": 2}  # 1.2.3.4 inside the version string is a public address too
+    assert out.count(EMAIL_STANDIN) == 2 and "8.8.4.4" not in out and IP_STANDIN in out
+    assert "192.168.1.1" in out and "127.0.0.1" in out
+
+
+@pytest.mark.ray
+def test_a_crawl_becomes_a_dataset_with_the_web_preset(tmp_path, monkeypatch):
+    from conftest import ensure_local_ray
+
+    from pipelines.config import web
+    from pipelines.driver import run
+    from strata.storage import Storage
+
+    ensure_local_ray()
+    pages = {f"https://news.example.org/story/{i}": page(f"Story {i}", article(300 + i, 6)) for i in range(6)}
+    pages["https://spam-example.com/win"] = page("Win", article(400, 6))
+    pages["https://news.example.org/contact"] = page("Contact", [
+        "Write to the desk at desk@news.example.org or call our office; the newsroom's server is at 8.8.4.4 "
+        + " ".join(article(500, 1)), *article(501, 5)])
+    path = tmp_path / "crawl" / "CC-MAIN-test.warc.gz"
+    path.parent.mkdir()
+    write_warc(path, pages, damage=True)
+    (tmp_path / "block.txt").write_text("spam-example.com\n")
+    out = run(web("crawl", read={"inputs": (str(path.parent),)}, clean={"url_blocklist": str(tmp_path / "block.txt")},
+                  pack={"seq_len": 128, "validation_fraction": 0.0}), Storage(str(tmp_path / "root")))
+    stats = out["stats"]
+    assert stats["documents"]["kept"] == 8 - 1 and stats["filtered_by_rule"] == {"url-blocklist": 1}, stats
+    assert stats["rejected_by_reason"] == {"not-a-document": len(pages) + 2, "not-html": 1, "undecodable-charset": 1,
+                                           "truncated-record": 2, "bad-record-header": 1}
+    assert stats["pii_replaced"] == {"email": 1, "ip": 1}
