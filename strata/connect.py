@@ -196,6 +196,26 @@ def _join_early() -> dict | None:
     return box
 
 
+def _join_auth() -> None:
+    """A driver joining a cluster by address speaks token auth when it holds a token and nothing says
+    otherwise (RAY_AUTH_MODE): RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH names, or the one `strata head
+    start` made (~/.strata/ray-token). Without it a head with token auth answers only after Ray's 20 s of
+    retries, with an error (measured: `RAY_ADDRESS=... python -m pipelines.preprocess` against `strata head`)."""
+    if os.environ.get("RAY_AUTH_MODE"):
+        return
+    if os.environ.get("RAY_AUTH_TOKEN", "").strip() or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        os.environ["RAY_AUTH_MODE"] = "token"
+    elif os.path.isfile(path := os.path.expanduser("~/.strata/ray-token")):
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=path)
+    else:
+        return
+    # Ray reads its config from the environment when it is imported: read it again (as Ray's own tests do).
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
 def connect(*, address: str | None = None, num_cpus: int | None = None,
             temp_dir: str | None = None, log_to_driver: bool = True, dashboard: bool = True,
             preload: tuple[str, ...] = (), quiet: bool = False) -> str:
@@ -230,6 +250,7 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
         # The cluster's key is a file provisioned on its nodes (never sent in a runtime env, which every token
         # holder reads): a driver that finds none refuses, rather than sign with a key nobody else holds.
         signing.require_key(f"the Ray cluster at {address}")
+        _join_auth()
         ray.init(address=address, log_to_driver=log_to_driver,
                  logging_level=logging.WARNING if quiet else logging.INFO)
         stop_on_sigterm()

@@ -82,8 +82,9 @@ def head(storage_root):
     line = readme_command(".venv/bin/strata head start")
     temp = tempfile.mkdtemp(prefix="rayj-", dir="/tmp")
     env = {**_head_env(temp), "HOME": temp}
-    proc, address = _strata_head(line, env)
-    yield {"address": address, "env": env}
+    out, address = _strata_head(line, env)
+    gcs = re.search(r"GCS (\S+),", out.stderr + out.stdout).group(1)
+    yield {"address": address, "env": env, "gcs": gcs}
     _strata(["head", "stop"], env)
     remove_ray_dir(temp)
 
@@ -264,6 +265,19 @@ def _job(head, command, *args, env=None):
 
 
 @pytest.mark.ray
+@pytest.mark.ray
+def test_preprocess_with_ray_address_joins_the_running_head_and_starts_no_ray(head, corpus, tmp_path):
+    """A scheduled job on a machine with a head up: RAY_ADDRESS is all it sets (the head's token is found as
+    the head found it, and token auth is spoken without RAY_AUTH_MODE)."""
+    env = {k: v for k, v in head["env"].items() if k != "RAY_AUTH_MODE"}
+    env.update(RAY_ADDRESS=head["gcs"], STRATA_STORAGE=str(tmp_path / "root"))
+    out = subprocess.run([sys.executable, "-m", "pipelines.preprocess", "--input", corpus["path"], "--dataset",
+                          "joined", "--json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"joined Ray cluster at {head['gcs']}" in out.stderr and "started embedded" not in out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["version"] == "v0001"
+
+
 def test_submitted_preprocessing_job_succeeds_and_commits_a_version(head, corpus, storage_root):
     runtime_env = {"env_vars": {"STRATA_STORAGE": storage_root}, "excludes": [".git/", "strata-data/"]}
     out = _job(head, "submit", "--working-dir", ".", "--submission-id", "strata-test-preprocess",
