@@ -281,12 +281,12 @@ class Preprocess:
         self.forget = self.forget_list()
 
     def begin(self) -> None:
-        """The run's record (run.json), and its OpenLineage START event (to _strata/openlineage/TAG.jsonl in the
-        dataset: a failed run's own directory goes, its events stay)."""
+        """The run's record (run.json), and its OpenLineage START event (to _strata/openlineage/TAG-RUNID.jsonl in
+        the dataset: a failed run's own directory goes, its events stay; a rerun of the same work has its own)."""
         write_json_atomic(join(self.staging, "run.json"), self.job.begin({**asdict(self.cfg), "run_id": self.run_id}))
         self.job.lineage([lineage_dataset(p) for p in self.cfg.read.inputs],
                          [lineage_dataset(self.storage.dataset(self.cfg.dataset))],
-                         path=join(self.storage.dataset(self.cfg.dataset), "_strata", "openlineage", f"{self.tag}.jsonl"))
+                         path=join(self.storage.dataset(self.cfg.dataset), "_strata", "openlineage", f"{self.tag}-{{run}}.jsonl"))
 
     def forget_list(self) -> dict | None:
         """The dataset's forget list (pipelines/forget.py) in the object store, for pass 1; None without one."""

@@ -56,10 +56,10 @@ class Emitter:
                  url: str | None = None, streaming: bool = False):
         from strata import __version__
 
-        self.kind, self.name, self.path = kind, name, path
+        self.run_id = str(uuid.uuid4())
+        self.kind, self.name, self.path = kind, name, path.replace("{run}", self.run_id)  # a path may name the run
         self.inputs, self.outputs = inputs, outputs
         self.url = (url if url is not None else os.environ.get(URL_ENV, "")).rstrip("/")
-        self.run_id = str(uuid.uuid4())
         self.namespace = os.environ.get(NAMESPACE_ENV, "strata")
         self.job_facets = {"jobType": _facet("2-0-4/JobTypeJobFacet.json#/$defs/JobTypeJobFacet",
                                              processingType="STREAMING" if streaming else "BATCH",

@@ -5,12 +5,14 @@ same shards, as an undisturbed run. The driver killed mid-run: no version is
 visible, and rerunning the same command produces a correct version.
 """
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from conftest import REPO, kill_node, make_corpus, simulated_cluster
@@ -124,5 +126,9 @@ def test_a_rerun_after_a_kill_redoes_only_the_unfinished_units(crash_env, point)
     assert _shards(storage, rerun) == _shards(storage, ref)  # the very same rows, in the same shards
     files = resolve(storage, f"{name}@{rerun['version']}").manifest.files  # _strata/<tag>: no other run's files
     tag = files.removeprefix("_strata/")
-    assert [f"{d}/{t}" for d in ("_strata", "data") for t in os.listdir(os.path.join(storage.dataset(name), d))] == [
-        files, f"data/{tag}"]
+    assert [f"{d}/{t}" for d in ("_strata", "data") for t in os.listdir(os.path.join(storage.dataset(name), d))
+            if t != "openlineage"] == [files, f"data/{tag}"]
+    # The killed run's OpenLineage events end at its START (no end: it was killed); the rerun's say COMPLETE.
+    events = os.path.join(storage.dataset(name), "_strata", "openlineage")
+    ends = sorted(json.loads(Path(events, f).read_text().splitlines()[-1])["eventType"] for f in os.listdir(events))
+    assert ends == ["COMPLETE", "START"] and all(f.startswith(f"{tag}-") for f in os.listdir(events))
