@@ -198,8 +198,8 @@ def test_eval_command_reports_accuracy_and_heldout_bits_per_byte_and_refuses_a_b
 
     with open(os.path.join(os.path.dirname(out["output"]), "openlineage.jsonl")) as f:
         events = [json.loads(line) for line in f]
-    assert [e["eventType"] for e in events] == ["START", "COMPLETE"] and events[0]["job"]["name"].startswith("generate.")
-    assert {d["name"] for d in events[0]["inputs"]} == {exported, str(tmp_path / "p.jsonl")}
+    assert [e["eventType"] for e in events] == ["START", "COMPLETE"] and events[0]["job"]["name"].startswith("eval.")
+    assert {d["name"] for d in events[0]["inputs"]} == {exported, TASK, str(tmp_path / "held")}
     for e in events:
         check_event(e)
     # Every item as it was judged (lm-evaluation-harness's --log_samples): the mean of its acc is the summary's.
