@@ -288,15 +288,34 @@ def test_on_s3_a_request_finds_copies_near_copies_and_is_applied_and_marks_runs(
     words = (a / "doc004.txt").read_text().split()
     (b / "edited.txt").write_text(" ".join([*words[:-1], "changed."]))
     for name, where in (("alpha", a), ("beta", b)):
-        preprocess(debug(name, read={"inputs": (str(where),)}, pack={"validation_fraction": 0.2}), storage)
+        preprocess(debug(name, read={"inputs": (str(where),)}, pack={"validation_fraction": 0.0}), storage)  # all rows trained on
     copied = open_request(storage, reason="erasure on s3", source=str(a / "doc002.txt"))
     assert sorted(c["path"] for c in copied["copies"]) == sorted([str(a / "doc002.txt"), str(b / "copy.txt")])
     edited = open_request(storage, reason="edited copy on s3", source=str(a / "doc004.txt"), near=True)
     assert edited["near"] == [f"{b / 'edited.txt'}:0"]
     assert read(storage, copied["id"]) == copied
     assert [d["dataset"] for d in plan(storage, copied)["datasets"]] == ["alpha", "beta"]
-    assert sorted(apply(storage, copied["id"])["applied"]) == ["alpha@v0002", "beta@v0002"]
+    # A run on beta, in the object store: marked by apply, its summary and its retraining read from there.
+    from conftest import train_run
+
+    from train.config import TrainConfig
+    from train.model import preset
+    from train.summary import summary
+    from train.takedown import retraining
+
+    beta = resolve(storage, "beta")
+    tcfg = TrainConfig(max_steps=-(-beta.rows("train") // 4) + 1, batch_size=4, warmup_steps=1, eval_every=100,
+                       eval_batches=1, checkpoint_every_s=0)
+    train_run(preset("debug", n_layer=1, n_embd=32, n_head=2), tcfg, dataset=beta.ref, run_name="s3-run",
+              storage=storage, workers=1, use_gpu=False)
+    done = apply(storage, copied["id"])
+    assert sorted(done["applied"]) == ["alpha@v0002", "beta@v0002"]
+    assert [m["run"] for m in done["marked"]] == ["s3-run"]
     assert resolve(storage, "beta").manifest.forget["reason"] == f"takedown {copied['id']}: erasure on s3"
+    (source,) = summary(storage, "s3-run")["2 Data sources"]["2.6 Other sources of data"]
+    assert (source["dataset"], source["files"]) == ("beta", len(beta.manifest.inputs))
+    (again,) = retraining(storage, read(storage, copied["id"]))
+    assert again["run"] == "s3-run" and again["dataset"] == "beta" and "--max-steps" in again["command"]
 
     run_dir = storage.run("somebody")  # a run's marks and recorded uses, in the object store
     taint.mark(run_dir, copied, 3)

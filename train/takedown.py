@@ -1,18 +1,20 @@
-"""Takedown requests (`python -m strata takedown open | plan | apply | retrain | delete | status | report | list`): one request, recorded with an id and
-the time it was received, and every copy of its documents across the datasets under the root. It lives in
-train/ because where a document went runs through training's own data order (train/lineage.py).
+"""Takedown requests (`python -m strata takedown open | plan | apply | retrain | delete | status | report |
+list`): one request, recorded with an id and the time it was received, from every copy of its documents to
+the models retrained without them. It lives in train/ because where a document went runs through training's
+own data order (train/lineage.py).
 
-`open` takes what the requester gives: a file (`--source PATH`, its bytes digested as tier 1 digests its
-inputs), a digest (`--sha256 HEX`, a one-part file's `sha256sum`) or record ids (`--doc-ids FILE`, one
-`PATH:POSITION` a line). It looks in every version's manifest of every dataset for input files with that
-digest, under any path, and in every version's lineage for the documents read from them; record ids reach
-the other copies of their files the same way (the same bytes under another path hold the same record at
-the same position). The request is
-written to `takedowns/ID.json`, signed (strata.signing): `status` reads it back only when its signature
-verifies. `plan` finds, again, what is left: the datasets whose newest version holds the documents, the
-runs that trained on them from which step, their checkpoints, exports and uses; `apply` forgets them in
-each such dataset (`python -m pipelines.datasets forget`, one commit under each dataset's lease), and each
-commit is an event in the request's timeline; `report` gives each request's time to honor.
+- `open` takes what the requester gives: a file (`--source PATH`, its bytes digested as tier 1 digests its
+  inputs), a digest (`--sha256 HEX`) or record ids (`--doc-ids FILE`, `PATH:POSITION` a line). It finds every
+  input file with that digest under any path (every version's manifest), the documents lineage read from
+  them, every document with the same exact key (the same text in other bytes), and with `--near` every
+  document sharing a MinHash band with one of them (pipelines/near.py). The request is written to
+  `takedowns/ID.json`, signed (strata.signing), under an id no other request has.
+- `plan` finds, again, what is left: the datasets whose newest version holds the documents, the runs that
+  trained on them from which step, their checkpoints, exports and uses, and the command for each.
+- `apply` forgets them in each such dataset (`python -m pipelines.datasets forget`, one commit under each
+  dataset's lease) and marks the runs tainted (train/taint.py); `retrain` trains each again without them;
+  `delete` removes the tainted checkpoints and exports. Each step is an event in the request's timeline
+  (`status`); `report` gives each request's time to honor.
 """
 
 from __future__ import annotations
