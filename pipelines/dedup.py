@@ -180,6 +180,15 @@ class MinHasher:
         return keys
 
 
+def hasher_of(params: dict | None):
+    """The MinHasher of a dataset's dedup parameters (its manifest's `dedup.params`), or None when they are
+    not ones this code computes (another hash, or none recorded)."""
+    if not params or params.get("hash") != DedupConfig().params()["hash"]:
+        return None
+    return MinHasher(DedupConfig(shingle_words=params["shingle_words"], num_perm=params["num_perm"],
+                                 bands=params["bands"], rows=params["rows"]))
+
+
 class DedupIndex:
     """One slice of the global index (a Ray actor): for each key of this run in its slice of the 64-bit key
     space, the winning doc key and whether an earlier version holds the key.

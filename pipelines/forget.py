@@ -293,7 +293,8 @@ class Forget:
         parameters (the forget list's own, once it has near keys): pass 1 then drops an edited copy as
         `forgotten`, as near dedup would drop it, but for good, not only within the dedup window. (keys, the
         parameters); no keys when the parameters are not ones this code computes."""
-        from pipelines.near import band_keys, hasher_of, texts
+        from pipelines.dedup import hasher_of
+        from pipelines.near import band_keys, texts
 
         m = self.newest.manifest
         params = m.forgotten.get("near") or m.dedup.get("params")

@@ -19,21 +19,11 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from pipelines.dedup import hasher_of
 from strata.shell import log as _logger
 from strata.storage import Storage, list_dir
 
 _say = _logger("near").info
-
-
-def hasher_of(params: dict | None):
-    """The MinHasher of a dataset's dedup parameters (its manifest's `dedup.params`), or None when they are
-    not ones this code computes (another hash, or none recorded)."""
-    from pipelines.dedup import DedupConfig, MinHasher
-
-    if not params or params.get("hash") != DedupConfig().params()["hash"]:
-        return None
-    return MinHasher(DedupConfig(shingle_words=params["shingle_words"], num_perm=params["num_perm"],
-                                 bands=params["bands"], rows=params["rows"]))
 
 
 def band_keys(hasher, texts: Iterable[str]) -> set[int]:

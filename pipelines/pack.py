@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 
 from pipelines.clean import CleanConfig, QualityFilter, normalize
 from pipelines.dedup import DedupConfig, MinHasher, exact_key, hash64, key_range, shard_of
+from pipelines.dedup import hasher_of as dedup_hasher
 from pipelines.lineage import DocRuns, write_places, write_spans
 from pipelines.stats import SAMPLES_PER_REASON, Output, Tally, audit_sample
 from strata.connect import fetch_once
@@ -136,10 +137,8 @@ def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, seen: O
     forgotten = fetch_once(forget["ref"]) if forget else None
     near = None
     if forgotten is not None and len(forgotten["near"]):
-        from pipelines.near import hasher_of
-
         same = hasher is not None and forgotten["params"] == hasher.params
-        near = hasher if same else hasher_of(forgotten["params"])
+        near = hasher if same else dedup_hasher(forgotten["params"])
     for f in unit:
         for rec in read_file(f, rcfg):
             clock.lap("read")

@@ -15,11 +15,10 @@ object in `s3://BUCKET` (or gs://, ...) with its key as the name. A dataset vers
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import uuid
-
-from strata.shell import log as _logger
 
 URL_ENV = "STRATA_OPENLINEAGE_URL"
 NAMESPACE_ENV = "STRATA_OPENLINEAGE_NAMESPACE"
@@ -27,7 +26,7 @@ FILE = "openlineage.jsonl"
 PRODUCER = "urn:strata"  # a URI, as the spec asks; strata has no public home to point at
 SPEC = "https://openlineage.io/spec/2-0-2/OpenLineage.json"
 FACETS = "https://openlineage.io/spec/facets"
-_warn = _logger("openlineage").warning
+_warn = logging.getLogger("strata.openlineage").warning  # the `strata` logger's handler prints it
 
 
 def dataset(path: str, version: str | None = None) -> dict:
@@ -52,8 +51,9 @@ def _facet(schema: str, **fields) -> dict:
 class Emitter:
     """One run's events: `start`, then `complete` or `fail`, each to the file and to the URL."""
 
-    def __init__(self, kind: str, name: str, path: str, inputs: list[dict], outputs: list[dict],
+    def __init__(self, kind: str, name: str, path: str, inputs: list[dict], outputs: list[dict], write,
                  url: str | None = None, streaming: bool = False):
+        """`write(path, data)`: how the events file is written (the storage layer's atomic write)."""
         from strata import __version__
 
         self.run_id = str(uuid.uuid4())
@@ -67,7 +67,7 @@ class Emitter:
         self.engine = _facet("1-1-1/ProcessingEngineRunFacet.json#/$defs/ProcessingEngineRunFacet",
                              version=__version__, name="strata")
         self.events: list[dict] = []
-        self.ended = False
+        self.ended, self.write = False, write
 
     def event(self, kind: str, error: str | None = None) -> dict:
         facets = {"processing_engine": self.engine}
@@ -82,12 +82,10 @@ class Emitter:
                 "inputs": self.inputs, "outputs": self.outputs}
 
     def emit(self, kind: str, error: str | None = None) -> None:
-        from strata.storage import write_bytes_atomic
-
         e = self.event(kind, error)
         self.events.append(e)
         try:
-            write_bytes_atomic(self.path, "".join(json.dumps(x) + "\n" for x in self.events).encode())
+            self.write(self.path, "".join(json.dumps(x) + "\n" for x in self.events).encode())
         except OSError as err:
             _warn(f"could not write {self.path} ({err}): the run goes on")
         if self.url:

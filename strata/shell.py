@@ -303,10 +303,10 @@ class Job:
         (COMPLETE, or FAIL with the error) follows when the job ends. `outputs` may be named again before the
         end (`self.events.outputs`), once a version is known."""
         from strata.openlineage import FILE, Emitter
-        from strata.storage import join
+        from strata.storage import join, write_bytes_atomic
 
         self.events = Emitter(self.kind, self.name, path or join(self.holds, FILE), inputs, outputs,
-                              streaming=streaming)
+                              write_bytes_atomic, streaming=streaming)
         self.events.start()
 
     def connect(self, **kwargs) -> None:
