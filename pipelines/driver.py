@@ -272,7 +272,7 @@ class Preprocess:
         self.staging = self.storage.run_files(self.cfg.dataset, self.tag)
         self.shard_dir = self.storage.run_shards(self.cfg.dataset, self.tag)
         self.work = join(self.staging, "_work")
-        make_dirs(*(join(self.work, d) for d in ("docs", "packed", "tails", "done", "lineage", "places")),
+        make_dirs(*(join(self.work, d) for d in ("docs", "packed", "tails", "done", "lineage", "places", "records")),
                   *(join(self.staging, d) for d in ("dedup", REMOVED_DIR)))
         self.done = {name: Output.from_json(read_json(join(self.work, "done", name)))
                      for name, is_dir in list_dir(join(self.work, "done")) if not is_dir}

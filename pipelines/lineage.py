@@ -16,9 +16,9 @@ import pyarrow.parquet as pq
 from strata.lineage import FILE, SCHEMA, write
 from strata.storage import filesystem, join, list_dir
 
-__all__ = ["FILE", "DocRuns", "build", "write_places", "write_spans"]
+__all__ = ["FILE", "DocRuns", "build", "write_places", "write_records", "write_spans"]
 
-SPANS_DIR, PLACES_DIR = "lineage", "places"  # under a run's _work
+SPANS_DIR, PLACES_DIR, RECORDS_DIR = "lineage", "places", "records"  # under a run's _work
 
 SPANS = pa.schema([("key", pa.uint64()), ("doc_id", pa.string()), ("exact", pa.uint64()),
                    ("start", pa.int32()), ("length", pa.int32())])
@@ -80,6 +80,16 @@ def write_spans(work_dir: str, name: str, tables: list[pa.Table]) -> None:
     pq.write_table(pa.concat_tables(tables) if tables else SPANS.empty_table(), path, filesystem=fs)
 
 
+def write_records(work_dir: str, name: str, records: list[tuple[str, str]]) -> None:
+    """The web records (doc_id, JSON of URL, date, content type and WARC record id) of a unit's kept pages,
+    as `_work/records/<name>`; nothing for a unit that has none."""
+    if records:
+        fs, path = filesystem(join(work_dir, RECORDS_DIR, name))
+        ids, values = zip(*records, strict=True)
+        pq.write_table(pa.table({"doc_id": pa.array(ids, pa.string()), "record": pa.array(values, pa.string())}),
+                       path, filesystem=fs)
+
+
 def write_places(work_dir: str, shard: str, keys: pa.Array) -> None:
     """Where pass 3 put each key: row i of shard file `shard` (its name in the run's directory)."""
     fs, path = filesystem(join(work_dir, PLACES_DIR, shard))
@@ -118,6 +128,12 @@ def build(work_dir: str, shard_prefix: str, out: str, row_len: int) -> dict:
         pa.array([int(p) if p.isdigit() else -1 for p in position], pa.int64()).take(ids.indices),
         pc.binary_join_element_wise(pa.scalar(shard_prefix), joined["shard"], "/"),
         joined["row"], joined["start"], joined["length"]], schema=SCHEMA)  # `doc`: write() keys by source, position
+    records = _read_all(join(work_dir, RECORDS_DIR))
+    if records is not None:  # web pages: each document's record, by its id
+        found = records.join(pa.table({"doc_id": ids.dictionary}), "doc_id", join_type="right outer")
+        by_id = dict(zip(found["doc_id"].to_pylist(), found["record"].to_pylist(), strict=True))
+        table = table.append_column("record", pa.array([by_id.get(i) for i in ids.dictionary.to_pylist()],
+                                                       pa.string()).take(ids.indices))
     size, sha = write(table, out, row_len)
     return {"documents": len(ids.dictionary), "spans": table.num_rows, "bytes": size, "sha256": sha,
             "unplaced": spans.num_rows - joined.num_rows}

@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 from pipelines.clean import CleanConfig, QualityFilter, normalize
 from pipelines.dedup import DedupConfig, MinHasher, exact_key, hash64, key_range, shard_of
 from pipelines.dedup import hasher_of as dedup_hasher
-from pipelines.lineage import DocRuns, write_places, write_spans
+from pipelines.lineage import DocRuns, write_places, write_records, write_spans
 from pipelines.stats import SAMPLES_PER_REASON, Output, Tally, audit_sample
 from strata.connect import fetch_once
 from strata.dataset import arrow_schema, shard_schema, token_dtype
@@ -126,13 +126,14 @@ class Outcomes:
 
 
 def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, seen: Outcomes, clock: StageClock,
-                  contamination: dict | None = None, forget: dict | None = None,
-                  hasher: MinHasher | None = None) -> Iterator[tuple[str, str, np.ndarray | None]]:
+                  contamination: dict | None = None, forget: dict | None = None, hasher: MinHasher | None = None,
+                  records: list | None = None) -> Iterator[tuple[str, str, np.ndarray | None]]:
     """(doc_id, text, its MinHash band keys or None) of the unit's kept documents; every other record is counted
     by reason in `seen`. A document the dataset's forget list names (its record key, its exact key: the same
     text in a new copy, or one of its band keys: an edited copy) is filtered as `forgotten`. The band keys are
     computed only for a list with near keys, by its parameters; with `hasher` (the run's) when they match, and
-    then handed on, so no document is signed twice."""
+    then handed on, so no document is signed twice. A kept web page's record (URL, date, content type, WARC
+    record id) goes into `records` as (doc_id, its JSON), for lineage."""
     quality = QualityFilter(ccfg, evaluation_index(contamination))
     forgotten = fetch_once(forget["ref"]) if forget else None
     near = None
@@ -156,6 +157,8 @@ def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, seen: O
             clock.lap("clean")
             if status == "kept":
                 seen.counts[("kept", "")] += 1
+                if records is not None and rec.get("meta"):
+                    records.append((rec["doc_id"], json.dumps(rec["meta"], sort_keys=True)))
                 yield rec["doc_id"], text, bands
                 continue
             seen.counts[(status, reason)] += 1
@@ -237,8 +240,10 @@ def _read_clean_sign(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, dcfg
         return len(pending["doc"])
 
     clock = StageClock()
+    records: list = []
     with pq.ParquetWriter(path, schema, filesystem=fs) as writer:
-        for doc_id, text, bands in clean_records(unit, rcfg, ccfg, seen, clock, contamination, forget, hasher):
+        for doc_id, text, bands in clean_records(unit, rcfg, ccfg, seen, clock, contamination, forget, hasher,
+                                                 records):
             pending["doc_id"].append(doc_id)
             pending["doc"].append(hash64(doc_id))
             pending["exact"].append(exact_key(text) if dcfg.exact_dedup else 0)
@@ -254,6 +259,7 @@ def _read_clean_sign(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, dcfg
                 clock.lap("write")
         if pending["doc"]:
             kept += flush(writer)
+    write_records(work_dir, name, records)
     clock.lap("write")
     tally = seen.tally() + Tally(looked_at=dict(kept_by_path), nodes=frozenset([_node()]),
                                  peak_rss_mb=peak_rss_mb(), cpu_s=clock.seconds())
@@ -288,6 +294,7 @@ class DedupTokenizePack:
         # Fused mode (no dedup, so no global decision between reading and packing): read units directly.
         self.read, self.clean = read, clean
         self.contamination, self.forget = contamination, forget
+        self.web_records: list = []  # fused mode: the unit's kept web pages' records, for lineage
         # With --quality-model: the exact keys (as int64) of the documents the scores drop (pipelines/quality.py).
         self.drop = ray.get(quality["ref"]) if quality else None
         self.schema = packed_schema(seq_len, token_dtype(self.tok.vocab_size))
@@ -332,7 +339,7 @@ class DedupTokenizePack:
         """(doc ids, texts, `_duplicates` of them) per chunk of up to 1024 documents."""
         if "unit" in batch:
             records = clean_records(json.loads(batch["unit"][0]), self.read, self.clean, seen, clock,
-                                    self.contamination, self.forget)
+                                    self.contamination, self.forget, records=self.web_records)
             while chunk := list(islice(records, 1024)):
                 none = np.zeros(len(chunk), dtype=bool)
                 yield [c[0] for c in chunk], [c[1] for c in chunk], {"exact": none, "near": none}
@@ -432,6 +439,8 @@ class DedupTokenizePack:
         # What is left of each split is shorter than a row: it is packed with the other units' in `pack_tails`.
         write_tails(join(self.work_dir, "tails", out_name), carry, runs)
         write_spans(self.work_dir, out_name, spans)
+        write_records(self.work_dir, out_name, self.web_records)
+        self.web_records.clear()
         table = pa.concat_tables(tables) if tables else self.schema.empty_table()
         pq.write_table(table, out_path, filesystem=fs)  # pass 3's shuffle reads it once, whole
         if removed_rows["doc_id"] and self.removed_dir:  # every removed document, for whoever audits dedup

@@ -16,7 +16,8 @@ On disk (format 2) a row is a document, sorted by (source, position), in row gro
 numbered across the version's shards; the footer names the shards) and `start` (where in that row its
 tokens start). A row's tokens are a stretch of one token stream, so every span of a document but the one
 holding its end runs to the end of its row: spans are stored with that one last and their lengths are not
-stored. The footer also holds each row group's first (source, position), so a lookup reads only the one
+stored. A version made from web pages also stores each document's `record` (JSON: the WARC record's URL,
+date, content type and record id; `position` is the record's byte offset). The footer also holds each row group's first (source, position), so a lookup reads only the one
 row group that can hold a record. Measured on bench.scale's 2 MB versions of 128-token rows: 137.7 KB of
 lineage in format 1 (a row per span, doc keys stored), 73 KB in format 2. A format-1 file still reads.
 """
@@ -44,6 +45,7 @@ SCHEMA = pa.schema([("doc", pa.uint64()), ("exact", pa.uint64()), ("source", pa.
                     ("start", pa.int32()), ("length", pa.int32())])
 STORED = pa.schema([("source", pa.string()), ("position", pa.int64()), ("exact", pa.uint64()),
                     ("tokens", pa.int32()), ("place", pa.list_(pa.int32())), ("start", pa.list_(pa.int32()))])
+RECORD = pa.field("record", pa.string())  # web pages only: the WARC record's URL, date, content type and id (JSON)
 
 
 class LineageError(ValueError):
@@ -54,7 +56,8 @@ def write(table: pa.Table, path: str, row_len: int) -> tuple[int, str]:
     """A lineage file at `path` of the spans `table` (SCHEMA, any order; rows of `row_len` tokens); returns
     its size and SHA-256 (its version's commit names it). A document whose spans do not all run to their row's
     end but one is a bug upstream: refused."""
-    t = table.select(["source", "position", "exact", "shard", "row", "start", "length"])
+    web = "record" in table.column_names
+    t = table.select(["source", "position", "exact", "shard", "row", "start", "length"] + (["record"] if web else []))
     by_shard = t.group_by("shard").aggregate([("row", "max")]).sort_by("shard")
     shards = by_shard["shard"].to_pylist()
     bases = np.concatenate([[0], np.cumsum(by_shard["row_max"].to_numpy().astype(np.int64) + 1)])[:len(shards)]
@@ -77,6 +80,8 @@ def write(table: pa.Table, path: str, row_len: int) -> tuple[int, str]:
     out = pa.Table.from_arrays([docs["source"], docs["position"], docs["exact"], pa.array(tokens.astype(np.int32)),
                                 pa.ListArray.from_arrays(offsets, t["place"].combine_chunks()),
                                 pa.ListArray.from_arrays(offsets, t["start"].combine_chunks())], schema=STORED)
+    if web:
+        out = out.append_column(RECORD, docs["record"])
     firsts_of_groups = docs.select(["source", "position"]).take(pa.array(np.arange(0, len(firsts), LOOKUP_ROWS)))
     meta = {"format": FORMAT, "row_len": row_len, "shards": [[s, int(b)] for s, b in zip(shards, bases, strict=True)],
             "first": [[r["source"], r["position"]] for r in firsts_of_groups.to_pylist()]}
@@ -113,10 +118,11 @@ def _spans(stored: pa.Table, meta: dict) -> pa.Table:
     src, pos = stored["source"].to_pylist(), stored["position"].to_pylist()
     keys = np.array([doc_key(f"{s}:{p}") for s, p in zip(src, pos, strict=True)], dtype=np.uint64)
     idx = pa.array(doc)
-    return pa.Table.from_arrays([pa.array(keys[doc]), stored["exact"].take(idx), stored["source"].take(idx),
-                                 stored["position"].take(idx), names.take(pa.array(which)),
-                                 pa.array((place - bases[which]).astype(np.int32)), pa.array(start.astype(np.int32)),
-                                 pa.array(length.astype(np.int32))], schema=SCHEMA)
+    spans = pa.Table.from_arrays([pa.array(keys[doc]), stored["exact"].take(idx), stored["source"].take(idx),
+                                  stored["position"].take(idx), names.take(pa.array(which)),
+                                  pa.array((place - bases[which]).astype(np.int32)), pa.array(start.astype(np.int32)),
+                                  pa.array(length.astype(np.int32))], schema=SCHEMA)
+    return spans.append_column(RECORD, stored["record"].take(idx)) if RECORD.name in stored.column_names else spans
 
 
 def _open(src) -> tuple[pq.ParquetFile, dict | None]:
@@ -165,7 +171,7 @@ def _check_footer(path: str, meta: dict, f: pq.ParquetFile) -> None:
     if len(first) != f.metadata.num_row_groups:
         raise LineageError(f"{path}: its footer names {len(first)} row groups, the file has "
                            f"{f.metadata.num_row_groups}")
-    if f.schema_arrow.names != STORED.names:
+    if f.schema_arrow.names not in (STORED.names, [*STORED.names, RECORD.name]):
         raise LineageError(f"{path} is not a lineage file of format {FORMAT} (columns {f.schema_arrow.names})")
 
 
@@ -316,7 +322,7 @@ def find(storage: Storage, doc_ids: list[str] | None = None, source: str | None 
                 f = inputs.get(r["source"], {})
                 docs.setdefault(doc_id, {"doc_id": doc_id, "source": r["source"], "position": r["position"],
                                          "exact": r["exact"], "file": {k: f.get(k) for k in ("size", "mtime_ns", "digest")},
-                                         "added_in": v.ref})
+                                         "added_in": v.ref, **_record(r.get("record"))})
                 found.append({**r, "doc_id": doc_id})
         if not found:
             continue
@@ -328,6 +334,15 @@ def find(storage: Storage, doc_ids: list[str] | None = None, source: str | None 
                 holders.append({"dataset": name, "version": v.manifest.version, "ref": v.ref, "rows": rows})
     return {"documents": sorted(docs.values(), key=lambda d: d["doc_id"]), "versions": holders,
             "row_groups_read": row_groups, "without_lineage": missing}
+
+
+def _record(raw: str | None) -> dict:
+    """A web page's record as lineage keeps it ({"record": {url, date, content_type, record_id}}), or nothing."""
+    try:
+        record = json.loads(raw) if raw else None
+    except ValueError:
+        record = None
+    return {"record": record} if isinstance(record, dict) else {}
 
 
 def check_spans(v, spans: pa.Table) -> None:

@@ -275,6 +275,9 @@ def doc_text(out: dict) -> str:
         f = d["file"]
         lines.append(f"  {d['doc_id']}  (file {f.get('size')} bytes, mtime_ns {f.get('mtime_ns')}, "
                      f"{f.get('digest') or 'no digest'}; added in {d['added_in']})")
+        if d.get("record"):  # a web page: the WARC record it came from
+            r = d["record"]
+            lines.append(f"    record {r.get('record_id')}: {r.get('url')}, {r.get('date')}, {r.get('content_type')}")
     for h in out["versions"]:
         rows = h["rows"]
         splits = ", ".join(f"{n} {s}" for s, n in sorted(Counter(r["split"] for r in rows).items()))
