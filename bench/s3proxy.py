@@ -9,6 +9,7 @@ connection, so each response's bytes belong to the last request line seen on it.
 
 from __future__ import annotations
 
+import logging
 import select
 import socket
 import struct
@@ -119,3 +120,23 @@ def tally(log: list[Request], contains: str = "") -> dict:
     return {"requests": dict(Counter(r.method for r in picked)),
             "read_bytes": sum(r.received for r in picked if r.method == "GET"),
             "written_bytes": sum(r.sent for r in picked if r.method in ("PUT", "POST"))}
+
+
+def s3_server(bucket: str):
+    """moto's S3 server and a logging proxy before it, both on 127.0.0.1; a fresh `bucket`: (server, proxy, the
+    environment that points boto3 and pyarrow at the proxy)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the server's own line per request
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    creds = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+             "AWS_EC2_METADATA_DISABLED": "true"}
+    boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", aws_access_key_id="bench",
+                 aws_secret_access_key="bench", region_name="us-east-1").create_bucket(Bucket=bucket)
+    proxy = ResettingProxy(("127.0.0.1", port), every=0)
+    return server, proxy, {**creds, "AWS_ENDPOINT_URL": proxy.endpoint}

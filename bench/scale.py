@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import random
 import shutil
@@ -210,29 +209,6 @@ def resume_reads(root: str, dataset: str) -> dict:
     return {"row_groups_at_start": out["start"], "row_groups_at_end": out["end"], "rows": sum(r.rows for r in refs)}
 
 
-def s3_server():
-    """moto's S3 server and a logging proxy before it, both on 127.0.0.1; a fresh bucket."""
-    import socket
-
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    from bench.s3proxy import ResettingProxy
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the server's own line per request
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    creds = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-             "AWS_EC2_METADATA_DISABLED": "true"}
-    boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", aws_access_key_id="bench",
-                 aws_secret_access_key="bench", region_name="us-east-1").create_bucket(Bucket="scale")
-    proxy = ResettingProxy(("127.0.0.1", port), every=0)
-    return server, proxy, {**creds, "AWS_ENDPOINT_URL": proxy.endpoint}
-
-
 def ratio(a: float, b: float) -> float:
     return round(a / b, 3) if b else float("nan")
 
@@ -269,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         for kind in a.storage.split(","):
             env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
             if kind == "s3":
-                server, proxy, s3_env = s3_server()
+                from bench.s3proxy import s3_server
+
+                server, proxy, s3_env = s3_server("scale")
                 env.update(s3_env)
                 root = "s3://scale/strata"
             else:

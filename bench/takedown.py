@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     import shutil
     import tempfile
 
-    from bench.scale import s3_server
+    from bench.s3proxy import s3_server
 
     p = argparse.ArgumentParser(prog="python -m bench.takedown", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="strata-takedown-"))
-    server, proxy, s3_env = s3_server()
+    server, proxy, s3_env = s3_server("scale")
     try:
         r = takedown_at_scale(work, "s3://scale/strata", {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
                                                           **s3_env}, proxy, a.datasets, a.versions)

@@ -16,7 +16,7 @@ import threading
 import time
 
 from strata import tiers
-from strata.shell import stop_on_sigterm
+from strata.errors import stop_on_sigterm
 
 # Makes every Ray process bind to and talk on 127.0.0.1. Only for the embedded
 # local Ray: in a real cluster it would cut nodes off from each other.

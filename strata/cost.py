@@ -146,7 +146,7 @@ class NodeWatch:
     the host a stalled run is waiting on, and `lost` goes into the run's record."""
 
     def __init__(self, nodes: list[dict], interval_s: float, started: float):
-        from strata.shell import log
+        from strata.errors import log
 
         self.say = log("cluster").warning
         self.nodes = {n["NodeID"]: n for n in nodes}

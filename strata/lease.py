@@ -23,8 +23,8 @@ import threading
 import time
 import uuid
 
-from strata.shell import EXIT_BUSY, StrataError
-from strata.shell import log as _logger
+from strata.errors import EXIT_BUSY, StrataError
+from strata.errors import log as _logger
 from strata.storage import create_exclusive, delete, join, list_dir, read_json, write_json_atomic
 
 DEFAULT_TTL_S = 60.0

@@ -28,7 +28,7 @@ import hmac
 import os
 import secrets
 
-from strata.shell import StrataError
+from strata.errors import StrataError
 
 KEY_ENV = "STRATA_SIGNING_KEY"
 KEY_FILE_ENV = "STRATA_SIGNING_KEY_FILE"

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from strata.shell import StrataError
+from strata.errors import StrataError
 
 ENV_VAR = "STRATA_STORAGE"
 DEFAULT_ROOT = "~/strata-data"
