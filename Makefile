@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 # On a GPU machine: `make demo TORCH_SPEC=torch` picks up a CUDA build instead.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# setuptools' notice on every editable install (folders named like the packages may shadow them) is silenced:
+# the layout test checks no module shadows another, and the notice read to a newcomer like a failure.
 
 .PHONY: install bytecode demo test test-quick test-bench test-cluster hosts lint bench clean
 
@@ -15,7 +17,7 @@ $(PY):
 $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev]"
+	PYTHONWARNINGS="ignore:::setuptools.command.editable_wheel" $(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
 install: $(STAMP)

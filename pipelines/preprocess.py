@@ -11,6 +11,7 @@ the version is published only when complete. The run itself: pipelines/driver.py
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
@@ -76,7 +77,8 @@ def _main(cmd: Command) -> dict:
                 f"--validation-fraction {cfg.pack.validation_fraction:g} of its documents (chosen per document by a "
                 "hash) held none out, so training reports no validation loss on it; add documents or raise "
                 "--validation-fraction")
-    _say("\n" + format_table(summary["stats"]))
+    if _logger("preprocess").isEnabledFor(logging.INFO):  # the table as it is, after the tagged lines (not --quiet)
+        print(format_table(summary["stats"]), file=sys.stderr, flush=True)
     return finish(summary, args.json)
 
 

@@ -8,7 +8,7 @@ import sys
 
 def main() -> None:
     commands = {"demo": "run the main job end to end on an embedded local Ray",
-                "submit": "submit preprocess, train or tune to a Ray cluster (see submit --help)",
+                "submit": "submit preprocess, train, tune or infer to a Ray cluster (see submit --help)",
                 "head": "start, stop or check a Ray head on this machine for submit: head start|status|stop",
                 "keys": "the signing keys that verify checkpoints and sweep state: keys show|trust|rotate",
                 "runs": "list every recorded run with its cost and key figures",

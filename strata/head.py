@@ -305,7 +305,9 @@ def main(argv: list[str]) -> int:
 
 
 def _main(cmd: Command) -> int:
-    p = Parser(prog="python -m strata head", description=__doc__)
+    import argparse
+
+    p = Parser(prog="python -m strata head", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("start", help="start a Ray head on this machine (loopback, token auth, every tier)")
     s.add_argument("--port", type=int, default=6379, help="GCS port (default: 6379)")

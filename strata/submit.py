@@ -187,6 +187,33 @@ def needs(kind: str, args: list[str]) -> tuple:
 ROLE = {tiers.Tier.CPU: "its driver", tiers.Tier.GPU: "its workers", tiers.Tier.SPOT: "its trials"}
 
 
+def check_head(address: str, timeout: float = 5.0) -> None:
+    """Refuse, in one line, an address where no Ray head answers (nothing listens, the host does not resolve,
+    or it does not answer in `timeout` s): Ray's own message for that advises reinstalling Ray with its
+    dashboard, which is not what is wrong."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{address.rstrip('/')}/api/version", timeout=timeout):
+            return
+    except urllib.error.HTTPError:
+        return  # something answers (a head with auth on refuses without the token; the job client says so)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        if isinstance(reason, (ConnectionError, TimeoutError, socket.gaierror)) or isinstance(e, ValueError):
+            raise StrataError(f"no Ray head answers at {address} ({reason}): start one on this machine with "
+                             "`strata head start`, or give --address the dashboard of a running cluster") from None
+        raise
+
+
+def ray_command() -> str:
+    """`ray` as a person can run it from any shell: the one beside this interpreter (the venv's), by its path."""
+    beside = os.path.join(os.path.dirname(sys.executable), "ray")
+    return beside if os.access(beside, os.X_OK) else "ray"
+
+
 def check_tiers(kind: str, address: str, headers: dict, args: list[str] = ()) -> None:
     """Refuse a job no node of the cluster could run: every tier it needs is served by an alive node (its
     label) or announced by an alive node (the head of an autoscaling cluster) as one the autoscaler starts
@@ -266,6 +293,7 @@ def submit(kind: str, args: list[str], *, address: str, slot: str | None = None,
     if kind not in MODULES:
         raise ValueError(f"unknown job kind {kind!r}: one of {', '.join(MODULES)}")
     check_address(address, insecure_http, token_set=token()[0] is not None)
+    check_head(address)
     if working_dir:
         check_links(working_dir)
     root = job_storage(address, storage)
@@ -311,8 +339,9 @@ def submit(kind: str, args: list[str], *, address: str, slot: str | None = None,
         raise
     _log.info(f"submitted {job}")
     if not wait:
-        _log.info(f"follow it with: ray job logs --follow --address {address} {job}  (status: ray job status "
-                  f"--address {address} {job}; stop: ray job stop --address {address} {job})")
+        ray = ray_command()
+        _log.info(f"follow it with: {ray} job logs --follow --address {address} {job}  (status: {ray} job status "
+                  f"--address {address} {job}; stop: {ray} job stop --address {address} {job})")
         return {"submission_id": job, "status": str(client.get_job_status(job)), "duplicate": False}
     shown, done = 0, {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
     while True:
@@ -356,7 +385,10 @@ def _main(cmd: Command) -> int:
                    "loopback (the token travels in the clear; use a tunnel or TLS instead)")
     p.add_argument("--fix-token-mode", action="store_true", help="make a token file others can read 0600 "
                    "without asking")
-    a = p.parse_args(head)
+    a, extra = p.parse_known_args(head)
+    if extra:
+        raise UsageError(f"unrecognized arguments: {' '.join(extra)}; the job's own arguments go after `--`: "
+                         f"strata submit {a.kind} [options] -- {shlex.join(extra)}")
     if not a.address:
         p.error("--address (or RAY_API_SERVER_ADDRESS) is required: the cluster's dashboard, e.g. "
                 "http://127.0.0.1:8265 (`strata head start` starts one on this machine)")
@@ -370,6 +402,8 @@ def _main(cmd: Command) -> int:
                    storage=a.storage, python=a.python, check_labels=not a.no_label_check)
     except ValueError as e:
         raise UsageError(str(e)) from e
+    except StrataError:
+        raise
     except Exception as e:  # the client's errors (refused token, unreachable head) are the user's to read
         raise StrataError(f"{type(e).__name__}: {e}") from e
     # A slot already submitted and still going, or a --no-wait submission, is not a failure.

@@ -207,6 +207,10 @@ def test_ctrl_c_in_preprocessing_keeps_nothing_and_the_printed_command_continues
     out = cli(*again[2:], "--json", env={**env, **joined})  # on the session's Ray: its start is not the subject
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1])["version"] == "v0001"
+    # The summary table follows the tagged lines as it is: no line that holds only the tag before it.
+    lines = out.stderr.splitlines()
+    assert not [ln for ln in lines if ln.strip() == "[preprocess]"], out.stderr[-2000:]
+    assert any(ln.startswith("documents read") for ln in lines), out.stderr[-2000:]
 
 
 @pytest.mark.ray
@@ -383,3 +387,35 @@ def test_the_cluster_failing_under_a_command_is_one_line_not_a_bug(tmp_path):
     assert out.returncode == 1, out.stderr[-3000:]
     assert "error: the Ray cluster failed under this run: ActorDiedError" in out.stderr, out.stderr[-3000:]
     assert "Traceback" not in out.stderr and "a bug in strata" not in out.stderr
+
+
+def test_the_help_a_newcomer_reads_first():
+    """`strata --help` names every kind submit takes; `strata head --help` keeps its usage lines as written."""
+    from strata.submit import MODULES
+
+    line = next(ln for ln in cli("strata", "--help").stdout.splitlines() if ln.strip().startswith("submit"))
+    assert all(kind in line for kind in MODULES), line
+    head = cli("strata", "head", "--help").stdout
+    assert "\n    python -m strata head status\n" in head and "\n    python -m strata head stop\n" in head, head
+
+
+def test_submit_with_no_head_there_says_to_start_one(tmp_path):
+    """No head at the address: one line saying so and how to start one, not Ray's advice to reinstall it."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"HOME": str(tmp_path), "RAY_AUTH_TOKEN": "t" * 32}
+    out = cli("strata", "submit", "preprocess", "--address", f"http://127.0.0.1:{port}", "--working-dir", "",
+              "--", "--input", "x", "--dataset", "x", env=env)
+    assert out.returncode == 1, out.stderr
+    assert f"no Ray head answers at http://127.0.0.1:{port}" in out.stderr and "strata head start" in out.stderr
+    assert "pip install" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_job_arguments_without_the_separator_get_a_hint(tmp_path):
+    out = cli("strata", "submit", "preprocess", "--address", "http://127.0.0.1:8265", "--input", "corpus", "--dataset",
+              "web", env={"HOME": str(tmp_path)})
+    assert out.returncode == 2, out.stderr
+    assert "go after `--`: strata submit preprocess [options] -- --input corpus --dataset web" in out.stderr, out.stderr

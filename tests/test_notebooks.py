@@ -1,9 +1,13 @@
 """notebooks/sweep.ipynb runs top to bottom in a fresh kernel against an embedded local Ray."""
 
+import glob
 import json
 import os
 import re
 import shutil
+import subprocess
+import sys
+import tempfile
 
 import pytest
 from conftest import REPO
@@ -49,8 +53,10 @@ def test_sweep_notebook_runs_top_to_bottom_and_shows_an_ended_sweep_without_runn
     ray.shutdown()  # the kernel starts its own embedded Ray; two on 2 CPUs would only slow each other
     env = {"STRATA_STORAGE": str(tmp_path / "storage"), "STRATA_SWEEP": "nb", "STRATA_NUM_SAMPLES": "3",
            "STRATA_SWEEP_STEPS": "8", "STRATA_TRAIN_STEPS": "4", "STRATA_SPACE": sweep_space}
+    corpora = set(glob.glob(os.path.join(tempfile.gettempdir(), "strata-notebook-corpus-*")))
     text = _execute(nb, env)
     assert "finished:" in text and "best config:" in text and "has ended" not in text
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "strata-notebook-corpus-*"))) == corpora  # none left
     # Ray's own lines stay in its files: its loggers (a timestamp first), its C++ log, its workers' output, and
     # the notices of missing widgets (tqdm, Ray) and of asyncio tasks left pending.
     said = [line for c in nb.cells for o in c.get("outputs", []) if o.get("name") == "stderr"
@@ -73,3 +79,26 @@ def test_sweep_notebook_runs_top_to_bottom_and_shows_an_ended_sweep_without_runn
     assert "sweep nb has ended: showing its results" in text and "best config:" in text
     assert len(_images(again)) == 3
     assert {str(f): f.stat().st_mtime_ns for f in sweep.rglob("*") if f.is_file()} == written
+
+
+def test_run_py_shows_a_notebooks_output_as_it_runs(tmp_path):
+    """notebooks/run.py prints what `jupyter execute` keeps to itself: printed lines, a table as text, an
+    image saved and named; a failing cell ends it with exit code 1 and the executed notebook is kept."""
+    nbformat = pytest.importorskip("nbformat")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# A notebook"),
+                nbformat.v4.new_code_cell("print('hello from a cell')\nimport pandas as pd\npd.DataFrame({'loss': [2.5, 1.25]})"),
+                nbformat.v4.new_code_cell("import io\nfrom matplotlib.figure import Figure\nfrom IPython.display import Image, "
+                                          "display\nf = Figure(); f.subplots().plot([1, 2]); b = io.BytesIO()\n"
+                                          "f.savefig(b, format='png'); display(Image(data=b.getvalue()))"),
+                nbformat.v4.new_code_cell("raise ValueError('the third cell fails')"),
+                nbformat.v4.new_code_cell("print('never reached')")]
+    nbformat.write(nb, tmp_path / "t.ipynb")
+    out = subprocess.run([sys.executable, os.path.join(REPO, "notebooks", "run.py"), str(tmp_path / "t.ipynb"), "--out",
+                          str(tmp_path / "out")], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 1, out.stderr
+    assert "# A notebook" in out.stdout and "hello from a cell" in out.stdout and "1.25" in out.stdout
+    assert f"[image: {tmp_path / 'out' / 'image-01.png'}]" in out.stdout
+    assert (tmp_path / "out" / "image-01.png").read_bytes().startswith(b"\x89PNG")
+    assert "the third cell fails" in out.stdout and "never reached" not in out.stdout
+    assert (tmp_path / "out" / "t.ipynb").exists() and "stopped at the failing cell" in out.stdout
