@@ -154,7 +154,7 @@ def _eval(args, parser, name: str) -> dict:
     from infer.driver import on_tier
     from infer.evaluate import TaskError, load_task, run_eval
     from infer.model import resolve
-    from strata.sources import documents
+    from strata.inputs import documents
     from strata.storage import join, write_bytes_atomic, write_json_atomic
 
     if not args.task:

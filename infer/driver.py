@@ -46,7 +46,8 @@ def score(spec: str, inputs: list[str], cfg: ScoreConfig, storage: Storage, name
 
     from infer.model import resolve
     from infer.score import default_actors, scoring
-    from strata.sources import ReadConfig, list_inputs, read_file
+    from strata.inputs import list_inputs
+    from strata.sources import ReadConfig, read_file
 
     model = resolve(spec, storage, allow_tainted=allow_tainted)  # on the driver: a bad --model fails before Ray starts
     items, reader = _dataset_rows(dataset, model, storage) if dataset else (list_inputs(inputs), None)

@@ -127,7 +127,8 @@ def check(spec: str, storage: Storage, flag: str = "--model", allow_tainted: boo
             raise ValueError(f"{flag} {spec}: no model.safetensors: export the model with python -m train.export")
         _gate(_origin(read_json(join(spec, "strata.json")), storage), storage, f"{flag} {spec}", allow_tainted)
         return spec
-    from train.checkpoint import SignedFiles, newest
+    from train.checkpoint import SignedFiles
+    from train.committed import newest
 
     run, step, run_dir = _run_of(spec, storage, flag)
     found, meta, refused = newest(run_dir, lambda c: SignedFiles(c).meta(), step=int(step) if step else None)

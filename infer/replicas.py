@@ -204,7 +204,8 @@ def models_deployment(limits: ServeConfig):
 def _newest(run: str, storage, skip: frozenset) -> tuple[str | None, str | None, list]:
     """RUN@STEP of the run's newest committed checkpoint whose signed lists and meta verify (none in `skip`),
     its path, and the (name, why) of newer ones refused."""
-    from train.checkpoint import SignedFiles, newest
+    from train.checkpoint import SignedFiles
+    from train.committed import newest
 
     found, meta, refused = newest(storage.run(run), lambda c: SignedFiles(c).meta(), skip=skip)
     return (f"{run}@{meta['step']}" if found else None), found, refused

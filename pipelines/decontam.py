@@ -133,7 +133,7 @@ def build(paths: list[str], n: int, fields: tuple[str, ...] = (), min_words: int
     """The index of the evaluation files' n-grams: sorted unique hashes of n words, each with the file it
     came from; and, per shorter length k >= min_words, the whole items of k words. Raises ValueError, naming
     the file and the fields it found, for a file that yields none."""
-    from strata.sources import list_inputs
+    from strata.inputs import list_inputs
 
     files = list_inputs(list(paths))
     if len(files) > np.iinfo(np.uint16).max:

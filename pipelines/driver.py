@@ -40,18 +40,13 @@ from strata.dataset import (
     slot_version,
     token_dtype,
 )
+from strata.digests import file_digest
+from strata.inputs import check_outside, list_inputs, plan_units
 from strata.lineage import FILE as LINEAGE_FILE
 from strata.openlineage import dataset as lineage_dataset
 from strata.shell import Job, StrataError
 from strata.shell import log as _logger
-from strata.sources import (
-    InputMissing,
-    InputUnreadable,
-    check_outside,
-    file_digest,
-    list_inputs,
-    plan_units,
-)
+from strata.sources import InputMissing, InputUnreadable
 from strata.storage import (
     Storage,
     basename,
@@ -558,8 +553,8 @@ class Preprocess:
         self.index_rss = max(ray.get([i.peak_rss_mb.remote() for i in self.index]), default=0.0)
 
     def write_shards(self) -> None:
-        """Pass 3: a global, seeded shuffle of rows into shards of about shard_bytes (pipelines/pack.py)."""
-        from pipelines.pack import ShardPlan, shuffle, write_shards
+        """Pass 3: a global, seeded shuffle of rows into shards of about shard_bytes (pipelines/shard.py)."""
+        from pipelines.shard import ShardPlan, shuffle, write_shards
 
         _say("pass 3/3: shuffle rows into shards")
         delete_dir(self.shard_dir)  # a killed run's shards (a rerun writes the same ones)
@@ -640,7 +635,7 @@ class Preprocess:
 
     def consumed(self, files: list[dict]) -> list[dict]:
         """The files this version consumes (not the deferred ones: the next run reads them), each with its
-        digest (strata.sources.file_digest); the dedup guard."""
+        digest (strata.digests.file_digest); the dedup guard."""
         for path, why in self.deferred.items():
             _say(f"WARNING: {path} left out of this version (--unreadable defer), to be read by a later run: {why}")
         _check_dedup_share(self.by_source(), self.cfg.dedup.max_duplicate_fraction)

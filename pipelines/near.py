@@ -38,7 +38,8 @@ def original_texts(docs: dict[str, dict]) -> dict[str, str]:
     """The normalized text of each document (`find`'s documents, by id) whose input file is still where it
     was read, with the digest recorded then: {doc_id: text} of those found."""
     from pipelines.clean import CleanConfig, normalize
-    from strata.sources import documents, path_digest
+    from strata.digests import path_digest
+    from strata.inputs import documents
 
     out, by_source = {}, {}
     for doc_id, d in docs.items():

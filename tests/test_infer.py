@@ -140,7 +140,8 @@ def test_score_command_writes_a_table_keyed_by_document(tmp_path, exported, join
     model, tok = resolve(exported, Storage("/nonexistent")).build()
     text = {r["doc_id"]: r for r in scored}
     some = sorted(text)[:3]
-    from strata.sources import ReadConfig, list_inputs, read_file
+    from strata.inputs import list_inputs
+    from strata.sources import ReadConfig, read_file
 
     docs = {d["doc_id"]: d["text"] for f in list_inputs([corpus["path"]])
             for d in read_file({**f, "start": 0, "end": f["size"]}, ReadConfig()) if d["doc_id"] in some}

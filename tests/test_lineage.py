@@ -31,7 +31,8 @@ def test_a_steps_rows_are_the_ones_the_loop_trained_on_across_a_resume(local_ray
     they are the rows it trained on, each worker's."""
     import torch
 
-    from train.checkpoint import committed_checkpoints, read_meta
+    from train.checkpoint import read_meta
+    from train.committed import committed_checkpoints
     from train.config import TrainConfig
     from train.lineage import step_rows
     from train.model import preset

@@ -19,7 +19,8 @@ from conftest import train_run as run
 from strata import tiers
 from strata.runlog import read_metrics
 from strata.storage import Storage
-from train.checkpoint import committed_checkpoints, read_meta
+from train.checkpoint import read_meta
+from train.committed import committed_checkpoints
 from train.config import TrainConfig
 from train.model import preset
 

@@ -215,7 +215,7 @@ def test_a_format_1_checkpoint_signed_with_the_ray_token_never_runs_and_converts
     following the run. Now every command refuses it without unpickling, `--run` takes the newest one that
     verifies and names the one it skipped, and only `python -m train.convert`, given the old secret, converts a
     real format-1 checkpoint (reading .metadata with DCP's classes alone: a payload there is refused)."""
-    from train.checkpoint import committed_checkpoints, newest
+    from train.committed import committed_checkpoints, newest
     from train.convert import main as convert
     from train.sample import load_newest
 
@@ -555,7 +555,7 @@ def test_a_fenced_off_generation_publishes_nothing_whatever_the_timing(checkpoin
     took the run are ignored by every reader, however late Ray Train registers them."""
     import shutil
 
-    from train.checkpoint import committed_checkpoints, fence, forget_missing
+    from train.committed import committed_checkpoints, fence, forget_missing
 
     d, *_ = checkpoint
     run = tmp_path / "run"
@@ -596,7 +596,7 @@ def test_a_planted_fence_closes_nothing(checkpoint, tmp_path, caplog):
     this run and its generation; any other is named and ignored."""
     import shutil
 
-    from train.checkpoint import committed_checkpoints, fence, forget_missing
+    from train.committed import committed_checkpoints, fence, forget_missing
 
     d, cfg, model, opt = checkpoint
     run = tmp_path / "runs" / "r"
@@ -725,7 +725,7 @@ def test_a_follower_passes_over_a_bad_newest_checkpoint_and_finds_later_good_one
 def test_ray_trains_record_names_nothing_outside_its_run(checkpoint, tmp_path, caplog):
     """Issue 57, 6: Ray Train's record was read without the containment check: `../r1/checkpoint-...` served r1's
     weights as r9's. Every name in it goes through strata.storage.inside and must be a checkpoint's."""
-    from train.checkpoint import committed_checkpoints
+    from train.committed import committed_checkpoints
 
     d, cfg, model, opt = checkpoint
     meta = json.loads((d / "meta.json").read_text())

@@ -13,16 +13,9 @@ import pytest
 import zstandard
 
 from pipelines.pack import validation_split
-from strata.sources import (
-    ReadConfig,
-    check_outside,
-    describe,
-    file_digest,
-    list_inputs,
-    part_digests,
-    plan_units,
-    read_file,
-)
+from strata.digests import file_digest, part_digests
+from strata.inputs import check_outside, list_inputs, plan_units
+from strata.sources import ReadConfig, describe, read_file
 
 
 def records(path, **cfg):
@@ -321,7 +314,8 @@ def test_a_deferred_file_leaves_its_unit_and_its_other_ranges_out(tmp_path):
     """--unreadable defer: a unit runs again without the file that stays unreadable; the run then drops
     every unit that held only byte ranges of it, and no other. The default fails instead."""
     from pipelines.stats import Output, Tally, without_deferred
-    from strata.sources import InputUnreadable, with_deferral
+    from strata.digests import with_deferral
+    from strata.sources import InputUnreadable
 
     for name in ("a", "bad", "c"):
         (tmp_path / name).write_text(f"{name}\n")

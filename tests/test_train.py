@@ -16,7 +16,7 @@ from strata.dataset import DatasetError, resolve
 from strata.lease import LeaseBusy, holder
 from strata.runlog import read_launches, read_metrics
 from strata.storage import Storage, read_jsonl
-from train.checkpoint import committed_checkpoints
+from train.committed import committed_checkpoints
 from train.config import TrainConfig
 from train.model import preset
 
@@ -332,7 +332,7 @@ def test_a_run_that_lost_its_lease_commits_no_more_checkpoints(local_ray, datase
 
     from strata.lease import LeaseLost, _generations, _path
     from strata.storage import create_exclusive
-    from train.checkpoint import fence
+    from train.committed import fence
 
     monkeypatch.setenv("STRATA_LEASE_TTL_S", "4")
     storage = Storage.from_env()

@@ -28,7 +28,8 @@ from strata.shell import Command
 from strata.shell import log as _logger
 from strata.storage import Storage, check_name
 from train import mixture
-from train.checkpoint import committed_checkpoints, read_meta
+from train.checkpoint import read_meta
+from train.committed import committed_checkpoints
 from train.config import TRAIN_PRESETS, TrainConfig, as_swept, with_hyperparameters
 from train.mixture import load_file
 from train.model import PRESETS, GPTConfig, preset

@@ -201,7 +201,8 @@ def documents(storage: Storage, doc_ids: list[str] | None = None, source: str | 
 
 def made_after(run_dir: str, step: int) -> tuple[list[dict], list[dict]]:
     """The run's checkpoints of step `step` or later, and the exports made of them."""
-    from train.checkpoint import committed_checkpoints, read_meta
+    from train.checkpoint import read_meta
+    from train.committed import committed_checkpoints
     from train.export import exports
 
     checkpoints = []

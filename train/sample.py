@@ -18,14 +18,8 @@ from strata.shell import log as _logger
 from strata.signing import Untrusted
 from strata.storage import Storage
 from strata.tokenizer import from_info
-from train.checkpoint import (
-    META,
-    SignedFiles,
-    load_model_state,
-    local_copy,
-    model_config,
-    newest,
-)
+from train.checkpoint import META, SignedFiles, load_model_state, local_copy, model_config
+from train.committed import newest
 from train.model import GPT
 from train.taint import check_checkpoint
 

@@ -46,7 +46,8 @@ def summary(storage: Storage, spec: str, provider: str = "") -> dict:
     """The summary of model `spec` (RUN or RUN@STEP: its newest checkpoint, or the one at STEP)."""
     from strata.dataset import DatasetError, history, resolve
     from strata.runlog import read_launches
-    from train.checkpoint import newest, read_meta
+    from train.checkpoint import read_meta
+    from train.committed import newest
 
     run, _, step = spec.partition("@")
     run_dir = storage.run(run)

@@ -39,7 +39,7 @@ class TakedownError(StrataError):
 
 def digest_of(path: str) -> str:
     """A file's digest as tier 1 records its inputs' (strata.sources.path_digest)."""
-    from strata.sources import path_digest
+    from strata.digests import path_digest
 
     try:
         return path_digest(path)
@@ -288,7 +288,8 @@ def retraining(storage: Storage, request: dict) -> list[dict]:
     and settings when it has none, on the newest version of each dataset it read, which no longer holds them
     (`apply` made it). [{"run", "from_step", "init_from", "dataset", "new_run", "command"}]."""
     from strata.runlog import read_launches
-    from train.checkpoint import committed_checkpoints, read_meta
+    from train.checkpoint import read_meta
+    from train.committed import committed_checkpoints
     from train.config import TrainConfig
     from train.model import GPTConfig
 

@@ -15,12 +15,8 @@ from strata.runlog import read_launches, read_log, record_launch
 from strata.shell import Job, StrataError
 from strata.shell import log as _logger
 from strata.storage import Storage, basename, exists, join, read_json
-from train.checkpoint import (
-    fence,
-    forget_missing,
-    newest,
-    read_meta,
-)
+from train.checkpoint import read_meta
+from train.committed import fence, forget_missing, newest
 from train.config import TrainConfig, accumulation
 from train.loop import train_loop_per_worker
 from train.model import GPTConfig, describe
