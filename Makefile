@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # setuptools' notice on every editable install (folders named like the packages may shadow them) is silenced:
 # the layout test checks no module shadows another, and the notice read to a newcomer like a failure.
 
-.PHONY: install bytecode demo test test-quick test-bench test-cluster hosts lint bench clean
+.PHONY: install bytecode demo docs test test-quick test-bench test-cluster hosts lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ demo: install
 lint: install
 	$(PY) -m ruff check .
 
+# The reference pages (docs/) as a site in site/; a broken link or a page left out of the nav fails it
+# (not with --quiet: mkdocs then drops the warnings that --strict counts).
+docs: install
+	$(PY) -m mkdocs build --strict
+
 # Two pytest processes (pytest-xdist), one per core; each test file runs whole in one of them, so a module's
 # cluster or server starts once. TEST_WORKERS=0 runs the suite in this process alone.
 TEST_WORKERS ?= 2
@@ -40,7 +45,7 @@ bytecode: install
 test: lint bytecode
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(TEST_ARGS)
 
-# The inner loop: the tests that start no Ray, no server and no S3 API server (README → Tests).
+# The inner loop: the tests that start no Ray, no server and no S3 API server (docs/tests.md).
 QUICK := not ray and not s3 and not serve and not hosts and not slow and not bench and not cluster
 test-quick: bytecode
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m pytest -m '$(QUICK)' $(TEST_ARGS)

@@ -120,7 +120,7 @@ class _RemoteSampler:
 def detection_bound_s() -> float | None:
     """How long the cluster takes to declare dead a node that went silent, from Ray's settings: gRPC's
     keepalive finds the connection dead (time + timeout), then the GCS's health checks fail `threshold`
-    times, `period` apart. Measured (README: Reliability): 420 s with Ray's defaults (this gives 435),
+    times, `period` apart. Measured (docs/reliability.md): 420 s with Ray's defaults (this gives 435),
     30-33 s with platform/ray-network.env (35). None where Ray's settings cannot be read."""
     try:
         from ray._raylet import Config

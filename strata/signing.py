@@ -35,7 +35,7 @@ KEY_FILE_ENV = "STRATA_SIGNING_KEY_FILE"
 KEYRING_ENV = "STRATA_SIGNING_KEYRING"
 LOCAL_KEY = "~/.strata/signing-key"
 KEYRING = "~/.strata/keyring"
-PROVISIONING = "README → Security: a Kubernetes Secret, a file mount of cluster.yaml, or a file on Slurm"
+PROVISIONING = "docs/security.md: a Kubernetes Secret, a file mount of cluster.yaml, or a file on Slurm"
 
 
 class Untrusted(StrataError):

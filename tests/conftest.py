@@ -60,13 +60,26 @@ def train_run(model, tcfg, *, dataset: str, run_name: str, storage, allow_change
     return run(spec, run_name=run_name, storage=storage, allow_change=allow_change, **launch)
 
 
+def doc_pages() -> list[str]:
+    """The README and every page of docs/: what a person reads, and what the README tests hold true."""
+    import glob
+
+    return [os.path.join(REPO, "README.md"), *sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))]
+
+
+def doc_text() -> str:
+    out = []
+    for path in doc_pages():
+        with open(path) as f:
+            out.append(f.read())
+    return "\n".join(out)
+
+
 def readme_blocks(lang: str = "bash") -> list[str]:
-    """The README's fenced code blocks in `lang`, continuation lines joined."""
+    """The fenced code blocks in `lang` of the README and the docs pages, continuation lines joined."""
     import re
 
-    with open(os.path.join(REPO, "README.md")) as f:
-        text = f.read()
-    return [block.replace("\\\n", " ") for block in re.findall(rf"```{lang}\n(.*?)```", text, re.S)]
+    return [block.replace("\\\n", " ") for block in re.findall(rf"```{lang}\n(.*?)```", doc_text(), re.S)]
 
 
 def readme_command(prefix: str) -> str:

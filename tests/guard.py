@@ -5,7 +5,7 @@
   them, and the temp dir of every Ray it sees start (from its GCS server's `--session-dir`). When the
   session ends, after the shared Ray is stopped, a process of the session still alive, or a Ray temp dir
   still there, fails the run, naming it (and the process is killed).
-- **Marks say what a test needs** (README → Tests): `ray` (it starts or uses a Ray: an embedded one, a
+- **Marks say what a test needs** (docs/tests.md): `ray` (it starts or uses a Ray: an embedded one, a
   simulated cluster, a head, or a command that starts one), `s3` (the S3 API server: set here from the
   fixtures it uses), `serve` (a server), `hosts` (the cluster of hosts in network namespaces), and
   `slow(reason)` (more than the 120 s every test is given: its reason is required, and it gets 600 s). A
@@ -168,7 +168,7 @@ def marks_are_true(request):
             f.write(f"{request.node.nodeid}\t{','.join(missing)}\n")
     if missing:
         pytest.fail(f"this test started or used {' and '.join(missing)} but is not marked "
-                    f"{' and '.join(f'@pytest.mark.{k}' for k in missing)} (README → Tests)", pytrace=False)
+                    f"{' and '.join(f'@pytest.mark.{k}' for k in missing)} (docs/tests.md)", pytrace=False)
 
 
 def end_of_session(wait_s: float = 60.0) -> list[str]:

@@ -1,4 +1,4 @@
-"""The repository layout the README's Architecture section states, and the import hygiene it depends on."""
+"""The repository layout docs/architecture.md states, and the import hygiene it depends on."""
 
 import ast
 import importlib.util
@@ -61,10 +61,9 @@ def _imports(pkg: str) -> set[str]:
 
 
 def _architecture() -> tuple[dict[str, set[str]], dict[str, str]]:
-    """The README's Architecture section: its arrows (room -> the rooms it may import) and its tree
-    (path -> what it says the path holds)."""
-    readme = (Path(REPO) / "README.md").read_text()
-    section = readme.split("\n## Architecture\n", 1)[1].split("\n## ", 1)[0]
+    """docs/architecture.md: its arrows (room -> the rooms it may import) and its tree (path -> what it says
+    the path holds)."""
+    section = (Path(REPO) / "docs" / "architecture.md").read_text()
     arrows_block, tree_block = re.findall(r"```text\n(.*?)```", section, re.S)[:2]
     arrows = {}
     for line in arrows_block.splitlines():
@@ -92,7 +91,7 @@ def test_the_readme_lists_every_module_and_only_modules_that_exist():
     listed = {p for p in tree if p.endswith(".py")}
     actual = {f"{pkg}/{py.name}" for pkg in PACKAGES for py in (Path(REPO) / pkg).glob("*.py")
               if py.name != "__init__.py"}
-    assert not actual - listed, f"modules the README's Architecture section leaves out: {sorted(actual - listed)}"
+    assert not actual - listed, f"modules docs/architecture.md leaves out: {sorted(actual - listed)}"
     assert not listed - actual, f"modules the README names that do not exist: {sorted(listed - actual)}"
     missing = [p for p in tree if not (Path(REPO) / p).exists()]
     assert not missing, f"paths the README names that do not exist: {missing}"

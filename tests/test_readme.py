@@ -10,7 +10,7 @@ import shlex
 import subprocess
 import sys
 
-from conftest import REPO, readme_blocks
+from conftest import REPO, doc_text, readme_blocks
 
 # How a command line names a strata command, and the `--help` that lists its flags.
 STRATA_COMMANDS = {"demo", "submit", "head", "keys", "runs", "report", "ledger", "lineage", "takedown", "plan",
@@ -114,8 +114,7 @@ def test_every_command_the_readme_shows_exists_with_its_flags():
 
 
 def test_every_flag_the_readme_names_is_a_flag_of_a_command():
-    with open(os.path.join(REPO, "README.md")) as f:
-        text = f.read()
+    text = doc_text()
     named = set(re.findall(r"`[^`]*?(--[a-z][a-z0-9-]*)", text))
     known = "\n".join(help_of(*m) for m in (("pipelines.preprocess",), ("pipelines.datasets", "show"),
                                            ("pipelines.datasets", "forget"), ("strata", "lineage", "doc"), ("train",),
@@ -127,12 +126,12 @@ def test_every_flag_the_readme_names_is_a_flag_of_a_command():
                                            ("bench",), ("bench.peer",), ("bench.lid",), ("bench.scale",), ("bench.train.gpu",)))
     with open(os.path.join(REPO, "bench", "train", "gpu.sh")) as f:  # its own flag, --smoke, in its usage lines
         known += "\n".join(line for line in f if line.startswith("#   bench/train/gpu.sh"))
-    # ray's, pip's, make's, git's, kubectl's, sbatch's and guidellm's own flags, which the README quotes from their docs
+    # ray's, pip's, make's, git's, kubectl's, sbatch's, guidellm's and mkdocs' own flags, which the README quotes from their docs
     others = {"--head", "--address", "--block", "--labels", "--node-ip-address", "--dashboard-host",
               "--dashboard-port", "--dashboard-agent-listen-port", "--num-cpus", "--num-gpus", "--disable-usage-stats",
               "--working-dir", "--runtime-env", "--runtime-env-json", "--logdir", "--nodes", "--gpus-per-node",
               "--export", "--from-literal", "--from-file", "--reason", "--deadline-remaining-seconds", "--shm-size", "--port",
               "--autoscaling-config", "--follow", "--log", "--backend", "--profile", "--constraint", "--data",
-              "--tokenizer"}
+              "--tokenizer", "--strict"}
     unknown = sorted(f for f in named if f not in others and not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", known))
     assert not unknown, f"the README names flags no command has: {unknown}"

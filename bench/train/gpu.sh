@@ -3,7 +3,7 @@
 # environment, tokens/s and MFU of gpt2-124m and gpt2-350m through the real training step at two
 # micro-batches, the loss's share of a step, an FSDP2 bf16 gpt2-774m step with a checkpoint saved
 # and loaded, a 5-step profile, infer's scoring and decoding tokens/s, and last the lowest MFU over its
-# target (README: "The GPU check").
+# target (docs/gpu.md).
 # Needs only torch with CUDA, numpy and pyarrow: no Ray, no dataset, no network, no pip. Extra
 # arguments go to `python -m bench.train.gpu`.
 #
