@@ -187,7 +187,8 @@ def kind_of(r) -> str:
 
 def resume_reads(root: str, dataset: str) -> dict:
     """Row groups read to give the first batch at the start of an epoch and at its last batch."""
-    from strata.dataset import read_rows, resolve
+    from strata.dataset import resolve
+    from strata.rows import read_rows
     from strata.storage import Storage
     from train.data import ShardRef, TokenBatches
 

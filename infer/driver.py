@@ -165,7 +165,8 @@ def _dataset_rows(ref: str, model, storage: Storage) -> tuple[list[dict], object
 
 
 def _rows_of(shard: dict) -> list[dict]:
-    from strata.dataset import pad_value, read_rows
+    from strata.dataset import pad_value
+    from strata.rows import read_rows
 
     rows = read_rows(shard["path"])
     pad = pad_value(rows.dtype)

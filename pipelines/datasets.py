@@ -25,7 +25,8 @@ import sys
 import time
 
 from strata.cli import parser as cli_parser
-from strata.dataset import DatasetError, delete_version, history, latest, resolve
+from strata.commit import delete_version
+from strata.dataset import DatasetError, history, latest, resolve
 from strata.lease import LeaseBusy
 from strata.shell import EXIT_BUSY, Command
 from strata.storage import Storage, list_dir

@@ -25,21 +25,9 @@ from pipelines.config import PreprocessConfig
 from pipelines.dedup import INDEX_FAN_IN, suggested_shards
 from pipelines.stats import Output, Tally, accounting, outputs, summary_table, without_deferred
 from strata import tiers
+from strata.commit import abandoned_runs, check_extends, commit, delete_run, failpoint
 from strata.cost import ray_daemon_cpu
-from strata.dataset import (
-    DatasetError,
-    Shard,
-    abandoned_runs,
-    check_extends,
-    commit,
-    delete_run,
-    failpoint,
-    head,
-    history,
-    latest,
-    slot_version,
-    token_dtype,
-)
+from strata.dataset import DatasetError, Shard, head, history, latest, slot_version, token_dtype
 from strata.digests import file_digest
 from strata.inputs import check_outside, list_inputs, plan_units
 from strata.lineage import FILE as LINEAGE_FILE
@@ -531,7 +519,7 @@ class Preprocess:
         import ray
 
         from pipelines.dedup import compaction, in_window
-        from strata.dataset import THIS_VERSION as THIS
+        from strata.commit import THIS_VERSION as THIS
 
         size = self.cfg.dedup.window_size()
         for t in self.tables if self.index else ():

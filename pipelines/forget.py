@@ -39,17 +39,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from strata.dataset import (
-    DatasetError,
-    DocumentCounts,
-    Shard,
-    abandoned_runs,
-    commit_rewrite,
-    delete_run,
-    head,
-    latest,
-    version_at,
-)
+from strata.commit import abandoned_runs, commit_rewrite, delete_run
+from strata.dataset import DatasetError, DocumentCounts, Shard, head, latest, version_at
 from strata.integrity import file_sha256, sha256
 from strata.shell import log as _logger
 from strata.storage import (
@@ -441,7 +432,7 @@ def rewritten_before(newest, version, rel: str) -> str | None:
 
 def carry_out(version, plan: dict) -> dict:
     """Do what a purge's plan says, now that its commit stands: {"deleted", "scrubbed"} (paths)."""
-    from strata.dataset import failpoint
+    from strata.commit import failpoint
 
     deleted, scrubbed = [], []
     for rel in plan["record"]["delete"]:

@@ -397,7 +397,7 @@ def document_tokens(version, rows: list[dict]) -> dict[str, np.ndarray]:
     document's spans in the lineage's order, the one holding its end last) in `version`'s shards: what tier 1
     packed of it (normalized text, tokenized; its end-of-text id included when packed). What a takedown's
     near keys are computed from, the original file being gone or another's."""
-    from strata.dataset import read_rows
+    from strata.rows import read_rows
 
     by_shard: dict[str, list[dict]] = {}
     for r in rows:

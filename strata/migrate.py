@@ -17,6 +17,7 @@ import argparse
 import sys
 from dataclasses import replace
 
+from strata.commit import add_actions, app_transactions, create_table, write_commit
 from strata.dataset import (
     LEGACY_MANIFEST,
     LEGACY_VERSION_RE,
@@ -26,12 +27,8 @@ from strata.dataset import (
     Manifest,
     Shard,
     TokenizerInfo,
-    add_actions,
-    app_transactions,
-    create_table,
     label,
     open_table,
-    write_commit,
 )
 from strata.lease import Lease
 from strata.storage import (

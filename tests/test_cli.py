@@ -273,7 +273,7 @@ def test_a_reader_that_goes_away_ends_a_command_quietly(tmp_path, command):
     """`datasets show X --json | head` ended in a BrokenPipeError reported as a bug in strata (exit 70)."""
     from test_dataset_contract import _stage
 
-    from strata.dataset import commit
+    from strata.commit import commit
     from strata.storage import Storage, write_json_atomic
 
     storage = Storage(str(tmp_path))

@@ -16,22 +16,19 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, edit_manifest, wait_for
 
+from strata.commit import abandoned_runs, commit, delete_run, delete_version
 from strata.dataset import (
     DatasetError,
     DocumentCounts,
     Shard,
-    abandoned_runs,
     check_compatible,
-    commit,
-    delete_run,
-    delete_version,
     list_versions,
-    read_rows,
     resolve,
     shard_schema,
     token_dtype,
 )
 from strata.lease import Lease, LeaseBusy, LeaseLost
+from strata.rows import read_rows
 from strata.storage import (
     JsonlWriter,
     Storage,
@@ -210,7 +207,7 @@ def test_killed_writer_leaves_nothing_visible_and_the_next_run_cleans_up(any_roo
         import os, sys
         sys.path[:0] = [{REPO!r}, {os.path.dirname(os.path.abspath(__file__))!r}]
         from test_dataset_contract import _stage
-        from strata.dataset import commit
+        from strata.commit import commit
         from strata.lease import Lease
         from strata.storage import Storage
         storage = Storage({any_root!r})

@@ -14,14 +14,9 @@ from conftest import REPO
 from test_dataset_contract import _stage
 
 from bench.s3proxy import ResettingProxy
-from strata.dataset import (
-    CHECKPOINT_INTERVAL,
-    DatasetError,
-    commit,
-    list_versions,
-    read_rows,
-    resolve,
-)
+from strata.commit import commit
+from strata.dataset import CHECKPOINT_INTERVAL, DatasetError, list_versions, resolve
+from strata.rows import read_rows
 from strata.storage import Storage, delta_options, exists
 
 

@@ -45,7 +45,9 @@ def test_a_takedown_removes_a_document_from_the_newest_version_and_every_later_r
     from pipelines.config import debug
     from pipelines.driver import run as preprocess
     from pipelines.pack import read_tails
-    from strata.dataset import DatasetError, delete_version, history, read_rows, resolve
+    from strata.commit import delete_version
+    from strata.dataset import DatasetError, history, resolve
+    from strata.rows import read_rows
     from train.config import TrainConfig
     from train.lineage import documents, step_rows
     from train.model import preset

@@ -285,8 +285,9 @@ def test_score_dataset_scores_each_packed_row_and_refuses_another_tokenizer(tmp_
     import shutil
 
     from infer.driver import ScoreConfig, score
-    from strata.dataset import pad_value, read_rows
+    from strata.dataset import pad_value
     from strata.dataset import resolve as resolve_dataset
+    from strata.rows import read_rows
 
     storage = Storage.from_env()
     out = score(exported, [], ScoreConfig(actors=1, docs_per_batch=16), storage, "rows", dataset=dataset["ref"])

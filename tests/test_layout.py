@@ -212,3 +212,19 @@ def test_no_import_circle():
 def test_the_circle_finder_finds_a_circle():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+MAX_LINES = 600
+# Modules still over MAX_LINES, each at most its size when the limit came (issue 62): the test fails if one
+# grows, and names it once it is under, so the list only shrinks. pipelines/driver.py's Preprocess is the
+# one left: it becomes a sequence of typed passes, not a smaller file.
+OVER = {"pipelines/driver.py": 896}
+
+
+def test_no_module_over_600_lines():
+    sizes = {str(py.relative_to(REPO)): len(py.read_text().splitlines())
+             for pkg in PACKAGES for py in (Path(REPO) / pkg).rglob("*.py")}
+    over = {m: n for m, n in sizes.items() if n > MAX_LINES}
+    assert not {m: n for m, n in over.items() if n > OVER.get(m, MAX_LINES)}, \
+        f"modules over {MAX_LINES} lines (split by what changes together): {over}"
+    assert not set(OVER) - set(over), f"under {MAX_LINES} lines now: drop from OVER {sorted(set(OVER) - set(over))}"

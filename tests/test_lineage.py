@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import REPO, train_run
 
-from strata.dataset import read_rows
+from strata.rows import read_rows
 from strata.runlog import read_log
 from strata.storage import Storage
 

@@ -365,9 +365,9 @@ def test_padded_rows_are_masked_by_their_pad_value():
 
 
 def test_a_row_range_reads_only_its_row_groups(tmp_path, monkeypatch):
-    """strata.dataset.read_rows(path, start, stop) decodes just the row groups that hold the range, and the
+    """strata.rows.read_rows(path, start, stop) decodes just the row groups that hold the range, and the
     next range within them decodes nothing."""
-    import strata.dataset as dataset
+    import strata.rows as dataset
 
     rows = np.arange(100 * (SEQ + 1), dtype=np.uint16).reshape(100, SEQ + 1)
     table = pa.Table.from_arrays([pa.FixedSizeListArray.from_arrays(pa.array(rows.ravel()), SEQ + 1)],

@@ -18,7 +18,8 @@ from conftest import REPO, make_corpus
 
 from pipelines.config import debug
 from pipelines.driver import run
-from strata.dataset import list_versions, read_rows, resolve
+from strata.dataset import list_versions, resolve
+from strata.rows import read_rows
 from strata.storage import Storage
 from strata.tokenizer import ByteTokenizer
 

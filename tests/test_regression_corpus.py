@@ -21,7 +21,8 @@ import zstandard
 
 from pipelines.config import debug
 from pipelines.driver import run
-from strata.dataset import read_rows, resolve
+from strata.dataset import resolve
+from strata.rows import read_rows
 from strata.storage import Storage
 from strata.tokenizer import ByteTokenizer
 

@@ -15,7 +15,8 @@ import pytest
 
 from pipelines.config import debug
 from pipelines.driver import run
-from strata.dataset import pad_value, read_rows, resolve
+from strata.dataset import pad_value, resolve
+from strata.rows import read_rows
 from strata.storage import Storage
 from strata.tokenizer import ByteTokenizer
 

@@ -11,7 +11,8 @@ import pytest
 from conftest import REPO, edit_manifest
 from test_dataset_contract import _stage
 
-from strata.dataset import DatasetError, commit, delete_version, history, list_versions, resolve
+from strata.commit import commit, delete_version
+from strata.dataset import DatasetError, history, list_versions, resolve
 from strata.storage import PathRefused, Storage, inside
 
 
@@ -191,7 +192,8 @@ def test_another_writer_shortening_log_retention_deletes_no_version(tmp_path, ca
     every earlier entry, and the versions' manifests with them."""
     from deltalake import DeltaTable
 
-    from strata.dataset import CHECKPOINT_INTERVAL, SAFETY
+    from strata.commit import SAFETY
+    from strata.dataset import CHECKPOINT_INTERVAL
 
     storage = Storage(str(tmp_path))
     commit(storage, "ds", *_stage(storage, "ds"))

@@ -117,7 +117,7 @@ def evaluate_checkpoint(checkpoint: str, items: list[dict], step: int) -> dict:
     """An evaluation during training: acc and acc_norm of a committed checkpoint (a task on the cpu tier)."""
     import time
 
-    from strata.dataset import failpoint
+    from strata.commit import failpoint
     from train.sample import load
 
     failpoint(f"task-eval:{step}")  # tests: the task dies here, as the out-of-memory killer would kill it
@@ -177,7 +177,7 @@ class TaskEvals:
         import ray
 
         from strata import tiers
-        from strata.dataset import FAILPOINT
+        from strata.commit import FAILPOINT
         from train.checkpoint import is_intact, registered_checkpoints
 
         with self.lock:

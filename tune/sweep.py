@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from strata.connect import fetch_once
-from strata.dataset import read_rows
+from strata.rows import read_rows
 from strata.tokenizer import from_info
 from train.config import (
     MODEL_KEYS,
