@@ -205,7 +205,7 @@ def check_head(address: str, timeout: float = 5.0) -> None:
         if isinstance(reason, (ConnectionError, TimeoutError, socket.gaierror)) or isinstance(e, ValueError):
             raise StrataError(f"no Ray head answers at {address} ({reason}): start one on this machine with "
                              "`strata head start`, or give --address the dashboard of a running cluster") from None
-        raise
+        # Anything else (a certificate this check does not verify as the job client would): the client says.
 
 
 def ray_command() -> str:
