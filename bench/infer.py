@@ -41,7 +41,7 @@ WORDS = ["model", "data", "train", "token", "shard", "the", "a", "of", "to", "an
 def make_model(directory: str) -> str:
     import torch
 
-    from strata.tokenizer import ByteTokenizer
+    from strata.data.tokenizer import ByteTokenizer
     from train.checkpoint import AsyncCheckpointer
     from train.export import export
     from train.model import GPT, preset
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from infer.model import resolve
     from infer.score import CPU_BATCH_TOKENS, score_ids
-    from strata.storage import Storage
+    from strata.data.storage import Storage
 
     cores = os.cpu_count() or 1
     torch.set_num_threads(cores)

@@ -39,7 +39,7 @@ import sysconfig
 import tempfile
 import time
 
-from strata.procs import processes, tree
+from strata.cluster.procs import processes, tree
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEER_PYTHON = os.path.join(REPO, ".venv-peer", "bin", "python")
@@ -83,8 +83,8 @@ def real_corpus(root: str, mb: int) -> list[str]:
 def web_tokenizer(path: str, warcs: list[str]) -> str:
     """A byte-level BPE of VOCAB ids trained on the main text of the first pages of the web corpus."""
     if not os.path.exists(path):
-        from strata.tokenizer import train_bpe
-        from strata.web import documents
+        from strata.data.tokenizer import train_bpe
+        from strata.data.web import documents
 
         texts = []
         with open(warcs[0], "rb") as f:
@@ -107,7 +107,7 @@ def _lines(path: str) -> int:
 def tokenizer(path: str, sample_from: list[str]) -> str:
     """A byte-level BPE of VOCAB ids trained on the first documents of both corpora."""
     if not os.path.exists(path):
-        from strata.tokenizer import train_bpe
+        from strata.data.tokenizer import train_bpe
 
         texts = []
         for p in sample_from:
@@ -211,8 +211,8 @@ def _kept_urls(storage: str, ref: str) -> tuple[list[str], list[str]]:
     header its URL), and of those its dedup removed (the removed list beside the version names them alike)."""
     import pyarrow.parquet as pq
 
-    from strata.dataset import resolve
-    from strata.storage import Storage
+    from strata.data.dataset import resolve
+    from strata.data.storage import Storage
 
     v = resolve(Storage(storage), ref)
     places = pq.read_table(v.file(v.manifest.lineage["file"]), columns=["source", "position"])
@@ -239,8 +239,8 @@ def _removed_ids(storage: str, ref: str) -> list[str]:
     `PATH:OFFSET`, and each record's `id` is read back from there."""
     import pyarrow.parquet as pq
 
-    from strata.dataset import resolve
-    from strata.storage import Storage
+    from strata.data.dataset import resolve
+    from strata.data.storage import Storage
 
     v = resolve(Storage(storage), ref)
     removed = v.manifest.dedup.get("removed")

@@ -29,7 +29,7 @@ from multiprocessing import Pool
 
 import numpy as np
 
-from strata.procs import processes, tree
+from strata.cluster.procs import processes, tree
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per process or actor, in both systems
@@ -117,7 +117,7 @@ _TOK = None
 
 def _init(tokenizer_path: str) -> None:
     global _TOK
-    from strata.tokenizer import HFTokenizer
+    from strata.data.tokenizer import HFTokenizer
 
     _TOK = HFTokenizer.from_file(tokenizer_path)
 
@@ -180,8 +180,8 @@ def baseline(paths: list[str], tokenizer: str, out_dir: str, cores: int) -> dict
 def pipeline(paths: list[str], tokenizer: str, storage_root: str, name: str, cores: int) -> dict:
     from pipelines.config import debug
     from pipelines.driver import run
-    from strata.connect import connect
-    from strata.storage import Storage
+    from strata.cluster.connect import connect
+    from strata.data.storage import Storage
 
     connect(num_cpus=cores)
     cfg = debug(name, read={"inputs": tuple(paths)}, dedup={"exact_dedup": False, "near_dedup": False},
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="print a JSON result line before the ratio")
     args = parser.parse_args(argv)
 
-    from strata.tokenizer import train_bpe
+    from strata.data.tokenizer import train_bpe
 
     paths = generate(os.path.join(args.workdir, f"corpus-{args.mb}mb"), args.mb)
     mb = sum(os.path.getsize(p) for p in paths) / 1e6

@@ -83,7 +83,7 @@ class Sampler:
         self.thread.start()
 
     def _run(self) -> None:
-        from strata.procs import processes, tree
+        from strata.cluster.procs import processes, tree
 
         while not self.stop.wait(0.25):
             procs = processes()
@@ -163,8 +163,8 @@ def lineage_lookup(root: str, dataset: str, doc_id: str, env: dict, proxy=None) 
 _GROUPS = """
 import json, sys
 import pyarrow.parquet as pq
-from strata.dataset import history
-from strata.storage import Storage, filesystem
+from strata.data.dataset import history
+from strata.data.storage import Storage, filesystem
 groups = 0
 versions = history(Storage.from_env(), sys.argv[1])
 for v in versions:
@@ -187,9 +187,9 @@ def kind_of(r) -> str:
 
 def resume_reads(root: str, dataset: str) -> dict:
     """Row groups read to give the first batch at the start of an epoch and at its last batch."""
-    from strata.dataset import resolve
-    from strata.rows import read_rows
-    from strata.storage import Storage
+    from strata.data.dataset import resolve
+    from strata.data.rows import read_rows
+    from strata.data.storage import Storage
     from train.data import ShardRef, TokenBatches
 
     v = resolve(Storage(root), dataset)

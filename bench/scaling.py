@@ -29,8 +29,8 @@ def run_on(shape: list[int], paths: list[str], root: str, workload: str) -> dict
 
     from pipelines.config import debug
     from pipelines.driver import run
-    from strata import tiers
-    from strata.storage import Storage
+    from strata.cluster import tiers
+    from strata.data.storage import Storage
 
     temp = tempfile.mkdtemp(prefix="rays-", dir="/tmp")
     os.environ["RAY_TMPDIR"] = temp

@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 def make_models(directory: str, presets: list[str]) -> dict[str, str]:
     import torch
 
-    from strata.tokenizer import ByteTokenizer
+    from strata.data.tokenizer import ByteTokenizer
     from train.checkpoint import AsyncCheckpointer
     from train.export import export
     from train.model import GPT, preset

@@ -70,7 +70,7 @@ def main() -> None:
     import uvicorn
 
     from infer.model import resolve
-    from strata.storage import Storage
+    from strata.data.storage import Storage
 
     parser = argparse.ArgumentParser(prog="python -m bench.serve_plain", description=__doc__)
     parser.add_argument("--model", action="append", required=True, help="NAME=DIR (an exported model)")

@@ -34,7 +34,7 @@ BUILD = """
 import json, sys
 from pipelines.config import debug
 from pipelines.driver import run
-from strata.storage import Storage
+from strata.data.storage import Storage
 root, plan = sys.argv[1], json.loads(sys.argv[2])
 storage = Storage(root)
 for name, inputs in plan:

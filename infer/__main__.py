@@ -50,12 +50,18 @@ import sys
 import time
 from dataclasses import asdict
 
-from strata.cli import add_config_arguments, add_openlineage, finish, overrides, use_openlineage
-from strata.cli import parser as cli_parser
-from strata.lease import LeaseBusy
-from strata.shell import EXIT_INTERRUPTED, EXIT_TERMINATED, Command
-from strata.shell import log as _logger
-from strata.storage import Storage, check_name
+from strata.commands.cli import (
+    add_config_arguments,
+    add_openlineage,
+    finish,
+    overrides,
+    use_openlineage,
+)
+from strata.commands.cli import parser as cli_parser
+from strata.commands.shell import EXIT_INTERRUPTED, EXIT_TERMINATED, Command
+from strata.commands.shell import log as _logger
+from strata.data.lease import LeaseBusy
+from strata.data.storage import Storage, check_name
 
 _say = _logger("infer").info
 
@@ -154,8 +160,8 @@ def _eval(args, parser, name: str) -> dict:
     from infer.driver import on_tier
     from infer.evaluate import TaskError, load_task, run_eval
     from infer.model import resolve
-    from strata.inputs import documents
-    from strata.storage import join, write_bytes_atomic, write_json_atomic
+    from strata.data.inputs import documents
+    from strata.data.storage import join, write_bytes_atomic, write_json_atomic
 
     if not args.task:
         parser.error("eval needs --task FILE.jsonl")
@@ -189,7 +195,7 @@ def _generate(args, parser, name: str) -> dict:
     from infer.driver import on_tier
     from infer.generate import run_generate
     from infer.model import resolve
-    from strata.storage import join, text_of, write_bytes_atomic
+    from strata.data.storage import join, text_of, write_bytes_atomic
 
     if not args.prompts:
         parser.error("generate needs --prompts FILE.jsonl")

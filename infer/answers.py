@@ -25,7 +25,7 @@ class Held:
     source: str
     engine: object
     tok: object
-    template: object  # its chat template, compiled (strata.chat)
+    template: object  # its chat template, compiled (strata.data.chat)
 
 
 def ids_of(tok, item) -> list[int]:
@@ -41,7 +41,7 @@ def _sampling(req: dict):
 
 
 def chat_prompt(held: Held, req: dict) -> str:
-    from strata.chat import render
+    from strata.data.chat import render
 
     return render(held.template, req["messages"], add_generation_prompt=req["add_generation_prompt"])
 

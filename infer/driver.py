@@ -9,10 +9,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from strata import tiers
-from strata.shell import Job, StrataError
-from strata.shell import log as _logger
-from strata.storage import Storage, delete_dir, join
+from strata.cluster import tiers
+from strata.commands.shell import Job, StrataError
+from strata.commands.shell import log as _logger
+from strata.data.storage import Storage, delete_dir, join
 
 _say = _logger("score").info
 
@@ -46,8 +46,8 @@ def score(spec: str, inputs: list[str], cfg: ScoreConfig, storage: Storage, name
 
     from infer.model import resolve
     from infer.score import default_actors, scoring
-    from strata.inputs import list_inputs
-    from strata.sources import ReadConfig, read_file
+    from strata.data.inputs import list_inputs
+    from strata.data.sources import ReadConfig, read_file
 
     model = resolve(spec, storage, allow_tainted=allow_tainted)  # on the driver: a bad --model fails before Ray starts
     items, reader = _dataset_rows(dataset, model, storage) if dataset else (list_inputs(inputs), None)
@@ -58,7 +58,7 @@ def score(spec: str, inputs: list[str], cfg: ScoreConfig, storage: Storage, name
     with Job("score", name, storage, holds=out, what=f"scores {name}") as job:
         job.connect(quiet=True, log_to_driver=False)
         job.begin({"model": model.source, "origin": model.origin, "inputs": inputs, "dataset": dataset, **asdict(cfg)})
-        from strata.openlineage import dataset as lineage_dataset
+        from strata.accounting.openlineage import dataset as lineage_dataset
 
         name_, _, version_ = dataset.partition("@")
         job.lineage([*model_dataset(model.source, storage), *(lineage_dataset(p) for p in inputs),
@@ -102,7 +102,7 @@ SHOWN = 12  # documents a score's summary names, best scored first (the table ha
 def model_dataset(source: str, storage: Storage) -> list[dict]:
     """A model a run reads, as an OpenLineage dataset: RUN@STEP as its run's directory at that step, or the
     exported directory."""
-    from strata.openlineage import dataset
+    from strata.accounting.openlineage import dataset
 
     if not source:
         return []
@@ -122,7 +122,7 @@ def on_tier(kind: str, name: str, storage: Storage, out: str, tier: str, config:
     task's result and the cost figures (cost, node_hours, cpu_busy)."""
     import ray
 
-    from strata.openlineage import dataset
+    from strata.accounting.openlineage import dataset
 
     with Job(kind, name, storage, holds=out, what=f"{kind} {name}") as job:
         job.connect(quiet=True, log_to_driver=False)
@@ -151,7 +151,7 @@ def on_tier(kind: str, name: str, storage: Storage, out: str, tier: str, config:
 def _dataset_rows(ref: str, model, storage: Storage) -> tuple[list[dict], object]:
     """A dataset version's shards, and a reader of a shard's rows as documents (`doc_id` SHARD:ROW, `source`
     the split, `ids` the row's token ids without padding); the model must read the dataset's tokenizer."""
-    from strata.dataset import resolve
+    from strata.data.dataset import resolve
 
     version = resolve(storage, ref)
     m = version.manifest
@@ -165,8 +165,8 @@ def _dataset_rows(ref: str, model, storage: Storage) -> tuple[list[dict], object
 
 
 def _rows_of(shard: dict) -> list[dict]:
-    from strata.dataset import pad_value
-    from strata.rows import read_rows
+    from strata.data.dataset import pad_value
+    from strata.data.rows import read_rows
 
     rows = read_rows(shard["path"])
     pad = pad_value(rows.dtype)
@@ -177,7 +177,7 @@ def _rows_of(shard: dict) -> list[dict]:
 def _read(path: str) -> list[dict]:
     import pyarrow.dataset as pads
 
-    from strata.storage import filesystem
+    from strata.data.storage import filesystem
 
     fs, p = filesystem(path)
     return pads.dataset(p, filesystem=fs, format="parquet").to_table(

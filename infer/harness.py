@@ -26,7 +26,7 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from strata.storage import Storage
+from strata.data.storage import Storage
 
 
 @register_model("strata")

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from strata.dataset import TokenizerInfo
-from strata.storage import Storage, exists, join, read_bytes, read_json
+from strata.data.dataset import TokenizerInfo
+from strata.data.storage import Storage, exists, join, read_bytes, read_json
 from train.model import GPT, GPTConfig
 
 
@@ -27,12 +27,12 @@ class Model:
     tokenizer: TokenizerInfo
     definition: str | None  # the tokenizer's file, for `hf` tokenizers
     origin: str = ""  # RUN@STEP: the run an exported directory was made from (its records say so: lineage, ledger)
-    chat_template: str | None = None  # an exported directory's (tokenizer_config.json); None: strata.chat's default
+    chat_template: str | None = None  # an exported directory's (tokenizer_config.json); None: strata.data.chat's default
 
     def build(self, device: str = "cpu", packed: bool = True) -> tuple[GPT, object]:
         """The model in eval mode on `device`, and its tokenizer. On a CPU its linear layers are `packed`
         for inference (see `pack`): it then runs under no_grad or inference_mode only."""
-        from strata.tokenizer import from_info
+        from strata.data.tokenizer import from_info
         from train.pretrained import apply
 
         model = GPT(self.cfg, init=False)

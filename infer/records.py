@@ -1,6 +1,6 @@
 """The record of a serving no command waits on: a Serve config's application (a RayService's serveConfigV2,
 `serve deploy`), built by `infer.serve:app`. Each ingress replica writes its own as it stops, under
-servings/NAME/replicas/REPLICA.json and records/, in the shape of every run's record (strata/records.py):
+servings/NAME/replicas/REPLICA.json and records/, in the shape of every run's record (strata/accounting/records.py):
 what it answered by status, its tokens and latency, and its replica-hours. A command's serving
 (`python -m infer serve`) writes one record for all its replicas instead (infer/serve.py).
 """
@@ -15,9 +15,9 @@ from infer.schemas import ServeConfig
 
 
 def write_replica_record(record: dict, replica: str, started: float, ledger: Ledger, limits: ServeConfig) -> dict:
-    from strata.records import check_record
-    from strata.runinfo import run_info
-    from strata.storage import Storage, check_name, join, write_json_atomic
+    from strata.accounting.records import check_record
+    from strata.accounting.runinfo import run_info
+    from strata.data.storage import Storage, check_name, join, write_json_atomic
 
     name = check_name(record["name"], "a serving's name")
     storage = Storage(record["root"])

@@ -21,7 +21,7 @@ import weakref
 from infer import answers
 from infer.answers import Held
 from infer.schemas import RequestError, ServeConfig
-from strata import tiers
+from strata.cluster import tiers
 
 APP = "strata"
 MOVE_LEASE_S = 60.0  # the move lock's lease: a replica that died holding it lets the others move after this
@@ -30,8 +30,8 @@ MOVE_LEASE_S = 60.0  # the move lock's lease: a replica that died holding it let
 def _load(spec: str, root: str, device: str, limits: ServeConfig, pool) -> tuple[str, object, object, object]:
     from infer.engine import Engine
     from infer.model import resolve
-    from strata.chat import DEFAULT_TEMPLATE, compile_template
-    from strata.storage import Storage
+    from strata.data.chat import DEFAULT_TEMPLATE, compile_template
+    from strata.data.storage import Storage
 
     model = resolve(spec, Storage(root), allow_tainted=limits.allow_tainted)  # a tainted model: refused, or its use recorded
     template = compile_template(model.chat_template or DEFAULT_TEMPLATE)
@@ -99,8 +99,8 @@ class Holder:
         named once and never tried again, so it neither stalls following nor hides a later good one."""
         import logging
 
-        from strata.shell import StrataError
-        from strata.storage import Storage
+        from strata.commands.shell import StrataError
+        from strata.data.storage import Storage
 
         for name, spec in self.specs.items():
             held = self.held.get(name)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import reprlib
 from dataclasses import dataclass
 
-from strata import tiers
+from strata.cluster import tiers
 
 
 @dataclass(kw_only=True)

@@ -155,7 +155,7 @@ def scoring(ds, model, *, tier: str, actors: int, stride: int, batch_tokens: int
     """`ds` (rows with `text`) scored by `actors` Scorer actors on `tier` (cpu, or gpu: one GPU each)."""
     from ray.data import ActorPoolStrategy
 
-    from strata import tiers
+    from strata.cluster import tiers
 
     gpu = tier == tiers.Tier.GPU
     return ds.map_batches(Scorer, batch_size=docs_per_batch, batch_format="numpy", compute=ActorPoolStrategy(size=actors),
@@ -169,7 +169,7 @@ def default_actors(tier: str) -> int:
     the tasks that read the documents (an actor pool that takes every CPU stalls Ray Data)."""
     import ray
 
-    from strata import tiers
+    from strata.cluster import tiers
 
     resources = ray.cluster_resources()
     if tier == tiers.Tier.GPU:

@@ -28,7 +28,7 @@ from dataclasses import asdict
 
 from infer.replicas import APP
 from infer.schemas import ServeConfig
-from strata import tiers
+from strata.cluster import tiers
 
 
 def build(specs: dict[str, str], root: str, limits: ServeConfig, token_sha256: str | None,
@@ -77,7 +77,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def model_specs(flags: list[str], models_file: str | None) -> dict[str, str]:
     """`[NAME=]SPEC` items (from --model, and one a line of a models file, `#` comments) as {name: spec}.
     The name defaults to the run's name (or the directory's last part)."""
-    from strata.storage import check_name, text_of
+    from strata.data.storage import check_name, text_of
 
     items = list(flags)
     if models_file:
@@ -110,9 +110,9 @@ def serve_models(specs: dict[str, str], cfg: ServeConfig, storage, name: str, *,
     import ray
 
     from infer.model import check
-    from strata.shell import Job, StrataError, Terminated
-    from strata.shell import log as _logger
-    from strata.storage import join, text_of
+    from strata.commands.shell import Job, StrataError, Terminated
+    from strata.commands.shell import log as _logger
+    from strata.data.storage import join, text_of
 
     say = _logger("serve").info
     digest = token_sha256.lower() if token_sha256 else None
@@ -298,7 +298,7 @@ def _replicas() -> int:
         dep = (app.deployments.get("Models") or app.deployments.get("Api")) if app else None
         return sum(n for state, n in dep.replica_states.items() if str(state).endswith("RUNNING")) if dep else 0
     except Exception as e:  # noqa: BLE001 - a status that fails to read counts no replica for that second
-        from strata.shell import log
+        from strata.commands.shell import log
 
         log("serve").warning(f"Ray Serve's status did not read ({type(e).__name__}: {e}): no replica counted")
         return 0
@@ -340,7 +340,7 @@ def app(args: dict):
     """
     import re
 
-    from strata.storage import Storage, check_name
+    from strata.data.storage import Storage, check_name
 
     unknown = set(args) - {"models", "storage", "config", "token_sha256", "name"}
     if unknown:

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from strata.cli import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, check_fields
+from strata.commands.cli import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, check_fields
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _SPACES = re.compile(r"[ \t\u00a0\u2000-\u200b\u3000]+")
@@ -410,7 +410,7 @@ class UrlBlocklist:
 
     @classmethod
     def load(cls, path: str) -> UrlBlocklist:
-        from strata.storage import text_of
+        from strata.data.storage import text_of
 
         domains, words = set(), set()
         for line in text_of(path, "--url-blocklist").splitlines():

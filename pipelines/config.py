@@ -1,5 +1,5 @@
 """The typed configuration of a tier-1 run: one frozen dataclass per stage (read, clean, dedup, pack),
-and the presets that fill them. Flags map onto fields one to one (strata/cli.py)."""
+and the presets that fill them. Flags map onto fields one to one (strata/commands/cli.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from pipelines.clean import WEB, CleanConfig
 from pipelines.dedup import DedupConfig
 from pipelines.quality import QualityConfig
-from strata.cli import AT_LEAST_ONE, NON_NEGATIVE, check_fields
-from strata.sources import ReadConfig
-from strata.storage import check_name
-from strata.tokenizer import ENGINES, check_spec
+from strata.commands.cli import AT_LEAST_ONE, NON_NEGATIVE, check_fields
+from strata.data.sources import ReadConfig
+from strata.data.storage import check_name
+from strata.data.tokenizer import ENGINES, check_spec
 
 
 @dataclass(frozen=True, kw_only=True)

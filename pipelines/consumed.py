@@ -18,7 +18,7 @@ import bisect
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from strata.storage import filesystem, read_bytes
+from strata.data.storage import filesystem, read_bytes
 
 ROW_GROUP = 4096
 MOST_VERSIONS = 64  # versions one segment covers at most (pipelines.dedup.compaction's `most`)
@@ -51,7 +51,7 @@ def lookup(files: list[dict], candidates: list[Identity]) -> set[Identity]:
     for f in files:
         if not f["rows"] or not _meets(paths, f["lo"], f["hi"]):
             continue
-        with _opened(f) as source:  # checked against its commit's digest, whole (strata/integrity.py)
+        with _opened(f) as source:  # checked against its commit's digest, whole (strata/data/integrity.py)
             pf = pq.ParquetFile(source)
             for g in range(pf.metadata.num_row_groups):
                 stats = pf.metadata.row_group(g).column(0).statistics

@@ -24,12 +24,12 @@ import json
 import sys
 import time
 
-from strata.cli import parser as cli_parser
-from strata.commit import delete_version
-from strata.dataset import DatasetError, history, latest, resolve
-from strata.lease import LeaseBusy
-from strata.shell import EXIT_BUSY, Command
-from strata.storage import Storage, list_dir
+from strata.commands.cli import parser as cli_parser
+from strata.commands.shell import EXIT_BUSY, Command
+from strata.data.commit import delete_version
+from strata.data.dataset import DatasetError, history, latest, resolve
+from strata.data.lease import LeaseBusy
+from strata.data.storage import Storage, list_dir
 
 
 def datasets(storage: Storage) -> list[tuple[str, str]]:
@@ -141,7 +141,7 @@ def _main(cmd: Command) -> None:
             return
         if args.command == "near":
             from pipelines.near import near_copies
-            from strata.storage import text_of
+            from strata.data.storage import text_of
 
             out = near_copies(storage, [x for x in text_of(args.doc_ids, "--doc-ids").split("\n") if x.strip()])
             print(json.dumps(out) if args.json else "\n".join(out["doc_ids"]))

@@ -97,13 +97,13 @@ def records(path: str) -> Iterator[object]:
     """One evaluation file's records: JSONL lines, a JSON array (or object), parquet rows (nested columns as
     dicts and lists), or a text file's whole text. A line that is not JSON is skipped (and counted by the
     caller as no strings)."""
-    from strata.sources import describe, open_stream
+    from strata.data.sources import describe, open_stream
 
     kind, _ = describe(path)
     if kind == "parquet":
         import pyarrow.parquet as pq
 
-        from strata.storage import filesystem
+        from strata.data.storage import filesystem
 
         fs, p = filesystem(path)
         for batch in pq.ParquetFile(fs.open_input_file(p)).iter_batches(batch_size=1024):
@@ -133,7 +133,7 @@ def build(paths: list[str], n: int, fields: tuple[str, ...] = (), min_words: int
     """The index of the evaluation files' n-grams: sorted unique hashes of n words, each with the file it
     came from; and, per shorter length k >= min_words, the whole items of k words. Raises ValueError, naming
     the file and the fields it found, for a file that yields none."""
-    from strata.inputs import list_inputs
+    from strata.data.inputs import list_inputs
 
     files = list_inputs(list(paths))
     if len(files) > np.iinfo(np.uint16).max:

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from strata.cli import NON_NEGATIVE, check_fields
-from strata.integrity import IntegrityError
-from strata.lineage import doc_key
+from strata.commands.cli import NON_NEGATIVE, check_fields
+from strata.data.integrity import IntegrityError
+from strata.data.lineage import doc_key
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -127,7 +127,7 @@ def optimal_lsh(threshold: float, num_perm: int, false_negative_weight: float = 
 
 
 def hash64(data: str) -> int:
-    """A string's 64-bit key: the one lineage keys record ids by (strata.lineage.doc_key)."""
+    """A string's 64-bit key: the one lineage keys record ids by (strata.data.lineage.doc_key)."""
     return doc_key(data)
 
 
@@ -266,7 +266,7 @@ class DedupIndex:
 
     def peak_rss_mb(self) -> float:
         """The most memory this actor's process has held."""
-        from strata.procs import peak_rss_mb
+        from strata.cluster.procs import peak_rss_mb
 
         return peak_rss_mb()
 
@@ -293,8 +293,8 @@ class DedupIndex:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        from strata.integrity import HashingSink
-        from strata.storage import filesystem
+        from strata.data.integrity import HashingSink
+        from strata.data.storage import filesystem
 
         fs, target = filesystem(path)
         rows = 0
@@ -315,7 +315,7 @@ class DedupIndex:
 def _read(path: str, columns: list[str]):
     import pyarrow.parquet as pq
 
-    from strata.storage import filesystem
+    from strata.data.storage import filesystem
 
     fs, p = filesystem(path)
     return pq.read_table(p, filesystem=fs, columns=columns)
@@ -340,8 +340,8 @@ def write_index_file(path: str, keys: np.ndarray, docs: np.ndarray, lo: int, hi:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from strata.integrity import HashingSink
-    from strata.storage import filesystem
+    from strata.data.integrity import HashingSink
+    from strata.data.storage import filesystem
 
     fs, target = filesystem(path)
     with fs.open_output_stream(target) as raw:
@@ -393,11 +393,11 @@ def segment_lookup(segment: dict, keys: np.ndarray) -> np.ndarray:
 
 
 def _opened(f: dict):
-    """An index file to read: checked against the digest its commit names (`named`, strata/integrity.py) when it
+    """An index file to read: checked against the digest its commit names (`named`, strata/data/integrity.py) when it
     is an earlier version's or another dataset's; this run's own, as it wrote it."""
     import contextlib
 
-    from strata.storage import filesystem
+    from strata.data.storage import filesystem
 
     if (named := f.get("named")) is not None:
         return named.opened()
@@ -445,7 +445,7 @@ def legacy_segment(paths: list[str], params) -> dict:
     """A version's dedup files from before the index (keys of every slice in each) as one segment."""
     import pyarrow.parquet as pq
 
-    from strata.storage import filesystem
+    from strata.data.storage import filesystem
 
     files = []
     for path in paths:
@@ -505,7 +505,7 @@ def audit_pairs(docs_paths: list[str], pairs: list[dict], winners: list[int], cf
     """
     import pyarrow.parquet as pq
 
-    from strata.storage import filesystem
+    from strata.data.storage import filesystem
 
     wanted = {p["removed"] for p in pairs} | {p["kept"] for p in pairs} | set(winners)
     texts, ids = {}, {}

@@ -7,7 +7,7 @@ whole input and the versions in --dedup-window), tokenize and pack; shuffle rows
 shards. Every record is kept, filtered, duplicate or rejected with a reason
 (pipelines/stats.py); the version is published only when complete.
 
-`run` holds the dataset's lease (strata.shell.Job) from deciding what is new
+`run` holds the dataset's lease (strata.commands.shell.Job) from deciding what is new
 until its commit; `Preprocess` is one run, a method per step.
 """
 
@@ -24,18 +24,26 @@ from pipelines import decontam
 from pipelines.config import PreprocessConfig
 from pipelines.dedup import INDEX_FAN_IN, suggested_shards
 from pipelines.stats import Output, Tally, accounting, outputs, summary_table, without_deferred
-from strata import tiers
-from strata.commit import abandoned_runs, check_extends, commit, delete_run, failpoint
-from strata.cost import ray_daemon_cpu
-from strata.dataset import DatasetError, Shard, head, history, latest, slot_version, token_dtype
-from strata.digests import file_digest
-from strata.inputs import check_outside, list_inputs, plan_units
-from strata.lineage import FILE as LINEAGE_FILE
-from strata.openlineage import dataset as lineage_dataset
-from strata.shell import Job, StrataError
-from strata.shell import log as _logger
-from strata.sources import InputMissing, InputUnreadable
-from strata.storage import (
+from strata.accounting.cost import ray_daemon_cpu
+from strata.accounting.openlineage import dataset as lineage_dataset
+from strata.cluster import tiers
+from strata.commands.shell import Job, StrataError
+from strata.commands.shell import log as _logger
+from strata.data.commit import abandoned_runs, check_extends, commit, delete_run, failpoint
+from strata.data.dataset import (
+    DatasetError,
+    Shard,
+    head,
+    history,
+    latest,
+    slot_version,
+    token_dtype,
+)
+from strata.data.digests import file_digest
+from strata.data.inputs import check_outside, list_inputs, plan_units
+from strata.data.lineage import FILE as LINEAGE_FILE
+from strata.data.sources import InputMissing, InputUnreadable
+from strata.data.storage import (
     Storage,
     basename,
     delete_dir,
@@ -48,7 +56,7 @@ from strata.storage import (
     write_bytes_atomic,
     write_json_atomic,
 )
-from strata.tokenizer import TOKENIZER_FILE, TokenizerMismatch
+from strata.data.tokenizer import TOKENIZER_FILE, TokenizerMismatch
 
 _say = _logger("preprocess").info
 
@@ -110,7 +118,7 @@ def _quality_model(cfg: PreprocessConfig, storage: Storage):
 
 def _as_user_error(e: BaseException) -> StrataError | None:
     """An unreadable input or a tokenizer mismatch a worker raised, as the one line the user acts on."""
-    from strata.integrity import IntegrityError
+    from strata.data.integrity import IntegrityError
 
     if (cause := _worker_error(e, (InputUnreadable, TokenizerMismatch, IntegrityError))) is None:
         return None
@@ -436,12 +444,12 @@ class Preprocess:
         """The definition of a tokenizer.json the config names (None: bytes)."""
         if self.cfg.pack.tokenizer == "bytes" or self.cfg.pack.tokenizer.startswith("train:"):
             return None
-        from strata.tokenizer import HFTokenizer
+        from strata.data.tokenizer import HFTokenizer
 
         return HFTokenizer.from_file(self.cfg.pack.tokenizer, self.cfg.pack.eot_token, "hf").definition
 
     def load_tokenizer(self, definition: str | None):
-        from strata.tokenizer import ByteTokenizer, HFTokenizer
+        from strata.data.tokenizer import ByteTokenizer, HFTokenizer
 
         if not definition:
             return ByteTokenizer()
@@ -519,7 +527,7 @@ class Preprocess:
         import ray
 
         from pipelines.dedup import compaction, in_window
-        from strata.commit import THIS_VERSION as THIS
+        from strata.data.commit import THIS_VERSION as THIS
 
         size = self.cfg.dedup.window_size()
         for t in self.tables if self.index else ():
@@ -623,7 +631,7 @@ class Preprocess:
 
     def consumed(self, files: list[dict]) -> list[dict]:
         """The files this version consumes (not the deferred ones: the next run reads them), each with its
-        digest (strata.digests.file_digest); the dedup guard."""
+        digest (strata.data.digests.file_digest); the dedup guard."""
         for path, why in self.deferred.items():
             _say(f"WARNING: {path} left out of this version (--unreadable defer), to be read by a later run: {why}")
         _check_dedup_share(self.by_source(), self.cfg.dedup.max_duplicate_fraction)
@@ -811,7 +819,7 @@ def _against(storage: Storage, cfg: PreprocessConfig) -> tuple[dict, dict[str, l
     """--dedup-against NAME[@VERSION]: that version's dedup index (its segments marked `against`, paths made
     whole), and what the manifest records of it. Band segments of other MinHash/LSH parameters are left out
     (their keys are not comparable), with a line saying so."""
-    from strata.dataset import resolve
+    from strata.data.dataset import resolve
 
     ref = cfg.dedup.against
     name = ref.partition("@")[0]
@@ -825,7 +833,7 @@ def _against(storage: Storage, cfg: PreprocessConfig) -> tuple[dict, dict[str, l
     if not isinstance(state.get("index"), dict) or not any(state["index"].get(t) for t in ("exact", "band")):
         raise DatasetError(f"--dedup-against {other.ref}: it has no dedup index (it was made with dedup off, or "
                            "before the index): there is nothing to deduplicate against")
-    # Another dataset's index: every file must match the digest its commit names (strata/integrity.py).
+    # Another dataset's index: every file must match the digest its commit names (strata/data/integrity.py).
     segments = {t: [{**seg, "against": True, "files": [{**f, "path": other.file(f["path"]),
                                                         "named": other.named(f["path"])} for f in seg["files"]]}
                     for seg in state["index"].get(t, [])] for t in ("exact", "band")}
@@ -843,7 +851,7 @@ def _train_tokenizer(paths: list[str], vocab: int, sample_bytes: int) -> str:
     """A byte-level BPE from the first `sample_bytes` of kept text (a cpu-tier task)."""
     import pyarrow.parquet as pq
 
-    from strata.tokenizer import train_bpe
+    from strata.data.tokenizer import train_bpe
 
     def texts():
         seen = 0

@@ -22,9 +22,9 @@ versions then say so when opened. The purge is planned before the commit and the
 the next `forget` on the dataset (a rerun of this one) finishes it. A crash before the commit leaves only
 files of an uncommitted run directory, which the next writer deletes.
 
-Nothing is acted on that is not verified first (strata/integrity.py): lineage, tails, forget list, dedup's
+Nothing is acted on that is not verified first (strata/data/integrity.py): lineage, tails, forget list, dedup's
 removed lists and rejects reports are read only as the commits that made them name them, and every
-document's spans are checked against the version that added it (strata.lineage.check_spans). Versions
+document's spans are checked against the version that added it (strata.data.lineage.check_spans). Versions
 made before file digests are not searched (as versions made before lineage are not), and said so.
 """
 
@@ -39,11 +39,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from strata.commit import abandoned_runs, commit_rewrite, delete_run
-from strata.dataset import DatasetError, DocumentCounts, Shard, head, latest, version_at
-from strata.integrity import file_sha256, sha256
-from strata.shell import log as _logger
-from strata.storage import (
+from strata.commands.shell import log as _logger
+from strata.data.commit import abandoned_runs, commit_rewrite, delete_run
+from strata.data.dataset import DatasetError, DocumentCounts, Shard, head, latest, version_at
+from strata.data.integrity import file_sha256, sha256
+from strata.data.storage import (
     Storage,
     delete,
     exists,
@@ -60,7 +60,7 @@ LIST_SCHEMA = pa.schema([("key", pa.uint64()), ("kind", pa.string()), ("version"
 
 def read_list(named, near: bool = False) -> np.ndarray:
     """A forget list's record and exact keys together, sorted (with `near`: its MinHash band keys instead):
-    what pass 1 drops. `named`: the list as its version's commit names it (strata.integrity.Named), checked
+    what pass 1 drops. `named`: the list as its version's commit names it (strata.data.integrity.Named), checked
     against its digest."""
     t = named.parquet(columns=["key", "kind"])
     is_near = pc.equal(t["kind"], "near")
@@ -71,7 +71,7 @@ def forget(storage: Storage, name: str, *, doc_ids: list[str] | None = None, sou
            reason: str = "", purge: bool = False) -> dict:
     """Remove documents from dataset `name` (see the module's doc); returns what was done and the runs,
     checkpoints and exports that learned from them."""
-    from strata.lease import Lease
+    from strata.data.lease import Lease
 
     if not reason.strip():
         raise DatasetError("forget needs --reason TEXT: the commit records why the documents were removed")
@@ -101,7 +101,7 @@ class Forget:
             delete_run(storage, name, leftover)
 
     def run(self) -> dict:
-        from strata.lineage import doc_key, find
+        from strata.data.lineage import doc_key, find
 
         finished = finish_purges(self.storage, self.newest)  # a purge a crash cut short, from its commit's plan
         found = find(self.storage, self.doc_ids, self.source, self.name, verified_only=True)
@@ -188,7 +188,7 @@ class Forget:
         """Each shard of the newest snapshot holding a forgotten row, written again without those rows (in
         data/<tag>); its lineage, the rows renumbered; and the other documents the dropped rows held."""
         from pipelines.pack import ROW_GROUP_ROWS
-        from strata.lineage import FILE, SCHEMA, check_spans, read, write
+        from strata.data.lineage import FILE, SCHEMA, check_spans, read, write
 
         drop: dict[str, set[int]] = {}
         for r in held:
@@ -243,7 +243,7 @@ class Forget:
 
     def named(self, doc_id: str, keys: set[int]) -> bool:
         """Whether record `doc_id` has one of the record keys `keys`, or is of a file --source matches."""
-        from strata.lineage import doc_key
+        from strata.data.lineage import doc_key
 
         return doc_key(doc_id) in keys or (self.source is not None
                                            and fnmatch.fnmatchcase(doc_id.rpartition(":")[0], self.source))
@@ -346,8 +346,8 @@ class Forget:
         commit's digest; a version made before digests is left out, and said so. {"record": what the commit
         keeps (files to delete; reports with their scrubbed SHA-256), "reports": {path: scrubbed bytes}}."""
         from pipelines.pack import read_tails
-        from strata.dataset import history
-        from strata.lineage import doc_key
+        from strata.data.dataset import history
+        from strata.data.lineage import doc_key
 
         live = ({s.path for s in self.newest.shards} - {s.path for s in removed}) | {s.path for s in added}
         doomed = {s.path for s in removed} | {r["shard"] for h in found["versions"] for r in h["rows"]}
@@ -392,8 +392,8 @@ class Forget:
 def scrubbed_report(report, keys: set[int], source: str | None, what: str) -> bytes | None:
     """A rejects report without the samples of the documents `keys` names (or of files `source` matches), as
     the bytes strata writes; None when it holds none of them. A report that is not one is an error naming it."""
-    from strata.lineage import doc_key
-    from strata.storage import json_bytes
+    from strata.data.lineage import doc_key
+    from strata.data.storage import json_bytes
 
     samples = report.get("samples") if isinstance(report, dict) else None
     if not isinstance(samples, dict) or not all(isinstance(v, list) for v in samples.values()):
@@ -432,7 +432,7 @@ def rewritten_before(newest, version, rel: str) -> str | None:
 
 def carry_out(version, plan: dict) -> dict:
     """Do what a purge's plan says, now that its commit stands: {"deleted", "scrubbed"} (paths)."""
-    from strata.commit import failpoint
+    from strata.data.commit import failpoint
 
     deleted, scrubbed = [], []
     for rel in plan["record"]["delete"]:
@@ -451,7 +451,7 @@ def finish_purges(storage: Storage, newest) -> list[dict]:
     every later version carries on): files still there are deleted, reports not yet scrubbed are. A report is
     scrubbed again only from the bytes its own version's commit names, and only to the SHA-256 the plan
     recorded. [{"version", "deleted", "scrubbed"}] of each purge that had something left."""
-    from strata.integrity import IntegrityError
+    from strata.data.integrity import IntegrityError
 
     out = []
     for f in newest.manifest.forgotten.get("forgets") or []:

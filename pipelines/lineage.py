@@ -3,7 +3,7 @@
 Pass 2 knows, as it packs, which document each token of a split's stream belongs to (`DocRuns`); when it
 cuts rows it writes their spans, keyed by each row's random sort key, to a work file. Pass 3 knows where
 each key landed (a shard file and a row in it) and writes that beside the shard. `build` joins the two
-into the version's lineage file (strata/lineage.py: its columns and how it is looked up).
+into the version's lineage file (strata/data/lineage.py: its columns and how it is looked up).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from strata.lineage import FILE, SCHEMA, write
-from strata.storage import filesystem, join, list_dir
+from strata.data.lineage import FILE, SCHEMA, write
+from strata.data.storage import filesystem, join, list_dir
 
 __all__ = ["FILE", "DocRuns", "build", "write_places", "write_records", "write_spans"]
 

@@ -3,7 +3,7 @@ share one (`python -m pipelines.datasets near --doc-ids FILE`).
 
 A document's text is read from its input file when that is still where it was read, with the digest the
 version that read it recorded; else it is decoded from its tokens in a version's rows (and tails) with the
-dataset's tokenizer (strata.lineage.document_tokens). Rows are shuffled into shards, so a document of more
+dataset's tokenizer (strata.data.lineage.document_tokens). Rows are shuffled into shards, so a document of more
 than three rows decodes with its middle rows in an order lineage does not keep: its band keys then match
 its edited copies less often than its own text's would.
 
@@ -20,8 +20,8 @@ from collections.abc import Iterable
 import numpy as np
 
 from pipelines.dedup import hasher_of
-from strata.shell import log as _logger
-from strata.storage import Storage, list_dir
+from strata.commands.shell import log as _logger
+from strata.data.storage import Storage, list_dir
 
 _say = _logger("near").info
 
@@ -38,8 +38,8 @@ def original_texts(docs: dict[str, dict]) -> dict[str, str]:
     """The normalized text of each document (`find`'s documents, by id) whose input file is still where it
     was read, with the digest recorded then: {doc_id: text} of those found."""
     from pipelines.clean import CleanConfig, normalize
-    from strata.digests import path_digest
-    from strata.inputs import documents
+    from strata.data.digests import path_digest
+    from strata.data.inputs import documents
 
     out, by_source = {}, {}
     for doc_id, d in docs.items():
@@ -61,8 +61,8 @@ def texts(version, rows: list[dict], docs: dict[str, dict]) -> dict[str, str]:
     """The text of each document of `rows` (`find`'s rows of `version`): its input file's record when that
     verifies (`original_texts`), else its tokens in `version` decoded (its end in the tails included)."""
     from pipelines.pack import read_tails
-    from strata.lineage import document_tokens
-    from strata.tokenizer import from_info
+    from strata.data.lineage import document_tokens
+    from strata.data.tokenizer import from_info
 
     m = version.manifest
     tokens = document_tokens(version, rows)
@@ -85,8 +85,8 @@ def near_copies(storage: Storage, doc_ids: list[str]) -> dict:
     documents themselves left out), "searched": {dataset: versions in its index}, "not_searched": {dataset:
     why}}."""
     from pipelines.dedup import segment_lookup
-    from strata.dataset import DatasetError, resolve
-    from strata.lineage import doc_key, find, find_keys
+    from strata.data.dataset import DatasetError, resolve
+    from strata.data.lineage import doc_key, find, find_keys
 
     found = find(storage, doc_ids=doc_ids)
     docs = {d["doc_id"]: d for d in found["documents"]}

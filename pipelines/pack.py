@@ -33,13 +33,13 @@ from pipelines.dedup import DedupConfig, MinHasher, exact_key, hash64, shard_of
 from pipelines.dedup import hasher_of as dedup_hasher
 from pipelines.lineage import DocRuns, write_records, write_spans
 from pipelines.stats import SAMPLES_PER_REASON, Output, Tally, audit_sample
-from strata.connect import fetch_once
-from strata.dataset import arrow_schema, token_dtype
-from strata.digests import with_deferral
-from strata.lineage import doc_key
-from strata.procs import peak_rss_mb
-from strata.sources import ReadConfig, read_file
-from strata.storage import filesystem, join
+from strata.cluster.connect import fetch_once
+from strata.cluster.procs import peak_rss_mb
+from strata.data.dataset import arrow_schema, token_dtype
+from strata.data.digests import with_deferral
+from strata.data.lineage import doc_key
+from strata.data.sources import ReadConfig, read_file
+from strata.data.storage import filesystem, join
 
 SPLIT_IDS = {"train": 0, "validation": 1}
 ROW_GROUP_ROWS = 1024
@@ -280,7 +280,7 @@ class DedupTokenizePack:
                  contamination: dict | None = None, quality: dict | None = None, forget: dict | None = None):
         import ray
 
-        from strata.tokenizer import HFTokenizer, load_tokenizer
+        from strata.data.tokenizer import HFTokenizer, load_tokenizer
 
         self.tok = (HFTokenizer(definition, eot_token, tokenizer_engine) if definition
                     else load_tokenizer(tokenizer, eot_token, tokenizer_engine))
@@ -488,12 +488,12 @@ def pack_tails(work_dir: str, names: list[str], *, seq_len: int, dtype: str, see
     name order, packed together into `packed/packed-tails.parquet`: the same input always packs the same.
 
     What is left over is shorter than a row per split. With `final` it becomes a last row padded with the
-    pad value (strata.dataset.pad_value; training leaves it out of the loss), so every kept document is in
+    pad value (strata.data.dataset.pad_value; training leaves it out of the loss), so every kept document is in
     the version. Otherwise it goes to `tails_out`, for the next version to pack first: its documents are
     counted unpacked (carried). Returns the packed file (none when no row was made) and its Tally: rows,
     unpacked, padding and carried-in tokens per split, and unpacked, carried-in and carried-on documents.
     """
-    from strata.dataset import pad_value
+    from strata.data.dataset import pad_value
 
     cpu0 = time.process_time()
     schema, row_len = packed_schema(seq_len, dtype), seq_len + 1
@@ -545,7 +545,7 @@ def pack_tails(work_dir: str, names: list[str], *, seq_len: int, dtype: str, see
 def read_tails(path) -> dict[str, tuple[np.ndarray, DocRuns]]:
     """A tails file's tokens by split, with the documents they are of (a file made before lineage has
     none: its tokens are of documents unknown, ""). `path`: a work file of this run's, or an earlier
-    version's tails as its commit names them (strata.integrity.Named: checked against their digest)."""
+    version's tails as its commit names them (strata.data.integrity.Named: checked against their digest)."""
     ids = {v: k for k, v in SPLIT_IDS.items()}
     if isinstance(path, str):
         fs, p = filesystem(path)

@@ -18,13 +18,19 @@ import time
 from pipelines.config import PRESETS, STAGES
 from pipelines.driver import run
 from pipelines.stats import format_table
-from strata.cli import add_config_arguments, add_openlineage, finish, overrides, use_openlineage
-from strata.cli import parser as cli_parser
-from strata.dataset import DatasetError, latest
-from strata.lease import LeaseBusy
-from strata.shell import EXIT_BUSY, Command
-from strata.shell import log as _logger
-from strata.storage import Storage, check_name
+from strata.commands.cli import (
+    add_config_arguments,
+    add_openlineage,
+    finish,
+    overrides,
+    use_openlineage,
+)
+from strata.commands.cli import parser as cli_parser
+from strata.commands.shell import EXIT_BUSY, Command
+from strata.commands.shell import log as _logger
+from strata.data.dataset import DatasetError, latest
+from strata.data.lease import LeaseBusy
+from strata.data.storage import Storage, check_name
 
 _say = _logger("preprocess").info
 

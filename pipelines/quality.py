@@ -27,9 +27,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from strata.cli import NON_NEGATIVE, check_fields
-from strata.shell import log as _logger
-from strata.storage import exists, filesystem, join, make_dirs
+from strata.commands.cli import NON_NEGATIVE, check_fields
+from strata.commands.shell import log as _logger
+from strata.data.storage import exists, filesystem, join, make_dirs
 
 _say = _logger("preprocess").info
 _warn = _logger("preprocess").warning
@@ -118,7 +118,7 @@ def digest(path: str) -> str:
     """SHA-256 of a cache file: the manifest keeps it, and a file that does not match is not used."""
     import hashlib
 
-    from strata.storage import read_bytes
+    from strata.data.storage import read_bytes
 
     return hashlib.sha256(read_bytes(path)).hexdigest()
 
@@ -129,7 +129,7 @@ def _checked_cache(parent: dict) -> dict[str, bytes]:
     left out with a warning, and its documents are scored again."""
     import hashlib
 
-    from strata.storage import read_bytes
+    from strata.data.storage import read_bytes
 
     scores, digests = list(parent.get("scores") or []), parent.get("digests")
     if not isinstance(digests, list) or len(digests) != len(scores):
@@ -198,7 +198,7 @@ def score(cfg: QualityConfig, model, docs_files: list[str], *, exact: bool, pare
     import ray
 
     from infer.score import scoring
-    from strata import tiers
+    from strata.cluster import tiers
 
     started = time.time()
     mid = model_id(model.weights)

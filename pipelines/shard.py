@@ -19,8 +19,8 @@ from pipelines.dedup import key_range
 from pipelines.lineage import write_places
 from pipelines.pack import ROW_GROUP_ROWS, SPLIT_IDS, _node, profiled
 from pipelines.stats import Output, Tally
-from strata.dataset import shard_schema
-from strata.storage import filesystem, join, make_dirs, read_bytes
+from strata.data.dataset import shard_schema
+from strata.data.storage import filesystem, join, make_dirs, read_bytes
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def shuffle(packed: list[str], plan: ShardPlan):
 @profiled
 def write_shards(batch: pa.Table, *, directory: str, plan: ShardPlan, dtype: str, work_dir: str) -> dict:
     """Pass 3's writer: the shards' rows of one sorted block (each shard's rows in key order) to a file per
-    shard, in the table's schema (strata.dataset.shard_schema). A shard the shuffle cut into several
+    shard, in the table's schema (strata.data.dataset.shard_schema). A shard the shuffle cut into several
     blocks becomes several files, each named by its shard and its first key, so a rerun writes the same
     names; beside each, in `work_dir`, its rows' keys (for lineage). Each output says (name, split, rows,
     tokens, bytes)."""

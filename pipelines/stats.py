@@ -12,8 +12,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 
-from strata.dataset import DOCUMENT_STATUSES, DocumentCounts
-from strata.storage import basename
+from strata.data.dataset import DOCUMENT_STATUSES, DocumentCounts
+from strata.data.storage import basename
 
 SAMPLES_PER_REASON = 3  # example records kept per reason, for rejects.json
 AUDIT_PAIRS = 8  # sampled duplicate pairs per kind in a version's dedup audit
@@ -87,7 +87,7 @@ class Tally:
     tokens: Mapping[str, int] = field(default_factory=dict)
     rows: Mapping[str, int] = field(default_factory=dict)
     encoded_by: Mapping[str, int] = field(default_factory=dict)
-    """Documents by the engine that encoded them (strata.tokenizer)."""
+    """Documents by the engine that encoded them (strata.data.tokenizer)."""
     tokenizer_checked: int = 0
     """Documents both engines encoded, to check they agree."""
     unpacked_tokens: Mapping[str, int] = field(default_factory=dict)
@@ -213,7 +213,7 @@ def summary_table(t: Tally, seconds: float, *, cpus: float, total_bytes: int, sh
         "quality": quality or {},
         # Per evaluation file: its records, n-grams (whole short items among them) and the documents it caught.
         "decontamination": {path: {**f, "documents": t.contaminated_by.get(path, 0)} for path, f in evaluation.items()},
-        # Which engine encoded how many documents, and how many of them both engines encoded (strata.tokenizer).
+        # Which engine encoded how many documents, and how many of them both engines encoded (strata.data.tokenizer).
         "documents_by_tokenizer_engine": dict(t.encoded_by), "tokenizer_checked": t.tokenizer_checked,
         "seconds": round(seconds, 2), "cpus": cpus,
         "mb_per_s_per_cpu": round(total_bytes / 1e6 / seconds / max(cpus, 1), 3),

@@ -24,11 +24,11 @@ def main() -> None:
             print(f"  {name:8} {what}")
         sys.exit(0 if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help") else 2)
     if sys.argv[1] == "demo":
-        from strata.demo import main as demo
+        from strata.commands.demo import main as demo
 
         demo(sys.argv[2:])
     elif sys.argv[1] in ("runs", "report", "ledger"):
-        from strata.report import main as report
+        from strata.commands.report import main as report
 
         sys.exit(report(sys.argv[1:]))
     elif sys.argv[1] == "lineage":  # a run's data order is training's own code: run it there
@@ -38,19 +38,19 @@ def main() -> None:
     elif sys.argv[1] == "plan":  # the planner thinks in model FLOPs, so it lives in train: run it, never import it
         os.execv(sys.executable, [sys.executable, "-m", "train.plan", *sys.argv[2:]])
     elif sys.argv[1] == "migrate":
-        from strata.migrate import main as migrate
+        from strata.data.migrate import main as migrate
 
         sys.exit(migrate(sys.argv[2:]))
     elif sys.argv[1] == "head":
-        from strata.head import main as head
+        from strata.commands.head import main as head
 
         sys.exit(head(sys.argv[2:]))
     elif sys.argv[1] == "keys":
-        from strata.keys import main as keys
+        from strata.commands.keys import main as keys
 
         sys.exit(keys(sys.argv[2:]))
     elif sys.argv[1] == "submit":
-        from strata.submit import main as submit
+        from strata.commands.submit import main as submit
 
         sys.exit(submit(sys.argv[2:]))
 

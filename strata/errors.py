@@ -1,7 +1,7 @@
 """What every strata module may need to say or end with, and nothing else: the exit codes, `StrataError`
 (a message the user can act on, in one line), `log` (the `[tag] ...` lines on stderr) and how a command stops
 on SIGTERM. It imports nothing of strata's, so storage, signing, leases and the cluster code use it without
-reaching up to the command shell (strata/shell.py), which is built on them.
+reaching up to the command shell (strata/commands/shell.py), which is built on them.
 """
 
 from __future__ import annotations

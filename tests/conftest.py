@@ -39,7 +39,7 @@ for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "STRATA_SIGNING_KEY", "STRA
 def _session_key() -> None:
     """This machine's signing key in the session's home, as a laptop's first embedded run makes it: tests sign
     checkpoints without a Ray too."""
-    from strata import signing
+    from strata.data import signing
 
     signing.ensure_local_key()
 
@@ -254,8 +254,8 @@ def ensure_local_ray():
     multi-node test module replaced it with a cluster of its own."""
     import ray
 
-    from strata import tiers
-    from strata.connect import connect, shutdown
+    from strata.cluster import tiers
+    from strata.cluster.connect import connect, shutdown
 
     nodes = ray.nodes() if ray.is_initialized() else []
     if len(nodes) == 1 and tiers.tiers_of(nodes[0].get("Labels", {})) == set(tiers.Tier):
@@ -297,8 +297,8 @@ def kill_node(cluster, node) -> None:
     run, 2026-12-06: a `ray::MapWorker` of test_crash's killed node outlived the suite)."""
     from ray._private import ray_constants
 
-    from strata.connect import _reap
-    from strata.procs import processes, tree
+    from strata.cluster.connect import _reap
+    from strata.cluster.procs import processes, tree
 
     raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
     workers = tree(raylet, processes()) - {raylet}
@@ -313,9 +313,9 @@ def simulated_cluster(nodes: list[tuple[tuple, int]]):
     import ray
     from ray.cluster_utils import Cluster
 
-    from strata import tiers
-    from strata.connect import remove_ray_dir, shutdown, state_api_at, stop_monitor
-    from strata.procs import kill_naming
+    from strata.cluster import tiers
+    from strata.cluster.connect import remove_ray_dir, shutdown, state_api_at, stop_monitor
+    from strata.cluster.procs import kill_naming
 
     shutdown()  # replaces the session's local Ray; ensure_local_ray() brings it back
     temp = tempfile.mkdtemp(prefix="rayc-", dir="/tmp")
@@ -324,7 +324,7 @@ def simulated_cluster(nodes: list[tuple[tuple, int]]):
     os.environ["RAY_TMPDIR"] = temp  # every node, and the cluster's address file, under our own dir
     port = _free_port()  # not 8265: another pytest process (an xdist worker) may be starting a Ray on it
     try:
-        with state_api_at(port):  # as strata.connect does for an embedded Ray
+        with state_api_at(port):  # as strata.cluster.connect does for an embedded Ray
             cluster = Cluster(initialize_head=True, head_node_args={
                 "num_cpus": 0, "object_store_memory": 100 << 20, "include_dashboard": True,
                 "dashboard_host": "127.0.0.1", "dashboard_port": port})
@@ -370,7 +370,7 @@ def _stop_ray_at_end():
     """The shared Ray stopped and its temp dir gone; then nothing the session started may be left
     (tests/guard.py): a process still alive or a Ray temp dir still there fails the run."""
     yield
-    from strata.connect import remove_ray_dir, shutdown
+    from strata.cluster.connect import remove_ray_dir, shutdown
 
     shutdown()
     for d in _ray_dirs:
@@ -388,7 +388,7 @@ def exported_model(tmp_path_factory):
 
     import torch
 
-    from strata.tokenizer import ByteTokenizer
+    from strata.data.tokenizer import ByteTokenizer
     from train.export import export
     from train.model import GPT, preset
 
@@ -407,7 +407,7 @@ def dataset(storage_root, corpus):
     """The corpus preprocessed once into a committed version (debug preset: seq_len 128)."""
     from pipelines.config import debug
     from pipelines.driver import run
-    from strata.storage import Storage
+    from strata.data.storage import Storage
 
     ensure_local_ray()
     # Document ids carry the (random) temp path and pick the split by hash: 30% keeps a validation
@@ -422,7 +422,7 @@ def second_dataset(storage_root, dataset, tmp_path_factory):
     """Another corpus (`code`) with the same tokenizer and seq_len as `dataset`: a mixture's second source."""
     from pipelines.config import debug
     from pipelines.driver import run
-    from strata.storage import Storage
+    from strata.data.storage import Storage
 
     root = str(tmp_path_factory.mktemp("code"))
     make_corpus(root, docs=30, seed=1)

@@ -23,7 +23,7 @@ import uuid
 
 import pytest
 
-from strata.procs import cmdline
+from strata.cluster.procs import cmdline
 
 MARKER = "PYTEST_STRATA_SESSION"
 SESSION = os.environ[MARKER] = uuid.uuid4().hex  # each pytest process (each xdist worker) its own

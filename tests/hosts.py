@@ -35,7 +35,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from strata.procs import cmdline
+from strata.cluster.procs import cmdline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
@@ -339,7 +339,7 @@ class HostCluster:
 
     def start_node(self, name: str, wait: bool = True) -> subprocess.Popen:
         """`ray start --block` on host `name` as its node type in cluster.yaml (labels; CPUs scaled down)."""
-        from strata import tiers
+        from strata.cluster import tiers
 
         _, node_type, cpus = self.layout[name]
         host = self.host(name)

@@ -27,7 +27,7 @@ def exported(root, seed: int, seq_len: int = 64, **shape) -> str:
     """A small random model (byte tokenizer) exported by train.export: its directory."""
     import torch
 
-    from strata.tokenizer import ByteTokenizer
+    from strata.data.tokenizer import ByteTokenizer
     from train.export import export
     from train.model import GPT
 
@@ -45,7 +45,7 @@ def commit_checkpoint(run_dir: str, step: int, seed: int) -> None:
     registered as Ray Train registers one (its snapshot lists it): a commit."""
     import torch
 
-    from strata.tokenizer import ByteTokenizer
+    from strata.data.tokenizer import ByteTokenizer
     from train.checkpoint import SNAPSHOT, dir_name
     from train.model import GPT
 

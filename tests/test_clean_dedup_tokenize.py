@@ -8,7 +8,7 @@ import pytest
 
 from pipelines.clean import WEB, CleanConfig, normalize, quality_reason
 from pipelines.dedup import DedupConfig, DedupIndex, MinHasher, exact_key, legacy_segment, shard_of
-from strata.tokenizer import (
+from strata.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     check_spec,

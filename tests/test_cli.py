@@ -10,7 +10,7 @@ import tempfile
 import pytest
 from conftest import REPO
 
-from strata.connect import remove_ray_dir
+from strata.cluster.connect import remove_ray_dir
 
 ENTRY_POINTS = {
     "pipelines.preprocess": ["--input", "--dataset", "--tokenizer", "--seq-len", "--json"],
@@ -39,7 +39,7 @@ def test_strata_command_lists_demo():
 
 
 def test_the_demo_shows_each_stage_as_a_shell_takes_it():
-    from strata.demo import shown
+    from strata.commands.demo import shown
 
     line = shown("train.sample", ["--run", "demo", "--prompt", "def ", "--tokens", "160"])
     assert line == "python -m train.sample --run demo --prompt 'def ' --tokens 160"
@@ -156,8 +156,8 @@ def test_training_prints_its_progress_and_no_ray_noise_and_ctrl_c_says_how_to_co
     import signal
     import time
 
-    from strata.records import find_record
-    from strata.storage import Storage
+    from strata.accounting.records import find_record
+    from strata.data.storage import Storage
 
     env = {"STRATA_STORAGE": storage_root}
     started = time.time()
@@ -172,7 +172,7 @@ def test_training_prints_its_progress_and_no_ray_noise_and_ctrl_c_says_how_to_co
                   "(RayTrainWorker"):
         assert noise not in out.stderr, f"{noise!r} in:\n{out.stderr[-3000:]}"
     record = find_record(Storage(storage_root), "train/watched")
-    # The command, not the fit alone. Its start is the process's (strata.shell.process_started), which psutil
+    # The command, not the fit alone. Its start is the process's (strata.commands.shell.process_started), which psutil
     # derives from the kernel's boot time in whole seconds: up to a second early (CI saw 28.7 s for 28.57).
     assert 0.8 * wall <= record["seconds"] <= wall + 1.0, (record["seconds"], wall)
 
@@ -237,7 +237,7 @@ def test_sigterm_stops_a_command_as_ctrl_c_does_and_its_ray_temp_dir_goes(corpus
 
 _ENDING = """
 import atexit, sys, threading, time
-from strata.shell import Command
+from strata.commands.shell import Command
 
 def body(cmd):
     atexit.register(lambda: open(sys.argv[1] + ".atexit", "w").write("ran"))
@@ -273,8 +273,8 @@ def test_a_reader_that_goes_away_ends_a_command_quietly(tmp_path, command):
     """`datasets show X --json | head` ended in a BrokenPipeError reported as a bug in strata (exit 70)."""
     from test_dataset_contract import _stage
 
-    from strata.commit import commit
-    from strata.storage import Storage, write_json_atomic
+    from strata.data.commit import commit
+    from strata.data.storage import Storage, write_json_atomic
 
     storage = Storage(str(tmp_path))
     commit(storage, "ds", *_stage(storage, "ds"))
@@ -351,8 +351,8 @@ import os
 import sys
 import tempfile
 import ray
-from strata.connect import connect
-from strata.shell import Command
+from strata.cluster.connect import connect
+from strata.commands.shell import Command
 
 def body(cmd):
     connect(num_cpus=1, temp_dir=sys.argv[1], dashboard=False, quiet=True)
@@ -391,7 +391,7 @@ def test_the_cluster_failing_under_a_command_is_one_line_not_a_bug(tmp_path):
 
 def test_the_help_a_newcomer_reads_first():
     """`strata --help` names every kind submit takes; `strata head --help` keeps its usage lines as written."""
-    from strata.submit import MODULES
+    from strata.commands.submit import MODULES
 
     line = next(ln for ln in cli("strata", "--help").stdout.splitlines() if ln.strip().startswith("submit"))
     assert all(kind in line for kind in MODULES), line

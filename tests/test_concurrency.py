@@ -10,9 +10,9 @@ import sys
 import pytest
 from conftest import REPO, make_corpus
 
-from strata.dataset import list_versions, resolve
-from strata.shell import EXIT_BUSY
-from strata.storage import Storage
+from strata.commands.shell import EXIT_BUSY
+from strata.data.dataset import list_versions, resolve
+from strata.data.storage import Storage
 
 
 def _start(root: str, raw: str, *extra: str) -> subprocess.Popen:

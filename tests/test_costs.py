@@ -8,9 +8,9 @@ import sys
 import pytest
 from conftest import REPO
 
-from strata import tiers
-from strata.cost import cluster_types, hourly_price, load_prices, node_type
-from strata.storage import Storage
+from strata.accounting.cost import cluster_types, hourly_price, load_prices, node_type
+from strata.cluster import tiers
+from strata.data.storage import Storage
 
 
 def test_prices_cover_every_node_type_of_cluster_yaml():
@@ -44,7 +44,7 @@ def _check_record(record: dict, kind: str):
 
 @pytest.mark.slow("a training run and a sweep, each a command")
 def test_train_and_sweep_runs_write_priced_records_and_reports(local_ray, dataset, priced, sweep_space):
-    from strata.records import find_record, list_records
+    from strata.accounting.records import find_record, list_records
     from train.__main__ import main as train_main
     from tune.config import SweepConfig
     from tune.driver import run as sweep

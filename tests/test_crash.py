@@ -19,9 +19,9 @@ from conftest import REPO, kill_node, make_corpus, simulated_cluster
 
 from pipelines.config import debug
 from pipelines.driver import run
-from strata import tiers
-from strata.dataset import list_versions, resolve
-from strata.storage import Storage
+from strata.cluster import tiers
+from strata.data.dataset import list_versions, resolve
+from strata.data.storage import Storage
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, edit_manifest, wait_for
 
-from strata.commit import abandoned_runs, commit, delete_run, delete_version
-from strata.dataset import (
+from strata.data.commit import abandoned_runs, commit, delete_run, delete_version
+from strata.data.dataset import (
     DatasetError,
     DocumentCounts,
     Shard,
@@ -27,9 +27,9 @@ from strata.dataset import (
     shard_schema,
     token_dtype,
 )
-from strata.lease import Lease, LeaseBusy, LeaseLost
-from strata.rows import read_rows
-from strata.storage import (
+from strata.data.lease import Lease, LeaseBusy, LeaseLost
+from strata.data.rows import read_rows
+from strata.data.storage import (
     JsonlWriter,
     Storage,
     check_name,
@@ -44,7 +44,7 @@ from strata.storage import (
     storage_root,
     write_json_atomic,
 )
-from strata.tokenizer import ByteTokenizer
+from strata.data.tokenizer import ByteTokenizer
 
 
 def _stage(storage: Storage, name: str, rows: int = 3, seq_len: int = 8, gen: int = 0, first: int = 0):
@@ -207,9 +207,9 @@ def test_killed_writer_leaves_nothing_visible_and_the_next_run_cleans_up(any_roo
         import os, sys
         sys.path[:0] = [{REPO!r}, {os.path.dirname(os.path.abspath(__file__))!r}]
         from test_dataset_contract import _stage
-        from strata.commit import commit
-        from strata.lease import Lease
-        from strata.storage import Storage
+        from strata.data.commit import commit
+        from strata.data.lease import Lease
+        from strata.data.storage import Storage
         storage = Storage({any_root!r})
         lease = Lease(storage.dataset("ds"), "dataset ds", ttl_s=2).acquire()
         files, fields = _stage(storage, "ds", gen=lease.gen)
@@ -228,7 +228,7 @@ def test_killed_writer_leaves_nothing_visible_and_the_next_run_cleans_up(any_roo
 
 
 def test_jsonl_appends_in_bounded_parts(any_root, monkeypatch):
-    import strata.storage as st
+    import strata.data.storage as st
 
     monkeypatch.setattr(st, "PART_LINES", 3)
     path = join(any_root, "runs", "r", "metrics.jsonl")
@@ -255,7 +255,7 @@ def test_incompatible_dataset_is_refused_with_reasons(tmp_path):
 
 
 def test_token_dtype_is_the_smallest_that_fits_the_ids_and_the_pad():
-    from strata.dataset import pad_value
+    from strata.data.dataset import pad_value
 
     assert token_dtype(255) == "uint8" and token_dtype(256) == "uint16"  # id 255 would be the pad
     assert token_dtype(257) == "uint16"
@@ -324,7 +324,7 @@ def test_a_manifest_naming_paths_outside_its_dataset_is_refused_before_anything_
 def test_a_lease_survives_storage_errors_and_its_holder_stops_when_it_cannot_renew(tmp_path, monkeypatch):
     """One failed listing (the red team's case) does not end renewal; a holder whose renewals fail until
     its lease runs out has lost it, and says so before it commits."""
-    import strata.lease as lease_mod
+    import strata.data.lease as lease_mod
 
     d = str(tmp_path / "ds")
     real_list, real_write = lease_mod.list_dir, lease_mod.write_json_atomic
@@ -364,8 +364,8 @@ def test_lease_generations_have_no_width_limit_and_a_lost_race_backs_off(tmp_pat
     sleeping (a LIST storm on S3)."""
     import json as _json
 
-    import strata.lease as lease_mod
-    from strata.lease import Lease, _generations, _path
+    import strata.data.lease as lease_mod
+    from strata.data.lease import Lease, _generations, _path
 
     d = str(tmp_path / "ds")
     create_exclusive(_path(d, 99_999_999), _json.dumps({"released": True}).encode())

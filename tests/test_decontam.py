@@ -107,7 +107,7 @@ def test_fields_restrict_what_is_read_and_a_file_that_yields_nothing_is_an_error
 def test_a_preprocess_run_filters_exactly_the_leaked_documents_and_reports_each_evaluation_file(local_ray, tmp_path):
     from pipelines.config import debug
     from pipelines.driver import run
-    from strata.storage import Storage
+    from strata.data.storage import Storage
 
     docs = tmp_path / "docs"
     docs.mkdir()

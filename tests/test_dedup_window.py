@@ -15,8 +15,8 @@ from conftest import REPO, WORDS
 from pipelines.config import debug
 from pipelines.dedup import DedupConfig, compaction, in_window, window_versions
 from pipelines.driver import run
-from strata.dataset import DatasetError, resolve
-from strata.storage import Storage
+from strata.data.dataset import DatasetError, resolve
+from strata.data.storage import Storage
 
 
 def _docs(rng: random.Random, n: int, tag: str) -> list[str]:

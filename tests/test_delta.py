@@ -14,10 +14,10 @@ from conftest import REPO
 from test_dataset_contract import _stage
 
 from bench.s3proxy import ResettingProxy
-from strata.commit import commit
-from strata.dataset import CHECKPOINT_INTERVAL, DatasetError, list_versions, resolve
-from strata.rows import read_rows
-from strata.storage import Storage, delta_options, exists
+from strata.data.commit import commit
+from strata.data.dataset import CHECKPOINT_INTERVAL, DatasetError, list_versions, resolve
+from strata.data.rows import read_rows
+from strata.data.storage import Storage, delta_options, exists
 
 
 def _sorted_rows(rows) -> list[tuple]:

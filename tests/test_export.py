@@ -10,9 +10,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import write_checkpoint
 
-from strata.dataset import DatasetError
-from strata.storage import Storage
-from strata.tokenizer import ByteTokenizer
+from strata.data.dataset import DatasetError
+from strata.data.storage import Storage
+from strata.data.tokenizer import ByteTokenizer
 from train.checkpoint import sign_files
 from train.export import export, main
 from train.model import GPT, preset
@@ -202,7 +202,7 @@ def test_the_model_trained_is_the_model_sampled_and_exported(local_ray, dataset,
     import torch.nn.functional as F
     from conftest import train_run as run
 
-    from strata.dataset import resolve
+    from strata.data.dataset import resolve
     from train.config import TrainConfig
     from train.data import Source, validation_batches
 

@@ -20,8 +20,8 @@ from bench.s3proxy import ResettingProxy
 from pipelines.config import debug
 from pipelines.driver import UNIT_RETRIES
 from pipelines.driver import run as preprocess
-from strata.dataset import resolve
-from strata.storage import Storage
+from strata.data.dataset import resolve
+from strata.data.storage import Storage
 
 
 def _upload(bucket: str, local: str, prefix: str) -> list[str]:

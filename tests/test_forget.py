@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import REPO, make_corpus, train_run
 
-from strata.storage import Storage, exists, join, list_dir, read_bytes
+from strata.data.storage import Storage, exists, join, list_dir, read_bytes
 
 
 def _forget(root: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -22,7 +22,7 @@ def _forget(root: str, *args: str, env: dict | None = None) -> subprocess.Comple
 
 
 def _spans(v) -> list[dict]:
-    from strata.lineage import read
+    from strata.data.lineage import read
 
     return read(v.file(v.manifest.lineage["file"])).to_pylist() if v.manifest.lineage else []
 
@@ -45,9 +45,9 @@ def test_a_takedown_removes_a_document_from_the_newest_version_and_every_later_r
     from pipelines.config import debug
     from pipelines.driver import run as preprocess
     from pipelines.pack import read_tails
-    from strata.commit import delete_version
-    from strata.dataset import DatasetError, history, resolve
-    from strata.rows import read_rows
+    from strata.data.commit import delete_version
+    from strata.data.dataset import DatasetError, history, resolve
+    from strata.data.rows import read_rows
     from train.config import TrainConfig
     from train.lineage import documents, step_rows
     from train.model import preset
@@ -183,9 +183,9 @@ def test_a_forget_while_a_run_builds_on_the_dataset_waits_for_no_one_and_changes
     forget goes through."""
     from pipelines.config import debug
     from pipelines.driver import run as preprocess
-    from strata.dataset import resolve
-    from strata.lease import Lease
-    from strata.shell import EXIT_BUSY
+    from strata.commands.shell import EXIT_BUSY
+    from strata.data.dataset import resolve
+    from strata.data.lease import Lease
 
     root = str(tmp_path / "root")
     storage = Storage(root)

@@ -53,7 +53,7 @@ def test_the_final_pass_reads_each_packed_file_once(s3_root):
 
 def test_a_small_file_is_one_request_on_s3(s3_root, monkeypatch):
     """Small files (records, manifests, each work unit's record) are most of a run's writes by count."""
-    from strata.storage import read_json, write_json_atomic
+    from strata.data.storage import read_json, write_json_atomic
 
     upstream = os.environ["AWS_ENDPOINT_URL"].rsplit("/", 1)[1].split(":")
     proxy = ResettingProxy((upstream[0], int(upstream[1])), every=0)

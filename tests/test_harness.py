@@ -31,7 +31,7 @@ def test_the_harness_scores_a_local_task_as_infer_eval_does(tmp_path, exported_m
 
     from infer.harness import StrataLM
     from infer.model import resolve
-    from strata.storage import Storage
+    from strata.data.storage import Storage
     from train.tasks import evaluate, load_task
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.hosts, pytest.mark.xdist_group("hosts")]  # fixed addr
 def cluster():
     if WHY:
         pytest.skip(f"no cluster of hosts: {WHY}")
-    from strata.connect import shutdown
+    from strata.cluster.connect import shutdown
 
     shutdown()  # the session's embedded Ray holds CPU this cluster needs; ensure_local_ray() brings it back
     c = HostCluster()
@@ -100,23 +100,23 @@ def _preprocess(cluster, dataset: str) -> list[str]:
 
 def record(cluster, ref: str) -> dict:
     """The newest run record named `ref`, read from the S3 host by the laptop."""
-    return cluster.python("laptop", "import json, os\nfrom strata.records import find_record\n"
-                          "from strata.storage import Storage\n"
+    return cluster.python("laptop", "import json, os\nfrom strata.accounting.records import find_record\n"
+                          "from strata.data.storage import Storage\n"
                           f"print(json.dumps(find_record(Storage(os.environ['STRATA_STORAGE']), {ref!r})))")
 
 
 def lease_holder(cluster, directory: str) -> dict | None:
     """Who holds the lease on `directory` (a Python expression of `s`, the Storage), or None: read from
     the laptop, as a user checking would."""
-    return cluster.python("laptop", "import json, os\nfrom strata.lease import holder\nfrom strata.storage import Storage, join\n"
+    return cluster.python("laptop", "import json, os\nfrom strata.data.lease import holder\nfrom strata.data.storage import Storage, join\n"
                           f"s = Storage(os.environ['STRATA_STORAGE'])\nprint(json.dumps(holder({directory})))")
 
 
 def rows_of(cluster, dataset: str) -> dict:
     """A dataset's newest snapshot as its row count and one digest of its rows, in any order: two runs
     that tokenized and packed the same documents have the same."""
-    return cluster.python("laptop", "import hashlib, json, os\nfrom strata.dataset import latest, read_rows\n"
-                          "from strata.storage import Storage\n"
+    return cluster.python("laptop", "import hashlib, json, os\nfrom strata.data.dataset import latest, read_rows\n"
+                          "from strata.data.storage import Storage\n"
                           f"v = latest(Storage(os.environ['STRATA_STORAGE']), {dataset!r})\n"
                           "rows = sorted(hashlib.sha1(r.tobytes()).hexdigest() for s in v.shards for r in read_rows(v.file(s.path)))\n"
                           "print(json.dumps({'rows': len(rows), 'digest': hashlib.sha1(''.join(rows).encode()).hexdigest()}))")
@@ -165,8 +165,8 @@ def _train(run: str, steps: int) -> list[str]:
 def losses(cluster, run: str) -> dict[int, list[float]]:
     """Every step's loss a run logged (a log point holds each step's since the last), by step: a step run
     again after a resume appears twice."""
-    rows = cluster.python("laptop", "import json, os\nfrom strata.runlog import read_log\nfrom strata.storage import join\n"
-                          "from strata.storage import Storage\n"
+    rows = cluster.python("laptop", "import json, os\nfrom strata.accounting.runlog import read_log\nfrom strata.data.storage import join\n"
+                          "from strata.data.storage import Storage\n"
                           f"print(json.dumps(read_log(join(Storage(os.environ['STRATA_STORAGE']).runs(), {run!r})).rows))")
     out: dict[int, list[float]] = {}
     for r in rows:
@@ -283,7 +283,7 @@ def test_scoring_on_the_cpu_hosts_accounts_for_every_document_when_one_is_cut_of
           f"{whole.ended - whole.started:.1f} s for a whole run; {out['documents']} scored, {out['unscored']} unscored")
 
     def ids(summary) -> list[str]:
-        return cluster.python("laptop", "import json, pyarrow.parquet as pq\nfrom strata.storage import filesystem\n"
+        return cluster.python("laptop", "import json, pyarrow.parquet as pq\nfrom strata.data.storage import filesystem\n"
                               f"f, p = filesystem({summary['output']!r})\n"
                               "print(json.dumps(pq.read_table(p, filesystem=f, columns=['doc_id']).column(0).to_pylist()))")
 
@@ -293,8 +293,8 @@ def test_scoring_on_the_cpu_hosts_accounts_for_every_document_when_one_is_cut_of
 
 
 def _versions(cluster, dataset: str) -> list:
-    return cluster.python("laptop", "import json, os\nfrom strata.dataset import list_versions\n"
-                          "from strata.storage import Storage\n"
+    return cluster.python("laptop", "import json, os\nfrom strata.data.dataset import list_versions\n"
+                          "from strata.data.storage import Storage\n"
                           f"print(json.dumps(list_versions(Storage(os.environ['STRATA_STORAGE']), {dataset!r})))")
 
 

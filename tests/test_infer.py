@@ -16,7 +16,7 @@ from conftest import REPO, make_corpus
 
 from infer.model import resolve
 from infer.score import score_ids, windows
-from strata.storage import Storage
+from strata.data.storage import Storage
 
 
 @pytest.mark.parametrize(("n", "context", "stride"), [(1, 8, 4), (8, 8, 4), (9, 8, 4), (50, 8, 3), (50, 8, 8),
@@ -140,8 +140,8 @@ def test_score_command_writes_a_table_keyed_by_document(tmp_path, exported, join
     model, tok = resolve(exported, Storage("/nonexistent")).build()
     text = {r["doc_id"]: r for r in scored}
     some = sorted(text)[:3]
-    from strata.inputs import list_inputs
-    from strata.sources import ReadConfig, read_file
+    from strata.data.inputs import list_inputs
+    from strata.data.sources import ReadConfig, read_file
 
     docs = {d["doc_id"]: d["text"] for f in list_inputs([corpus["path"]])
             for d in read_file({**f, "start": 0, "end": f["size"]}, ReadConfig()) if d["doc_id"] in some}
@@ -285,9 +285,9 @@ def test_score_dataset_scores_each_packed_row_and_refuses_another_tokenizer(tmp_
     import shutil
 
     from infer.driver import ScoreConfig, score
-    from strata.dataset import pad_value
-    from strata.dataset import resolve as resolve_dataset
-    from strata.rows import read_rows
+    from strata.data.dataset import pad_value
+    from strata.data.dataset import resolve as resolve_dataset
+    from strata.data.rows import read_rows
 
     storage = Storage.from_env()
     out = score(exported, [], ScoreConfig(actors=1, docs_per_batch=16), storage, "rows", dataset=dataset["ref"])

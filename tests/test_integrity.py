@@ -1,5 +1,5 @@
 """One integrity rule for what strata reads back from a dataset (issue 57): a file is trusted only when the
-commit that names it names its SHA-256 (strata/integrity.py). Each test is a red-team repro that acted on a
+commit that names it names its SHA-256 (strata/data/integrity.py). Each test is a red-team repro that acted on a
 crafted or swapped file before; now the file is refused in one line, before anything changes."""
 
 import json
@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, make_corpus
 
-from strata.storage import Storage, exists, list_files, read_bytes
+from strata.data.storage import Storage, exists, list_files, read_bytes
 
 
 def _datasets(root: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -33,8 +33,8 @@ def test_a_crafted_lineage_file_turns_no_takedown_into_mass_deletion(local_ray, 
     the digest its commit names: the takedown is refused, and nothing changes."""
     from pipelines.config import debug
     from pipelines.driver import run as preprocess
-    from strata.dataset import resolve
-    from strata.lineage import read, write
+    from strata.data.dataset import resolve
+    from strata.data.lineage import read, write
 
     root = str(tmp_path / "root")
     storage = Storage(root)
@@ -61,8 +61,8 @@ def test_a_crafted_lineage_file_turns_no_takedown_into_mass_deletion(local_ray, 
 def test_spans_a_document_cannot_have_are_refused():
     """Defense in depth for a takedown: spans outside the shards the version added, past a shard's rows or a row's
     end, or in more rows than the document's tokens fill, are one line each."""
-    from strata.dataset import Shard
-    from strata.lineage import SCHEMA, LineageError, check_spans
+    from strata.data.dataset import Shard
+    from strata.data.lineage import SCHEMA, LineageError, check_spans
 
     v = SimpleNamespace(ref="d@v0001", manifest=SimpleNamespace(seq_len=7, lineage={"file": "l.parquet"}),
                         added=(Shard(path="data/a/s0.parquet", split="train", rows=4, tokens=32),))
@@ -82,7 +82,7 @@ def test_spans_a_document_cannot_have_are_refused():
 
 def test_a_lineage_footer_missing_a_field_is_one_line(tmp_path):
     """Finding 6: a footer without `shards` was a KeyError's traceback, and the purge stopped half way."""
-    from strata.lineage import META, SCHEMA, LineageError, lookup, read, write
+    from strata.data.lineage import META, SCHEMA, LineageError, lookup, read, write
 
     path = str(tmp_path / "lineage.parquet")
     write(pa.Table.from_pylist([{"doc": 1, "exact": 2, "source": "f", "position": 0, "shard": "data/a/s.parquet",
@@ -105,9 +105,9 @@ def test_a_swapped_index_segment_of_another_dataset_drops_nothing(local_ray, tmp
     from pipelines.config import debug
     from pipelines.dedup import write_index_file
     from pipelines.driver import run as preprocess
-    from strata.dataset import DatasetError, resolve
-    from strata.integrity import IntegrityError
-    from strata.lineage import read
+    from strata.data.dataset import DatasetError, resolve
+    from strata.data.integrity import IntegrityError
+    from strata.data.lineage import read
 
     root = str(tmp_path / "root")
     storage = Storage(root)
@@ -135,9 +135,9 @@ def test_what_a_run_carries_on_is_checked_and_a_purge_cut_short_is_finished(loca
     its commit is finished by the next forget, from the plan its commit recorded."""
     from pipelines.config import debug
     from pipelines.driver import run as preprocess
-    from strata.dataset import resolve
-    from strata.integrity import IntegrityError
-    from strata.lineage import read
+    from strata.data.dataset import resolve
+    from strata.data.integrity import IntegrityError
+    from strata.data.lineage import read
 
     root = str(tmp_path / "root")
     storage = Storage(root)
@@ -196,7 +196,7 @@ def test_what_a_run_carries_on_is_checked_and_a_purge_cut_short_is_finished(loca
     assert out["finished"] == ["v0004"] and out["version"] == "v0004"  # nothing more to forget: no new version
     assert not any(exists(v4.file(p)) for p in plan["delete"])
     for rel, s in plan["scrub"].items():
-        from strata.integrity import file_sha256
+        from strata.data.integrity import file_sha256
 
         assert file_sha256(v4.file(rel)) == s["sha256"]
 

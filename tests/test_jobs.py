@@ -18,11 +18,11 @@ import time
 import pytest
 from conftest import REPO, readme_command, wait_for
 
-from strata import tiers
-from strata.connect import remove_ray_dir
-from strata.dataset import list_versions
-from strata.storage import Storage, check_name
-from strata.submit import submission_id
+from strata.cluster import tiers
+from strata.cluster.connect import remove_ray_dir
+from strata.commands.submit import submission_id
+from strata.data.dataset import list_versions
+from strata.data.storage import Storage, check_name
 
 BIN = os.path.dirname(sys.executable)
 
@@ -359,8 +359,8 @@ def test_strata_submit_runs_a_scheduled_slot_once(head, corpus, storage_root, tm
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already submitted for this slot (SUCCEEDED); nothing to do" in again.stderr
     assert len(list_versions(Storage(storage_root), "slotted")) == 1
-    from strata.dataset import resolve
-    from strata.runinfo import code_version
+    from strata.accounting.runinfo import code_version
+    from strata.data.dataset import resolve
 
     # The upload has no .git: the submitter's code version travels with it.
     assert resolve(Storage(storage_root), "slotted").manifest.run["code_version"] == code_version()
@@ -409,7 +409,7 @@ SECRET_LIKE = [  # every kind a working tree has been seen to hold, at the top a
 
 
 def test_a_submitted_working_dir_uploads_the_code_and_nothing_else(head, tmp_path):
-    from strata.submit import runtime_env
+    from strata.commands.submit import runtime_env
 
     work = tmp_path / "project"
     code = [f for f in subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True).stdout.split()

@@ -1,4 +1,4 @@
-"""The cost ledger (strata/ledger.py): a model's whole cost from the records of the runs that made it, and a
+"""The cost ledger (strata/accounting/ledger.py): a model's whole cost from the records of the runs that made it, and a
 dataset's, on local disk and on the S3 server."""
 
 import json
@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from strata.storage import Storage, join, list_files, read_bytes, write_bytes_atomic
+from strata.data.storage import Storage, join, list_files, read_bytes, write_bytes_atomic
 
 
 def _ledger(root: str, *args: str) -> dict:
@@ -36,7 +36,7 @@ def test_a_models_ledger_is_the_sum_of_the_records_it_names(local_ray, corpus, p
     from infer.driver import ScoreConfig, score
     from pipelines.config import debug
     from pipelines.driver import run as preprocess
-    from strata.records import list_records
+    from strata.accounting.records import list_records
     from train.__main__ import main as train_main
     from tune.config import SweepConfig
     from tune.driver import run as sweep

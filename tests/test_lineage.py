@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from conftest import REPO, train_run
 
-from strata.rows import read_rows
-from strata.runlog import read_log
-from strata.storage import Storage
+from strata.accounting.runlog import read_log
+from strata.data.rows import read_rows
+from strata.data.storage import Storage
 
 
 def _logged_losses(run_dir: str) -> dict[int, float]:
@@ -88,8 +88,8 @@ def test_a_steps_rows_are_the_ones_the_loop_trained_on_across_a_resume(local_ray
     # lineage doc: a document of step 7's batch. The first step the run trained on it is the first step whose
     # rows (step_rows, checked against the losses above) hold one of its rows; checkpoints from then on, and
     # an export of the last, are listed, the earlier ones not.
-    from strata.dataset import resolve
-    from strata.lineage import read
+    from strata.data.dataset import resolve
+    from strata.data.lineage import read
     from train.export import export
 
     v = resolve(storage, dataset["ref"])
@@ -141,8 +141,8 @@ def test_each_row_names_the_documents_it_holds_and_their_places_in_the_inputs(da
     to its tokens."""
     import pyarrow.parquet as pq
 
-    from strata.dataset import resolve
-    from strata.lineage import read
+    from strata.data.dataset import resolve
+    from strata.data.lineage import read
 
     v = resolve(Storage.from_env(), dataset["ref"])
     info = v.manifest.lineage
@@ -176,7 +176,7 @@ def test_each_row_names_the_documents_it_holds_and_their_places_in_the_inputs(da
     # Each input's digest is its sha256 (small files: one part), here and in what `lineage doc` says of a document.
     import hashlib
 
-    from strata.lineage import find
+    from strata.data.lineage import find
 
     for f in v.manifest.inputs:
         with open(f["path"], "rb") as fh:
@@ -187,12 +187,12 @@ def test_each_row_names_the_documents_it_holds_and_their_places_in_the_inputs(da
 
 
 def _cut_stream(seed: int, docs: int, row_len: int, shards: int):
-    """Spans (strata.lineage.SCHEMA) of `docs` documents packed into one stream of `row_len`-token rows by
+    """Spans (strata.data.lineage.SCHEMA) of `docs` documents packed into one stream of `row_len`-token rows by
     pass 2's own cutter, the rows then scattered over `shards` shard files at random, as pass 3 does."""
     import pyarrow as pa
 
     from pipelines.lineage import DocRuns
-    from strata.lineage import SCHEMA, doc_key
+    from strata.data.lineage import SCHEMA, doc_key
 
     rng = np.random.default_rng(seed)
     runs = DocRuns()
@@ -220,7 +220,7 @@ def test_the_lineage_file_keeps_every_span_and_a_lookup_reads_only_the_row_group
     with a match. A format-1 file (a row a span) still reads."""
     import pyarrow.parquet as pq
 
-    from strata.lineage import LOOKUP_ROWS, lookup, read, write
+    from strata.data.lineage import LOOKUP_ROWS, lookup, read, write
 
     spans = _cut_stream(1, 2 * LOOKUP_ROWS + 500, 33, 3)
     path = str(tmp_path / "lineage.parquet")
@@ -249,7 +249,7 @@ def test_the_lineage_file_keeps_every_span_and_a_lookup_reads_only_the_row_group
 def test_a_document_whose_tokens_are_not_one_stretch_is_refused(tmp_path):
     """Two spans of one document that both end inside their rows cannot come from one token stream: the
     writer refuses them (a bug upstream) rather than store lengths it would read back wrong."""
-    from strata.lineage import LineageError, write
+    from strata.data.lineage import LineageError, write
 
     spans = _cut_stream(2, 40, 33, 2)
     first = spans["doc"][0].as_py()
@@ -271,7 +271,7 @@ def test_a_damaged_lineage_file_is_one_error_naming_it(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from strata.lineage import META, LineageError, lookup, read
+    from strata.data.lineage import META, LineageError, lookup, read
 
     junk = tmp_path / "junk.parquet"
     junk.write_bytes(b"not parquet at all")

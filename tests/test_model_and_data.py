@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from strata.dataset import arrow_schema
+from strata.data.dataset import arrow_schema
 from train.config import TrainConfig, lr_at
 from train.data import MixedBatches, Mixture, ShardRef, TokenBatches, validation_batches
 from train.model import GPT, preset
@@ -355,7 +355,7 @@ def test_the_fused_loss_leaves_padding_out_as_cross_entropy_ignores_it():
 def test_padded_rows_are_masked_by_their_pad_value():
     import numpy as np
 
-    from strata.dataset import pad_value
+    from strata.data.dataset import pad_value
     from train.step import IGNORE, to_xy
 
     rows = np.array([[5, 6, 7, 8, 9], [1, 2, 3, pad_value("uint16"), pad_value("uint16")]], dtype=np.uint16)
@@ -367,7 +367,7 @@ def test_padded_rows_are_masked_by_their_pad_value():
 def test_a_row_range_reads_only_its_row_groups(tmp_path, monkeypatch):
     """strata.rows.read_rows(path, start, stop) decodes just the row groups that hold the range, and the
     next range within them decodes nothing."""
-    import strata.rows as dataset
+    import strata.data.rows as dataset
 
     rows = np.arange(100 * (SEQ + 1), dtype=np.uint16).reshape(100, SEQ + 1)
     table = pa.Table.from_arrays([pa.FixedSizeListArray.from_arrays(pa.array(rows.ravel()), SEQ + 1)],

@@ -1,4 +1,4 @@
-"""OpenLineage run events (strata/openlineage.py): each run's START and COMPLETE (or FAIL) to a JSON-lines file
+"""OpenLineage run events (strata/accounting/openlineage.py): each run's START and COMPLETE (or FAIL) to a JSON-lines file
 under the run and to a receiver on loopback, as Marquez takes them; every event is checked with the
 OpenLineage project's own Python client (openlineage-python), whose model is generated from the spec's JSON
 schema: the event rebuilt in that model and written out by the client is the event strata wrote."""
@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from conftest import make_corpus, train_run
 
-from strata.storage import Storage, join, read_bytes
+from strata.data.storage import Storage, join, read_bytes
 
 
 def _normal(x):
@@ -90,7 +90,7 @@ def test_preprocess_train_and_score_emit_run_events_to_the_file_and_the_receiver
     from infer.driver import ScoreConfig, score
     from pipelines.config import debug
     from pipelines.driver import run as preprocess
-    from strata.openlineage import URL_ENV
+    from strata.accounting.openlineage import URL_ENV
     from train.config import TrainConfig
     from train.model import preset
 
@@ -107,7 +107,7 @@ def test_preprocess_train_and_score_emit_run_events_to_the_file_and_the_receiver
 
     files = {"preprocess": join(storage.dataset("lineaged"), "_strata", "openlineage"),
              "train": storage.run("lineage-run"), "score": storage.scores("lineage-scores")}
-    from strata.storage import list_dir
+    from strata.data.storage import list_dir
 
     (name,) = [n for n, d in list_dir(files["preprocess"]) if not d]
     files["preprocess"] = join(files["preprocess"], name)
@@ -131,8 +131,8 @@ def test_preprocess_train_and_score_emit_run_events_to_the_file_and_the_receiver
 
 
 def test_a_failed_run_says_so_and_a_receiver_that_is_down_costs_a_warning(tmp_path, monkeypatch, caplog):
-    from strata.openlineage import URL_ENV, dataset
-    from strata.shell import Job, StrataError
+    from strata.accounting.openlineage import URL_ENV, dataset
+    from strata.commands.shell import Job, StrataError
 
     monkeypatch.setenv(URL_ENV, "http://127.0.0.1:9")  # nothing listens there
     storage = Storage(str(tmp_path / "root"))

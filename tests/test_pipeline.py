@@ -18,10 +18,10 @@ from conftest import REPO, make_corpus
 
 from pipelines.config import debug
 from pipelines.driver import run
-from strata.dataset import list_versions, resolve
-from strata.rows import read_rows
-from strata.storage import Storage
-from strata.tokenizer import ByteTokenizer
+from strata.data.dataset import list_versions, resolve
+from strata.data.rows import read_rows
+from strata.data.storage import Storage
+from strata.data.tokenizer import ByteTokenizer
 
 _rows = read_rows
 
@@ -316,8 +316,8 @@ def test_dedup_is_audited_per_source_and_a_source_wiped_out_is_refused(local_ray
     each version, the audit: duplicate-cluster sizes and sampled pairs with estimated and true Jaccard."""
     import random
 
-    from strata.dataset import DatasetError
-    from strata.storage import read_json
+    from strata.data.dataset import DatasetError
+    from strata.data.storage import read_json
 
     rng, words = random.Random(4), [f"w{i}" for i in range(500)]
     texts = [" ".join(rng.choice(words) for _ in range(60)) for _ in range(40)]

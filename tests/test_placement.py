@@ -11,9 +11,9 @@ import os
 import pytest
 from conftest import simulated_cluster
 
-from strata import tiers
-from strata.dataset import resolve
-from strata.storage import Storage
+from strata.cluster import tiers
+from strata.data.dataset import resolve
+from strata.data.storage import Storage
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import yaml
 from conftest import REPO
 from ray._private.label_utils import validate_node_label_syntax
 
-from strata import tiers
+from strata.cluster import tiers
 from tune.config import REFERENCE_CONCURRENT, SweepConfig
 
 ROOT = Path(REPO)
@@ -248,7 +248,7 @@ def test_jobs_and_schedules_run_real_commands_on_the_strata_cluster(manifests):
     token = next(e for e in container["env"] if e["name"] == "RAY_AUTH_TOKEN")
     assert token["valueFrom"]["secretKeyRef"]["name"] == secret
     # The token goes to the pod's loopback, forwarded to the head through the API server, never plain HTTP.
-    from strata.submit import check_address
+    from strata.commands.submit import check_address
 
     check_address(container["command"][container["command"].index("--address") + 1])
     [sidecar] = pod["initContainers"]
@@ -318,7 +318,7 @@ def test_the_slurm_script_starts_the_same_cluster_as_cluster_yaml(cluster):
     script = ROOT / "platform" / "slurm" / "strata.sbatch"
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text()
-    # The labels it builds are strata.tiers' labels, for tiers that exist.
+    # The labels it builds are strata.cluster.tiers' labels, for tiers that exist.
     assert f"{tiers.LABEL_PREFIX}/${{tier}}={tiers.LABEL_VALUE}" in text
     default = re.search(r"STRATA_TIERS=\$\{STRATA_TIERS:-([a-z,]+)\}", text).group(1)
     assert {tiers.Tier(t) for t in default.split(",")} == {tiers.Tier.CPU, tiers.Tier.GPU}

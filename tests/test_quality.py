@@ -92,8 +92,8 @@ def test_preprocess_filters_by_score_and_the_next_version_reuses_the_scores(tmp_
     from pipelines.config import debug
     from pipelines.dedup import exact_key
     from pipelines.driver import run
-    from strata.dataset import latest
-    from strata.storage import Storage
+    from strata.data.dataset import latest
+    from strata.data.storage import Storage
 
     storage = Storage(any_root)
     root = str(tmp_path / "in1")
@@ -149,7 +149,7 @@ def test_preprocess_filters_by_score_and_the_next_version_reuses_the_scores(tmp_
 
     # A cache is only a cache (m1, m2): one file's scores planted (every document "perfect"), the other
     # damaged; neither is used, the next run says so, scores those documents again, and decides as before.
-    from strata.storage import write_bytes_atomic
+    from strata.data.storage import write_bytes_atomic
 
     planted, damaged = [v2.file(f) for f in v2.manifest.quality["scores"]][:2]
     table = read_scores([planted])
@@ -195,8 +195,8 @@ def test_a_run_killed_after_scoring_is_rerun_without_scoring_again(tmp_path, loc
 
     from pipelines.config import debug
     from pipelines.driver import run
-    from strata.dataset import list_versions
-    from strata.storage import Storage
+    from strata.data.dataset import list_versions
+    from strata.data.storage import Storage
 
     storage = Storage(str(tmp_path / "storage"))
     root = str(tmp_path / "in")

@@ -15,17 +15,17 @@ import pytest
 import ray
 from conftest import REPO
 
-from strata.connect import remove_ray_dir
+from strata.cluster.connect import remove_ray_dir
 
 RAY_SERIES = "2.60."  # pyproject pins ray==2.60.*
 
 USES = {
-    "strata.connect._use_loopback": "ray._private.ray_constants.ENABLE_RAY_CLUSTER, read at import",
-    "strata.connect.stop_monitor": "ray._private.worker._global_node.all_processes[PROCESS_TYPE_MONITOR]",
+    "strata.cluster.connect._use_loopback": "ray._private.ray_constants.ENABLE_RAY_CLUSTER, read at import",
+    "strata.cluster.connect.stop_monitor": "ray._private.worker._global_node.all_processes[PROCESS_TYPE_MONITOR]",
     "train.placement.max_gpus": "ray._private.state.state.get_max_resources_from_cluster_config()",
     "tune.trust._newest_staging": "ray.train._internal.storage._get_ray_train_session_dir()",
-    "train.checkpoint.registered_checkpoints / forget_missing": "Ray Train's checkpoint_manager_snapshot.json",
-    "strata.cost.detection_bound_s": "ray._raylet.Config: gRPC keepalive and the GCS's health-check settings",
+    "train.checkpoint.registered_checkpoints / train.committed.forget_missing": "Ray Train's checkpoint_manager_snapshot.json",
+    "strata.accounting.cost.detection_bound_s": "ray._raylet.Config: gRPC keepalive and the GCS's health-check settings",
 }
 
 
@@ -56,7 +56,7 @@ def test_the_shapes_strata_calls_are_unchanged():
     assert "all_processes" in inspect.getsource(Node.__init__)
     assert list(inspect.signature(GlobalState.get_max_resources_from_cluster_config).parameters) == ["self"]
     assert list(inspect.signature(_get_ray_train_session_dir).parameters) == []
-    from strata.cost import detection_bound_s
+    from strata.accounting.cost import detection_bound_s
 
     assert detection_bound_s() == pytest.approx(435.0)  # Ray's defaults: 300 + 120 s keepalive, 5 x 3 s checks
 
@@ -79,7 +79,7 @@ def test_ray_trains_checkpoint_record_has_the_fields_strata_reads_and_rewrites()
 
 def test_the_state_api_finds_the_embedded_ray_from_inside_it(local_ray):
     """Ray Train's placement-group cleaner asks the state API, from inside the cluster, whether the controller
-    lives; an embedded Ray is found only through RAY_API_SERVER_ADDRESS (strata.connect sets it), else each
+    lives; an embedded Ray is found only through RAY_API_SERVER_ADDRESS (strata.cluster.connect sets it), else each
     ask waits out its timeout and every run's end waited 12 s."""
 
     @local_ray.remote(num_cpus=0)
@@ -95,7 +95,7 @@ def test_the_state_api_finds_the_embedded_ray_from_inside_it(local_ray):
 
 @pytest.mark.ray
 def test_without_a_dashboard_the_state_api_refuses_at_once(tmp_path):
-    """A training run's embedded Ray starts without its dashboard (strata.connect, dashboard=False): the
+    """A training run's embedded Ray starts without its dashboard (strata.cluster.connect, dashboard=False): the
     state API is then named at a port where nothing answers, so the placement-group cleaner's ask is
     refused at once instead of waiting out its 10 s timeout (12 s at every run's end)."""
     script, temp = tmp_path / "ask.py", tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # a short socket path
@@ -103,7 +103,7 @@ def test_without_a_dashboard_the_state_api_refuses_at_once(tmp_path):
         import time
         import ray
         from ray.util.state.exception import RayStateApiException
-        from strata.connect import connect, shutdown
+        from strata.cluster.connect import connect, shutdown
 
         connect(dashboard=False, num_cpus=1, temp_dir={temp!r}, quiet=True)
 
@@ -136,14 +136,14 @@ def test_without_a_dashboard_the_state_api_refuses_at_once(tmp_path):
 @pytest.mark.ray
 def test_a_ray_started_from_a_thread_outlives_the_start():
     """Ray starts GCS and the raylet with PR_SET_PDEATHSIG, which Linux fires when the *thread* that started
-    them ends: strata.connect.connect_early keeps its thread for the life of the process."""
+    them ends: strata.cluster.connect.connect_early keeps its thread for the life of the process."""
     temp = tempfile.mkdtemp(prefix="strata-ray-early-")
     script = os.path.join(temp, "early.py")
     with open(script, "w") as f:
         f.write(textwrap.dedent(f"""
         import threading
         import ray
-        from strata.connect import connect, connect_early, shutdown
+        from strata.cluster.connect import connect, connect_early, shutdown
 
         connect_early(dashboard=False, num_cpus=1, temp_dir={temp!r}, quiet=True)
         print(connect(), flush=True)  # waits for the start in the thread
@@ -174,15 +174,15 @@ def test_an_embedded_start_that_times_out_is_started_again_and_leaves_nothing_be
     import signal
     import threading
 
-    from strata.procs import cmdline, kill_naming, processes
+    from strata.cluster.procs import cmdline, kill_naming, processes
 
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # a short socket path
     script = os.path.join(temp, "slow.py")
     with open(script, "w") as f:
         f.write(textwrap.dedent(f"""
         import ray
-        from strata.connect import connect, shutdown
-        from strata.shell import log
+        from strata.cluster.connect import connect, shutdown
+        from strata.commands.shell import log
 
         log("test")  # strata's lines on stderr, as in a command
         print(connect(dashboard=False, num_cpus=1, temp_dir={temp!r}, quiet=True), flush=True)
@@ -232,7 +232,7 @@ def test_an_embedded_rays_shutdown_leaves_no_process_of_it_behind():
         f.write(textwrap.dedent(f"""
         import os, signal, time
         import ray
-        from strata.connect import connect, shutdown
+        from strata.cluster.connect import connect, shutdown
 
         connect(dashboard=False, num_cpus=1, temp_dir={temp!r}, quiet=True)
 
@@ -256,7 +256,7 @@ def test_an_embedded_rays_shutdown_leaves_no_process_of_it_behind():
         out = subprocess.run([sys.executable, script], cwd=REPO, env=env, capture_output=True, text=True,
                              timeout=300)
         pids = [int(p) for p in out.stdout.split()[-2:]]
-        from strata.procs import cmdline
+        from strata.cluster.procs import cmdline
 
         left = {pid: cmdline(pid) for pid in pids if cmdline(pid)}
     finally:

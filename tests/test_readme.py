@@ -76,7 +76,7 @@ def check(module: str, args: list[str]) -> list[str]:
             text = help_of("strata", sub, own[0])
         problems = [f"strata {sub}: no flag {f}" for f in flags(own) if f not in text]
         if sub == "submit" and own:
-            from strata.submit import MODULES
+            from strata.commands.submit import MODULES
 
             problems += check(MODULES[own[0]], rest)
         return problems

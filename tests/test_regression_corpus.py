@@ -21,10 +21,10 @@ import zstandard
 
 from pipelines.config import debug
 from pipelines.driver import run
-from strata.dataset import resolve
-from strata.rows import read_rows
-from strata.storage import Storage
-from strata.tokenizer import ByteTokenizer
+from strata.data.dataset import resolve
+from strata.data.rows import read_rows
+from strata.data.storage import Storage
+from strata.data.tokenizer import ByteTokenizer
 
 DOC_BYTES, CAP = 255, 64 << 10
 MARK = re.compile(r"<g(\d{5})>", re.IGNORECASE)

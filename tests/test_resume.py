@@ -16,9 +16,9 @@ import pytest
 from conftest import kill_node, simulated_cluster, wait_for
 from conftest import train_run as run
 
-from strata import tiers
-from strata.runlog import read_metrics
-from strata.storage import Storage
+from strata.accounting.runlog import read_metrics
+from strata.cluster import tiers
+from strata.data.storage import Storage
 from train.checkpoint import read_meta
 from train.committed import committed_checkpoints
 from train.config import TrainConfig

@@ -17,9 +17,9 @@ from conftest import train_run as train
 
 from pipelines.config import debug
 from pipelines.driver import run as preprocess
-from strata.dataset import resolve
-from strata.records import list_records
-from strata.storage import Storage, exists, is_uri, list_files, read_jsonl
+from strata.accounting.records import list_records
+from strata.data.dataset import resolve
+from strata.data.storage import Storage, exists, is_uri, list_files, read_jsonl
 from train.config import TrainConfig
 from train.model import preset
 
@@ -123,7 +123,7 @@ def test_the_whole_path_on_s3(s3_root, tmp_path, monkeypatch, capsys, sweep_spac
     assert best["dataset"] == "web@v0002" and best["steps"] == 2
 
     # 5. Runs and reports read their records from the object store.
-    from strata.report import main as report
+    from strata.commands.report import main as report
 
     records = list_records(storage)
     assert {(r["kind"], r["name"]) for r in records} >= {("preprocess", "web"), ("train", "r"), ("sweep", "s"),

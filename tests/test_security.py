@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import write_checkpoint
 
-from strata.signing import Untrusted
-from strata.tokenizer import ByteTokenizer
+from strata.data.signing import Untrusted
+from strata.data.tokenizer import ByteTokenizer
 from train.checkpoint import load
 from train.model import GPT, preset
 from train.sample import load as load_for_sampling
@@ -138,7 +138,7 @@ def test_swapped_weights_and_added_files_are_refused(checkpoint):
 
 def test_a_checkpoint_signed_with_another_key_names_both_keys_and_the_keyring_verifies(checkpoint, monkeypatch,
                                                                                        tmp_path):
-    from strata import signing
+    from strata.data import signing
 
     d, cfg, *_ = checkpoint
     old_secret, old_id = signing.secret(), signing.key_id()
@@ -303,7 +303,7 @@ def test_a_checkpoint_is_bound_to_its_run_and_step(checkpoint, tmp_path):
 
 def _resign(d: pathlib.Path, listed: dict) -> None:
     """A signed list written again over `listed`'s files, run and step, as a holder of the key could."""
-    from strata.signing import signature
+    from strata.data.signing import signature
     from train.checkpoint import _canonical
 
     body = {"files": listed["files"], "run": listed["run"], "step": listed["step"]}
@@ -336,7 +336,7 @@ def test_crafted_metadata_is_refused_before_a_model_is_built(checkpoint):
 
 
 def test_plain_http_to_another_machine_is_refused_unless_asked():
-    from strata.submit import check_address
+    from strata.commands.submit import check_address
 
     for ok in ("http://127.0.0.1:8265", "http://localhost:8265", "https://head.example.invalid:443", "127.0.0.1:8265"):
         check_address(ok)
@@ -358,7 +358,7 @@ def test_strata_submit_refuses_plain_http_before_sending_anything(tmp_path):
 
 
 def test_a_token_file_others_can_read_is_named_and_fixed(tmp_path, capsys):
-    from strata.submit import check_token_mode
+    from strata.commands.submit import check_token_mode
 
     token = tmp_path / "ray-token"
     token.write_text("s3cr3t-token-value\n")
@@ -374,7 +374,7 @@ def test_a_token_file_others_can_read_is_named_and_fixed(tmp_path, capsys):
 
 
 def test_the_local_signing_key_is_private(tmp_path, monkeypatch):
-    from strata import signing
+    from strata.data import signing
 
     for var in ("STRATA_SIGNING_KEY", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         monkeypatch.delenv(var, raising=False)
@@ -391,9 +391,9 @@ def test_the_demo_and_the_ray_start_lock_use_private_folders_and_never_follow_li
     import stat
     import tempfile
 
-    from strata.connect import _start_lock, private_dir
-    from strata.demo import demo_corpus
-    from strata.storage import Storage
+    from strata.cluster.connect import _start_lock, private_dir
+    from strata.commands.demo import demo_corpus
+    from strata.data.storage import Storage
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     victim = tmp_path / "victim"
@@ -419,8 +419,8 @@ def test_the_demo_and_the_ray_start_lock_use_private_folders_and_never_follow_li
 
 
 def test_a_report_goes_under_the_storage_root_whatever_its_record_says(tmp_path):
-    from strata.report import report
-    from strata.storage import Storage, write_json_atomic
+    from strata.commands.report import report
+    from strata.data.storage import Storage, write_json_atomic
 
     storage = Storage(str(tmp_path / "root"))
     outside = tmp_path / "outside"
@@ -439,7 +439,7 @@ def test_a_report_goes_under_the_storage_root_whatever_its_record_says(tmp_path)
 
 def test_ray_client_to_another_machine_is_refused_while_a_token_is_set(monkeypatch):
     """M5: Ray Client sends `authorization: Bearer <token>` in its gRPC headers, in the clear without TLS."""
-    from strata.submit import check_address
+    from strata.commands.submit import check_address
 
     monkeypatch.delenv("RAY_USE_TLS", raising=False)
     with pytest.raises(ValueError, match=r"Ray Client \(ray://\) to another machine without TLS"):
@@ -465,7 +465,7 @@ def test_strata_submit_refuses_ray_client_in_the_clear_before_sending_anything(t
 
 def test_a_link_out_of_the_upload_is_refused(tmp_path):
     """m10: the upload carried the target of a symlinked *.py."""
-    from strata.submit import check_links
+    from strata.commands.submit import check_links
 
     work = tmp_path / "work"
     (work / "strata").mkdir(parents=True)
@@ -482,8 +482,8 @@ def test_a_link_out_of_the_upload_is_refused(tmp_path):
 def test_the_signing_key_never_travels_in_a_jobs_environment_and_never_follows_token_files(monkeypatch, tmp_path):
     """Issue 57, 2: `strata submit` put the key in the job's runtime env, which `GET /api/jobs/` shows every token
     holder; and a driver joining a cluster with no key minted one of its own."""
-    from strata import signing
-    from strata.submit import runtime_env
+    from strata.commands.submit import runtime_env
+    from strata.data import signing
 
     monkeypatch.setenv("HOME", str(tmp_path))
     for var in ("STRATA_SIGNING_KEY", "STRATA_SIGNING_KEY_FILE"):
@@ -495,7 +495,7 @@ def test_the_signing_key_never_travels_in_a_jobs_environment_and_never_follows_t
 
     from conftest import REPO
 
-    joined = subprocess.run([sys.executable, "-c", "from strata.connect import connect; connect(address='127.0.0.1:1')"],
+    joined = subprocess.run([sys.executable, "-c", "from strata.cluster.connect import connect; connect(address='127.0.0.1:1')"],
                             cwd=REPO, capture_output=True, text=True, timeout=120,
                             env={**os.environ, "HOME": str(tmp_path)})  # a driver of its own: none connected yet
     assert joined.returncode == 1 and "the Ray cluster at 127.0.0.1:1 holds no signing key" in joined.stderr, \
@@ -524,7 +524,7 @@ def test_keys_trust_by_fingerprint_and_rotate_keeping_the_old_key(checkpoint, tm
 
     from conftest import REPO
 
-    from strata import signing
+    from strata.data import signing
 
     d, cfg, *_ = checkpoint
     home = _own_home(tmp_path, monkeypatch)
@@ -701,7 +701,7 @@ def test_a_follower_passes_over_a_bad_newest_checkpoint_and_finds_later_good_one
     """Issue 57, 6: a bad newest checkpoint was retried forever by RUN@latest and hid every later good one. The
     follower skips what fails (naming it once) and moves to the newest checkpoint that verifies."""
     from infer.replicas import _newest
-    from strata.storage import Storage
+    from strata.data.storage import Storage
 
     d, cfg, model, opt = checkpoint
     meta = json.loads((d / "meta.json").read_text())
@@ -724,7 +724,7 @@ def test_a_follower_passes_over_a_bad_newest_checkpoint_and_finds_later_good_one
 
 def test_ray_trains_record_names_nothing_outside_its_run(checkpoint, tmp_path, caplog):
     """Issue 57, 6: Ray Train's record was read without the containment check: `../r1/checkpoint-...` served r1's
-    weights as r9's. Every name in it goes through strata.storage.inside and must be a checkpoint's."""
+    weights as r9's. Every name in it goes through strata.data.storage.inside and must be a checkpoint's."""
     from train.committed import committed_checkpoints
 
     d, cfg, model, opt = checkpoint

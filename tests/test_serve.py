@@ -17,7 +17,7 @@ from serving import Server, exported
 from infer.engine import Busy, Engine, Sampling
 from infer.generate import decode
 from infer.model import resolve
-from strata.storage import Storage
+from strata.data.storage import Storage
 
 TOKEN = "s3cret-token-for-the-tests"
 
@@ -594,7 +594,7 @@ def test_sigterm_stops_the_server_and_its_record_counts_what_it_served(server, t
     assert events[0]["job"]["facets"]["jobType"]["processingType"] == "STREAMING" and events[0]["inputs"]
     for e in events:
         check_event(e)
-    from strata.report import runs_table
+    from strata.commands.report import runs_table
 
     assert "requests" in runs_table([record])
     assert not os.path.exists(f"/proc/{server.proc.pid}")

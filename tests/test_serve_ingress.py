@@ -78,8 +78,8 @@ def test_a_serve_config_application_writes_each_replica_record_as_it_stops(model
     from ray import serve
 
     from infer.serve import app
-    from strata.records import list_records
-    from strata.storage import Storage
+    from strata.accounting.records import list_records
+    from strata.data.storage import Storage
 
     root = tmp_path / "storage"
     port = _free_port()

@@ -13,9 +13,9 @@ import pytest
 import zstandard
 
 from pipelines.pack import validation_split
-from strata.digests import file_digest, part_digests
-from strata.inputs import check_outside, list_inputs, plan_units
-from strata.sources import ReadConfig, describe, read_file
+from strata.data.digests import file_digest, part_digests
+from strata.data.inputs import check_outside, list_inputs, plan_units
+from strata.data.sources import ReadConfig, describe, read_file
 
 
 def records(path, **cfg):
@@ -116,7 +116,7 @@ def test_an_io_error_half_way_is_retried_and_then_fails_the_file_instead_of_coun
     not consumed) instead of ending as one corrupt-file. A local input missing on a worker's node says so."""
     import pyarrow.fs as pafs
 
-    from strata import sources
+    from strata.data import sources
 
     (tmp_path / "a.jsonl").write_bytes(_jsonl(2000))
     [f] = list_inputs([str(tmp_path / "a.jsonl")])
@@ -235,7 +235,7 @@ def test_a_long_line_is_read_once_not_by_every_range_it_covers(tmp_path, monkeyp
     """A 40 MB line cut into 2 MiB ranges: each range stops at its own end, the one where the line
     begins too, so the file is read about once (it used to be read 7 times: every range the line
     covered scanned to its end)."""
-    from strata import sources
+    from strata.data import sources
 
     with open(tmp_path / "a.jsonl", "wb") as f:
         f.write(b'{"text": "before"}\n{"text": "' + b"y" * (40 << 20) + b'"}\n{"text": "after"}\n')
@@ -314,8 +314,8 @@ def test_a_deferred_file_leaves_its_unit_and_its_other_ranges_out(tmp_path):
     """--unreadable defer: a unit runs again without the file that stays unreadable; the run then drops
     every unit that held only byte ranges of it, and no other. The default fails instead."""
     from pipelines.stats import Output, Tally, without_deferred
-    from strata.digests import with_deferral
-    from strata.sources import InputUnreadable
+    from strata.data.digests import with_deferral
+    from strata.data.sources import InputUnreadable
 
     for name in ("a", "bad", "c"):
         (tmp_path / name).write_text(f"{name}\n")
@@ -456,7 +456,7 @@ def test_the_ranges_of_a_file_digest_each_part_once_and_give_its_sha256(any_root
     gives no digest."""
     import hashlib
 
-    from strata.storage import join, write_bytes_atomic
+    from strata.data.storage import join, write_bytes_atomic
 
     data = random.Random(size).randbytes(size)
     write_bytes_atomic(join(any_root, "in", "a.jsonl"), data)

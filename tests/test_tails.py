@@ -15,10 +15,10 @@ import pytest
 
 from pipelines.config import debug
 from pipelines.driver import run
-from strata.dataset import pad_value, resolve
-from strata.rows import read_rows
-from strata.storage import Storage
-from strata.tokenizer import ByteTokenizer
+from strata.data.dataset import pad_value, resolve
+from strata.data.rows import read_rows
+from strata.data.storage import Storage
+from strata.data.tokenizer import ByteTokenizer
 
 EOT = ByteTokenizer().eot_id
 

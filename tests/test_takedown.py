@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, make_corpus
 
-from strata.storage import Storage
+from strata.data.storage import Storage
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +87,9 @@ def test_one_request_finds_every_copy_by_file_by_digest_and_by_record_id(two_dat
 @pytest.mark.ray
 def test_near_copies_are_found_with_near_and_decoded_text_is_the_text(two_datasets):
     from pipelines.clean import CleanConfig, normalize
-    from strata.dataset import resolve
-    from strata.lineage import document_tokens, find
-    from strata.tokenizer import from_info
+    from strata.data.dataset import resolve
+    from strata.data.lineage import document_tokens, find
+    from strata.data.tokenizer import from_info
     from train.takedown import open_request
 
     storage, edited, source = two_datasets["storage"], f"{two_datasets['edited']}:0", two_datasets["edited_from"]
@@ -150,7 +150,7 @@ def test_a_takedown_from_request_to_retrained_model(two_datasets, monkeypatch, c
     from conftest import train_run
 
     from infer.model import check as check_model
-    from strata.dataset import resolve
+    from strata.data.dataset import resolve
     from train import taint
     from train.config import TrainConfig
     from train.lineage import documents, step_rows
@@ -275,7 +275,7 @@ def test_on_s3_a_request_finds_copies_near_copies_and_is_applied_and_marks_runs(
 
     from pipelines.config import debug
     from pipelines.driver import run as preprocess
-    from strata.dataset import resolve
+    from strata.data.dataset import resolve
     from train import taint
     from train.takedown import apply, open_request, plan, read
 

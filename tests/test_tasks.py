@@ -8,8 +8,8 @@ import pytest
 from conftest import REPO
 from conftest import train_run as run
 
-from strata.runlog import read_log
-from strata.storage import Storage
+from strata.accounting.runlog import read_log
+from strata.data.storage import Storage
 from train.config import TrainConfig
 from train.model import preset
 from train.tasks import EVENT, TaskError, evaluate, load_task
@@ -42,7 +42,7 @@ def test_task_evaluations_land_at_their_steps_and_a_dead_one_never_stops_trainin
         assert rows[step]["acc_norm"] == pytest.approx(again["acc_norm"])
     events = [p for p in pathlib.Path(out["path"], "tensorboard").rglob("*task-evals*")]
     assert events and any(b"task/acc" in p.read_bytes() for p in events)
-    from strata.report import report
+    from strata.commands.report import report
 
     _, page = report("train/task-evals", storage)
     assert "Task accuracy (evaluations during training)" in pathlib.Path(page).read_text()

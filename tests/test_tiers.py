@@ -7,7 +7,7 @@ import yaml
 from conftest import REPO
 from ray._private.label_utils import validate_label_selector, validate_node_label_syntax
 
-from strata import tiers
+from strata.cluster import tiers
 
 
 def test_selectors_are_valid_ray_syntax_and_outside_ray_prefix():

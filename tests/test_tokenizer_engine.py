@@ -8,7 +8,7 @@ import sys
 import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from strata.tokenizer import HFTokenizer, TokenizerMismatch, byte_level_bpe, train_bpe
+from strata.data.tokenizer import HFTokenizer, TokenizerMismatch, byte_level_bpe, train_bpe
 
 # Llama 3's split: a regex before a ByteLevel that does not split.
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"

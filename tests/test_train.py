@@ -12,10 +12,10 @@ import pytest
 from conftest import edit_manifest, wait_for
 from conftest import train_run as run
 
-from strata.dataset import DatasetError, resolve
-from strata.lease import LeaseBusy, holder
-from strata.runlog import read_launches, read_metrics
-from strata.storage import Storage, read_jsonl
+from strata.accounting.runlog import read_launches, read_metrics
+from strata.data.dataset import DatasetError, resolve
+from strata.data.lease import LeaseBusy, holder
+from strata.data.storage import Storage, read_jsonl
 from train.committed import committed_checkpoints
 from train.config import TrainConfig
 from train.model import preset
@@ -104,8 +104,8 @@ def test_ddp_run_checkpoints_and_a_rerun_continues_and_fsdp2_matches_it(local_ra
     assert "continuing run ddp from step 8" in err and (third["start_step"], third["steps"]) == (8, 4)
     assert [launch["config"]["train"]["max_steps"] for launch in read_launches(first["path"])] == [6, 10, 12]
     # The report of the third launch plots the whole run: every launch's steps, and where each began.
-    from strata.records import find_record
-    from strata.report import _train_metrics, html_page, plots
+    from strata.accounting.records import find_record
+    from strata.commands.report import _train_metrics, html_page, plots
 
     record = find_record(storage, "train/ddp")
     rows, launches = _train_metrics(record, storage.root)
@@ -116,7 +116,7 @@ def test_ddp_run_checkpoints_and_a_rerun_continues_and_fsdp2_matches_it(local_ra
     # refuses the checkpoint, naming the file, and the pickle never runs.
     import pickle
 
-    from strata.signing import Untrusted
+    from strata.data.signing import Untrusted
 
     marker = os.path.join(third["path"], "pwned")
     payload = pickle.dumps(_Payload(marker))
@@ -330,8 +330,8 @@ def test_a_run_that_lost_its_lease_commits_no_more_checkpoints(local_ray, datase
     it before their next checkpoint commit, and the run fails saying so, with nothing more committed."""
     import time
 
-    from strata.lease import LeaseLost, _generations, _path
-    from strata.storage import create_exclusive
+    from strata.data.lease import LeaseLost, _generations, _path
+    from strata.data.storage import create_exclusive
     from train.committed import fence
 
     monkeypatch.setenv("STRATA_LEASE_TTL_S", "4")
@@ -378,7 +378,7 @@ def test_a_long_accumulating_step_says_how_far_it_is(tmp_path):
     import io
     from types import SimpleNamespace
 
-    from strata.storage import append_jsonl
+    from strata.data.storage import append_jsonl
     from train import loop
     from train.progress import Progress
 
@@ -413,8 +413,8 @@ def test_a_long_accumulating_step_says_how_far_it_is(tmp_path):
 def test_a_resumed_run_s_curve_holds_each_step_once(tmp_path):
     """metrics.jsonl held steps 61-80 twice after a resume from step 60 (append-only: the first launch logged
     them before it stopped): every reader takes the launch that went on."""
-    from strata.runlog import read_log, read_metrics
-    from strata.storage import append_jsonl
+    from strata.accounting.runlog import read_log, read_metrics
+    from strata.data.storage import append_jsonl
 
     log = str(tmp_path / "metrics.jsonl")
     append_jsonl(log, {"event": "start", "start_step": 0, "time": 1})

@@ -11,9 +11,9 @@ import pytest
 from conftest import REPO, edit_manifest
 from test_dataset_contract import _stage
 
-from strata.commit import commit, delete_version
-from strata.dataset import DatasetError, history, list_versions, resolve
-from strata.storage import PathRefused, Storage, inside
+from strata.data.commit import commit, delete_version
+from strata.data.dataset import DatasetError, history, list_versions, resolve
+from strata.data.storage import PathRefused, Storage, inside
 
 
 def _edit_log(dataset_dir: str, number: int, edit) -> None:
@@ -137,7 +137,7 @@ def _record(**over) -> dict:
 def test_records_are_checked_and_one_bad_record_is_an_error_row(tmp_path):
     """M4 (a record's kind in the report's file name), m5 (a record that is not JSON broke every listing),
     m13 (generate and eval records listed as trials)."""
-    from strata.storage import write_json_atomic
+    from strata.data.storage import write_json_atomic
 
     storage = Storage(str(tmp_path / "root"))
     records = storage.records()
@@ -192,8 +192,8 @@ def test_another_writer_shortening_log_retention_deletes_no_version(tmp_path, ca
     every earlier entry, and the versions' manifests with them."""
     from deltalake import DeltaTable
 
-    from strata.commit import SAFETY
-    from strata.dataset import CHECKPOINT_INTERVAL
+    from strata.data.commit import SAFETY
+    from strata.data.dataset import CHECKPOINT_INTERVAL
 
     storage = Storage(str(tmp_path))
     commit(storage, "ds", *_stage(storage, "ds"))

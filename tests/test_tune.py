@@ -9,9 +9,9 @@ import time
 import pytest
 from test_security import Payload
 
-from strata.lease import Lease, LeaseBusy
-from strata.signing import Untrusted
-from strata.storage import Storage
+from strata.data.lease import Lease, LeaseBusy
+from strata.data.signing import Untrusted
+from strata.data.storage import Storage
 from train.config import TrainConfig
 from train.model import preset
 from tune.config import SweepConfig
@@ -22,7 +22,7 @@ from tune.sweep import SPACES, STATE_FILE
 def test_a_second_sweep_in_the_same_process_is_refused_while_the_first_runs(local_ray, dataset, sweep_space):
     import threading
 
-    from strata.shell import StrataError
+    from strata.commands.shell import StrataError
     from tune import driver
 
     storage, out = Storage.from_env(), {}
@@ -230,7 +230,7 @@ def test_a_queued_sweep_accounts_for_every_config_applies_asha_across_it_and_plo
     assert out["iterations"] == sum(t["iterations"] for t in trials)
     # ASHA's rung at 2 reports is the sweep's: replayed in the order the queue met the configs there, each
     # config went on exactly when the rule kept it, whichever worker trained it.
-    from strata.storage import read_jsonl
+    from strata.data.storage import read_jsonl
 
     logged = [r for d in os.listdir(os.path.join(out["path"], "trials"))
               for r in read_jsonl(os.path.join(out["path"], "trials", d, "metrics.jsonl")) if r["step"] == 4]
@@ -250,7 +250,7 @@ def test_a_queued_sweep_accounts_for_every_config_applies_asha_across_it_and_plo
 def test_a_mixture_trials_batches_follow_its_normalised_weights():
     import numpy as np
 
-    from strata.tokenizer import ByteTokenizer
+    from strata.data.tokenizer import ByteTokenizer
     from train.data import ShardRef, Source, open_batches
     from train.spec import RunSpec
     from tune.sweep import TrialSpec
@@ -296,7 +296,7 @@ def test_a_fine_tuning_sweep_starts_every_trial_from_the_same_weights(local_ray,
     import ray
     from test_export import _hf_gpt2
 
-    from strata.connect import fetch_once
+    from strata.cluster.connect import fetch_once
     from train.pretrained import read_gpt2
 
     _hf_gpt2(tmp_path / "hf")
@@ -317,7 +317,7 @@ def test_a_fine_tuning_sweep_starts_every_trial_from_the_same_weights(local_ray,
 def test_a_trial_and_the_run_it_recommends_train_on_the_same_batches(local_ray, dataset, tmp_path):
     """One fixed config swept for K steps, then `train --from-sweep --max-steps K`: the same loss at every
     step, because both resolve the config, build the model and read the data through the same code."""
-    from strata.storage import read_jsonl
+    from strata.data.storage import read_jsonl
     from train.__main__ import main as train_main
     from tune.__main__ import main as tune_main
 
@@ -356,7 +356,7 @@ def test_an_accuracy_metric_is_maximised_and_goes_with_a_task_file():
 def test_a_sweep_can_rank_configs_by_task_accuracy(local_ray, dataset, queued, sweep_space):
     """--metric task_acc: each report scores the task; the best config is the most accurate one, queued
     (strata's ASHA rule, signed) or a Tune trial per config (Tune's scheduler in max mode)."""
-    from strata.storage import read_jsonl
+    from strata.data.storage import read_jsonl
 
     task = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "infer", "tasks",
                         "arithmetic.jsonl")

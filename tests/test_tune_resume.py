@@ -11,8 +11,8 @@ import threading
 import pytest
 from conftest import REPO, kill_node, simulated_cluster, wait_for
 
-from strata import tiers
-from strata.storage import Storage
+from strata.cluster import tiers
+from strata.data.storage import Storage
 from tune.config import SweepConfig
 from tune.driver import run
 

@@ -1,4 +1,4 @@
-"""Web crawls into tier 1 (strata/web.py): WARC and WET files built here with warcio's writer, as Common Crawl
+"""Web crawls into tier 1 (strata/data/web.py): WARC and WET files built here with warcio's writer, as Common Crawl
 ships them (a gzip member a record), with damage planted; pages of known main text inside realistic
 boilerplate, for the extractors."""
 
@@ -10,8 +10,8 @@ from collections import Counter
 
 import pytest
 
-from strata.inputs import documents
-from strata.sources import ReadConfig
+from strata.data.inputs import documents
+from strata.data.sources import ReadConfig
 
 MENU = ["Home", "Products", "Pricing", "Blog", "Careers", "Contact us", "Sign in", "Search"]
 FOOTER = ("Copyright 2026 Example Media Group. All rights reserved. Privacy policy · Terms of service · "
@@ -213,8 +213,8 @@ def test_a_crawl_becomes_a_dataset_with_the_web_preset(tmp_path, monkeypatch):
 
     from pipelines.config import web
     from pipelines.driver import run
-    from strata.lineage import find
-    from strata.storage import Storage
+    from strata.data.lineage import find
+    from strata.data.storage import Storage
 
     ensure_local_ray()
     pages = {f"https://news.example.org/story/{i}": page(f"Story {i}", article(300 + i, 6)) for i in range(6)}

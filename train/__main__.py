@@ -20,13 +20,19 @@ import sys
 import time
 from dataclasses import replace
 
-from strata.cli import add_config_arguments, add_openlineage, finish, overrides, use_openlineage
-from strata.cli import parser as cli_parser
-from strata.dataset import DatasetError
-from strata.lease import LeaseBusy
-from strata.shell import Command
-from strata.shell import log as _logger
-from strata.storage import Storage, check_name
+from strata.commands.cli import (
+    add_config_arguments,
+    add_openlineage,
+    finish,
+    overrides,
+    use_openlineage,
+)
+from strata.commands.cli import parser as cli_parser
+from strata.commands.shell import Command
+from strata.commands.shell import log as _logger
+from strata.data.dataset import DatasetError
+from strata.data.lease import LeaseBusy
+from strata.data.storage import Storage, check_name
 from train import mixture
 from train.checkpoint import read_meta
 from train.committed import committed_checkpoints

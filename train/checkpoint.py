@@ -11,7 +11,7 @@ A checkpoint directory `checkpoint-<step>` (format 2) holds no pickle at all:
     rng-<rank>.safetensors         that rank's RNG states
     meta.json                      format, step, data position, loss, reason, model/train config, tokenizer
     signed-<rank>.json             every file that rank wrote with its SHA-256, the signing key's
-                                   fingerprint, and an HMAC over the list (strata.signing)
+                                   fingerprint, and an HMAC over the list (strata.data.signing)
 
 Reading one is safe with no key: safetensors and JSON run nothing. The signed lists still say the files
 are the ones strata wrote, and where: each list binds its run's name and the step, so a checkpoint copied into
@@ -48,8 +48,8 @@ import time
 
 import torch
 
-from strata.shell import log as _logger
-from strata.signing import Untrusted, check, signature
+from strata.commands.shell import log as _logger
+from strata.data.signing import Untrusted, check, signature
 
 FORMAT = 2  # meta.json's "format": 2, safetensors and JSON only; 1 (no field), DCP's pickled .metadata
 META = "meta.json"
@@ -246,7 +246,7 @@ def _sha256(path: str) -> str:
     """SHA-256 of a file on local disk or in the object store, read in 1 MiB pieces."""
     import hashlib
 
-    from strata.storage import filesystem
+    from strata.data.storage import filesystem
 
     fs, p = filesystem(path)
     h = hashlib.sha256()
@@ -266,7 +266,7 @@ class SignedFiles:
     path in the storage root: `bound_to`); format 1 (DCP's pickled `.metadata`) is refused."""
 
     def __init__(self, directory: str, origin: str | None = None):
-        from strata.storage import join, list_dir, read_bytes
+        from strata.data.storage import join, list_dir, read_bytes
 
         self.directory, self.origin = directory, origin or directory
         names = sorted(n for n, is_dir in list_dir(directory) if not is_dir)
@@ -315,7 +315,7 @@ class SignedFiles:
         self.run, self.step = run, step
 
     def verify(self, name: str) -> None:
-        from strata.storage import join
+        from strata.data.storage import join
 
         if name in self.checked:
             return
@@ -328,7 +328,7 @@ class SignedFiles:
         self.checked.add(name)
 
     def read(self, name: str) -> bytes:
-        from strata.storage import join, read_bytes
+        from strata.data.storage import join, read_bytes
 
         self.verify(name)
         return read_bytes(join(self.directory, name))
@@ -348,7 +348,7 @@ class SignedFiles:
 
     def weight_bytes(self) -> int:
         """The size of the files that hold tensors: no model in them can have more parameters than bytes."""
-        from strata.storage import join
+        from strata.data.storage import join
 
         return sum(_size(join(self.directory, n)) for n in self.present
                    if n.endswith((".safetensors", ".distcp")) and not n.startswith("rng-"))
@@ -395,7 +395,7 @@ class _ShardsOnly:
 
 
 def _size(path: str) -> int:
-    from strata.storage import filesystem
+    from strata.data.storage import filesystem
 
     fs, p = filesystem(path)
     return fs.get_file_info(p).size or 0
@@ -502,7 +502,7 @@ def local_copy(directory: str):
     """A local directory with the checkpoint's files (a download when it lives in an object store)."""
     import pyarrow.fs as pafs
 
-    from strata.storage import filesystem
+    from strata.data.storage import filesystem
 
     fs, path = filesystem(directory)
     if isinstance(fs, pafs.LocalFileSystem):
@@ -516,7 +516,7 @@ def local_copy(directory: str):
 def read_meta(directory: str) -> dict:
     """meta.json as it is (not checked against its signature: for listing and picking a checkpoint, never
     for building a model); one line naming the file if it is not a checkpoint's meta."""
-    from strata.storage import filesystem, join
+    from strata.data.storage import filesystem, join
 
     fs, path = filesystem(join(directory, META))
     with fs.open_input_stream(path) as f:
@@ -532,9 +532,9 @@ def read_meta(directory: str) -> dict:
 
 def registered_checkpoints(run_dir: str) -> list[str]:
     """The run's checkpoints Ray Train has registered (all files were there at commit), oldest first. Every
-    name in Ray Train's record is contained in the run's folder (strata.storage.inside) and must be a
+    name in Ray Train's record is contained in the run's folder (strata.data.storage.inside) and must be a
     checkpoint's (`checkpoint-<step>`): a record naming `../other-run/...` names nothing here."""
-    from strata.storage import PathRefused, exists, inside, join, read_json
+    from strata.data.storage import PathRefused, exists, inside, join, read_json
 
     snapshot = join(run_dir, SNAPSHOT)
     if not exists(snapshot):
@@ -563,6 +563,6 @@ def registered_checkpoints(run_dir: str) -> list[str]:
 
 def is_intact(directory: str) -> bool:
     """Whether a checkpoint's files are still there (one deleted by hand is not)."""
-    from strata.storage import exists, join
+    from strata.data.storage import exists, join
 
     return exists(join(directory, META)) and exists(join(directory, f"{SIGNED}0.json"))

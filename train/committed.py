@@ -10,8 +10,8 @@ import json
 import re
 import time
 
-from strata.shell import log as _logger
-from strata.signing import Untrusted, signature
+from strata.commands.shell import log as _logger
+from strata.data.signing import Untrusted, signature
 from train.checkpoint import (
     SNAPSHOT,
     UntiedCheckpoint,
@@ -33,7 +33,7 @@ def fence(run_dir: str, gen: int) -> None:
     seen the lease go, or Ray Train registers it late) names that earlier generation and is not in this list,
     so readers ignore it: no timing lets a stale holder publish. Only the lease's holder writes a fence, and
     only a signing key makes one count: a fence file planted in the folder closes nothing."""
-    from strata.storage import basename, join, write_json_atomic
+    from strata.data.storage import basename, join, write_json_atomic
 
     body = {"run": basename(run_dir), "gen": gen,
             "checkpoints": sorted(basename(c) for c in committed_checkpoints(run_dir))}
@@ -48,8 +48,8 @@ def _fences(run_dir: str) -> list[tuple[int, set, str]]:
     """The run's fences that its lease's holders wrote (signed by a key of the keyring, bound to this run and
     to their generation), oldest first: (generation, checkpoints it found committed, its file's name). Any
     other file there is named once and counts for nothing."""
-    from strata.signing import check
-    from strata.storage import basename, join, list_dir, read_json
+    from strata.data.signing import check
+    from strata.data.storage import basename, join, list_dir, read_json
 
     out = []
     for name, d in list_dir(join(run_dir, FENCES)):
@@ -81,7 +81,7 @@ def _warn_once(line: str) -> None:
 def stale_checkpoints(run_dir: str, checkpoints: list[str]) -> dict[str, str]:
     """The checkpoints written under a lease generation that a later one had closed before they were
     committed (the first fence after their generation does not list them), each with the fence's file."""
-    from strata.storage import basename
+    from strata.data.storage import basename
 
     fences = _fences(run_dir)
     if not fences:
@@ -106,7 +106,7 @@ def forget_missing(run_dir: str, also: dict[str, str] | None = None) -> dict[str
     Ray Train refuses to start a run whose record names a missing directory
     (`_assert_checkpoints_exist`), and no public API edits the record: this rewrites Ray Train's file, whose
     fields tests/test_ray_internals.py pins. The old record is kept beside, as `.bak-<time>`."""
-    from strata.storage import join, read_bytes, write_bytes_atomic
+    from strata.data.storage import join, read_bytes, write_bytes_atomic
 
     registered = registered_checkpoints(run_dir)
     gone = {c.rsplit("/", 1)[-1]: "missing or incomplete" for c in registered if not is_intact(c)}
@@ -138,7 +138,7 @@ def forget_missing(run_dir: str, also: dict[str, str] | None = None) -> dict[str
 def committed_checkpoints(run_dir: str) -> list[str]:
     """The registered checkpoints that are intact and were not handed over by a lease generation after it
     was fenced off, oldest first: the ones a reader may load."""
-    from strata.storage import basename
+    from strata.data.storage import basename
 
     registered = [c for c in registered_checkpoints(run_dir) if is_intact(c)]
     stale = stale_checkpoints(run_dir, registered)
@@ -152,7 +152,7 @@ def newest(run_dir: str, load=None, *, step: int | None = None, skip: set[str] =
     a run makes before it continues, `check_checkpoint`): (its path, what `load` returned, [(name, why) of
     each newer one refused]). A checkpoint that fails its signatures is passed over, never retried forever nor
     hiding the good ones before it; `skip` names ones already refused. (None, None, refused) when none is left."""
-    from strata.storage import basename
+    from strata.data.storage import basename
 
     load = load or check_checkpoint
     refused = []

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from strata.cli import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, check_fields
+from strata.commands.cli import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, check_fields
 from train.model import GPTConfig
 
 STRATEGIES = ("auto", "ddp", "fsdp")

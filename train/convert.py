@@ -28,11 +28,11 @@ import sys
 
 import torch
 
-from strata import signing
-from strata.cli import parser as cli_parser
-from strata.shell import StrataError
-from strata.shell import log as _logger
-from strata.signing import Untrusted
+from strata.commands.cli import parser as cli_parser
+from strata.commands.shell import StrataError
+from strata.commands.shell import log as _logger
+from strata.data import signing
+from strata.data.signing import Untrusted
 from train.checkpoint import DCP_METADATA, META, SIGNED, _canonical, _sha256, bound_to, dir_name
 
 _log = _logger("convert")
@@ -70,7 +70,7 @@ def read_metadata(data: bytes):
 
 
 def _lists(directory: str) -> dict[str, dict]:
-    from strata.storage import join, list_dir, read_bytes
+    from strata.data.storage import join, list_dir, read_bytes
 
     out = {}
     for name, is_dir in list_dir(directory):
@@ -90,7 +90,7 @@ def _lists(directory: str) -> dict[str, dict]:
 def _verify(directory: str, lists: dict[str, dict], old: bytes | None) -> dict[str, str]:
     """Every list verified (a key of the keyring, or, naming none, the old secret) and every listed file
     matching its digest; the files and their digests."""
-    from strata.storage import join
+    from strata.data.storage import join
 
     digests = {}
     for name, listed in lists.items():
@@ -162,7 +162,7 @@ def convert(directory: str, old: bytes | None) -> str:
     from safetensors.torch import save as save_tensors
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-    from strata.storage import delete, join, list_dir, read_bytes, write_bytes_atomic
+    from strata.data.storage import delete, join, list_dir, read_bytes, write_bytes_atomic
     from train.checkpoint import local_copy
 
     signing.secret()  # the key it will be signed with: refuse before anything is written without one

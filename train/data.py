@@ -7,7 +7,7 @@ The position is (epoch, batch index): a resumed run sees exactly the batches an
 uninterrupted one would. It seeks there without reading what comes before:
 which rows each shuffle buffer held follows from the seed alone, so a resume
 reads the few rows the buffer carries over and then only the row ranges from
-its position on (strata.rows.read_rows reads just the row groups that hold
+its position on (strata.data.rows.read_rows reads just the row groups that hold
 a range), whatever its position in the epoch.
 """
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from strata.rows import read_rows
+from strata.data.rows import read_rows
 
 if TYPE_CHECKING:
     from train.config import TrainConfig
@@ -47,7 +47,7 @@ class Source:
 
     @classmethod
     def of(cls, version, weight: float) -> Source:
-        """The source of a dataset version (strata.dataset.DatasetVersion) at `weight`."""
+        """The source of a dataset version (strata.data.dataset.DatasetVersion) at `weight`."""
         def split(name):
             return tuple(ShardRef(version.file(s.path), s.rows) for s in version.shards if s.split == name)
 
@@ -55,7 +55,7 @@ class Source:
 
 
 Reader = Callable[..., np.ndarray]
-"""`read(path, start=0, stop=None)`: rows [start, stop) of a shard (strata.rows.read_rows)."""
+"""`read(path, start=0, stop=None)`: rows [start, stop) of a shard (strata.data.rows.read_rows)."""
 READ_ROWS = 4096  # rows read at a time: four of a shard's row groups (pipelines/pack.py), never a whole shard
 
 

@@ -28,11 +28,11 @@ from dataclasses import asdict
 
 import torch
 
-from strata.chat import DEFAULT_TEMPLATE
-from strata.cli import parser as cli_parser
-from strata.shell import StrataError
-from strata.shell import log as _logger
-from strata.storage import Storage
+from strata.commands.cli import parser as cli_parser
+from strata.commands.shell import StrataError
+from strata.commands.shell import log as _logger
+from strata.data.chat import DEFAULT_TEMPLATE
+from strata.data.storage import Storage
 from train.model import GPT, GPTConfig
 from train.sample import load, load_newest
 from train.taint import check_checkpoint
@@ -124,7 +124,7 @@ EXPORTS = "exports"  # in a run's directory: a record per export made of its che
 def _record(checkpoint: str, step: int, out: str) -> None:
     """Beside the run whose checkpoint this is (a checkpoint lives in its run's directory), a record of the
     export: a takedown finds every model that learned from a document, the exported ones too."""
-    from strata.storage import exists, join, write_json_atomic
+    from strata.data.storage import exists, join, write_json_atomic
 
     run_dir = checkpoint.rstrip("/").rpartition("/")[0]
     if run_dir and exists(join(run_dir, "launches")):
@@ -135,7 +135,7 @@ def _record(checkpoint: str, step: int, out: str) -> None:
 def exports(run_dir: str) -> list[dict]:
     """The exports made of a run's checkpoints, oldest first. A record that is not one (damaged, or put
     there by hand) is left out with a warning naming it."""
-    from strata.storage import join, list_dir, read_json
+    from strata.data.storage import join, list_dir, read_json
 
     out = []
     for name, is_dir in sorted(list_dir(join(run_dir, EXPORTS))):

@@ -19,9 +19,9 @@ from collections import Counter
 
 import numpy as np
 
-from strata.runlog import LOG, read_launches, read_log
-from strata.shell import Command, Parser, StrataError
-from strata.storage import Storage, exists, join
+from strata.accounting.runlog import LOG, read_launches, read_log
+from strata.commands.shell import Command, Parser, StrataError
+from strata.data.storage import Storage, exists, join
 
 
 class LineageError(StrataError):
@@ -91,8 +91,8 @@ def step_rows(storage: Storage, run: str, step: int) -> dict:
     """Every rank's rows of optimizer step `step` (1 = the first), in the order the loop took them:
     {"ranks": [{"rank", "rows": [{"dataset", "shard", "file", "row", "documents"}, ...]}], and the settings
     used}. `shard` is the file's full path, `file` its path in the dataset, `documents` the documents the row
-    holds (strata.lineage.row_documents: id, input file, place, and the row's tokens that are theirs)."""
-    from strata.lineage import row_documents
+    holds (strata.data.lineage.row_documents: id, input file, place, and the row's tokens that are theirs)."""
+    from strata.data.lineage import row_documents
 
     run_dir = storage.run(run)
     try:
@@ -155,14 +155,14 @@ def documents(storage: Storage, doc_ids: list[str] | None = None, source: str | 
               dataset: str | None = None) -> dict:
     """Where documents went (`python -m strata lineage doc`): by record id (`PATH:POSITION`, as tier 1 names
     them) or by input-file glob, in every dataset (or `dataset`). Lists each document's place in its input,
-    every version whose snapshot holds one of its rows (strata.lineage.find), and for each training run that
+    every version whose snapshot holds one of its rows (strata.data.lineage.find), and for each training run that
     read such a version the first step it trained on each row, the checkpoints and exports made from then
     on, and what used the run since (scoring, evaluation, generation); and the sweeps that read such a
     version."""
-    from strata.dataset import DatasetError
-    from strata.ledger import USES, model_of, pinned
-    from strata.lineage import find
-    from strata.records import list_records
+    from strata.accounting.ledger import USES, model_of, pinned
+    from strata.accounting.records import list_records
+    from strata.data.dataset import DatasetError
+    from strata.data.lineage import find
 
     try:
         out = find(storage, doc_ids, source, dataset)

@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from strata.lease import check_held
-from strata.storage import basename
+from strata.data.lease import check_held
+from strata.data.storage import basename
 from train.cadence import Cadence, Clock
 from train.checkpoint import AsyncCheckpointer
 from train.checkpoint import dir_name as checkpoint_dir_name
@@ -338,7 +338,7 @@ def _record_node(run_dir: str, rank: int) -> None:
     """Where this rank actually runs, for the run record (and the placement test)."""
     import ray
 
-    from strata.storage import write_json_atomic
+    from strata.data.storage import write_json_atomic
 
     rc = ray.get_runtime_context()
     write_json_atomic(f"{run_dir}/workers/rank-{rank}.json",

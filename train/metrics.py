@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 
-from strata.storage import JsonlWriter
+from strata.data.storage import JsonlWriter
 
 
 class Meter:
@@ -81,7 +81,7 @@ def tensorboard_writer(run_dir: str, suffix: str = ""):
     writer beside rank 0's, in an events file of its own)."""
     import pyarrow.fs as pafs
 
-    from strata.storage import filesystem
+    from strata.data.storage import filesystem
 
     fs, path = filesystem(run_dir)
     if not isinstance(fs, pafs.LocalFileSystem):

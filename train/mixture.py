@@ -11,8 +11,8 @@ the rows mean the same things in each, or the run is refused.
 
 from __future__ import annotations
 
-from strata.dataset import DatasetError, DatasetVersion, resolve
-from strata.storage import Storage, read_bytes
+from strata.data.dataset import DatasetError, DatasetVersion, resolve
+from strata.data.storage import Storage, read_bytes
 
 MIX = "mix."  # a sweep's parameter mix.NAME is dataset NAME's weight in the mixture
 

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from strata.cli import AT_LEAST_ONE, BELOW_ONE, check_fields
+from strata.commands.cli import AT_LEAST_ONE, BELOW_ONE, check_fields
 
 
 @dataclass(frozen=True, kw_only=True)

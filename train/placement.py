@@ -14,8 +14,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from strata import tiers
-from strata.shell import log as _logger
+from strata.cluster import tiers
+from strata.commands.shell import log as _logger
 
 _log = _logger("train")
 

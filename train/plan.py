@@ -22,9 +22,9 @@ import argparse
 import json
 import math
 
-from strata.cost import REPO, cluster_types, hourly_price, load_prices
-from strata.shell import Parser
-from strata.storage import Storage
+from strata.accounting.cost import REPO, cluster_types, hourly_price, load_prices
+from strata.commands.shell import Parser
+from strata.data.storage import Storage
 from train.hardware import PEAK_TFLOPS
 from train.model import describe, preset
 
@@ -39,7 +39,7 @@ ASSUMED = {
 
 def _measure(storage: Storage) -> dict:
     """What past runs and the last benchmark measured: {key: (value, where from)}."""
-    from strata.records import list_records
+    from strata.accounting.records import list_records
 
     out = {}
     results = json.loads(BENCH_RESULTS.read_text()) if BENCH_RESULTS.exists() else {}

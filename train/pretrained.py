@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from strata.dataset import DatasetError
-from strata.storage import Storage, exists, join, read_bytes, read_json
+from strata.data.dataset import DatasetError
+from strata.data.storage import Storage, exists, join, read_bytes, read_json
 from train.model import GPTConfig
 
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # GPT-2's tanh GELU, as the model's

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 
-from strata.runlog import follow, is_step
+from strata.accounting.runlog import follow, is_step
 
 
 def duration(seconds: float) -> str:

@@ -11,13 +11,13 @@ import sys
 
 import torch
 
-from strata.cli import parser as cli_parser
-from strata.dataset import TokenizerInfo
-from strata.shell import StrataError
-from strata.shell import log as _logger
-from strata.signing import Untrusted
-from strata.storage import Storage
-from strata.tokenizer import from_info
+from strata.commands.cli import parser as cli_parser
+from strata.commands.shell import StrataError
+from strata.commands.shell import log as _logger
+from strata.data.dataset import TokenizerInfo
+from strata.data.signing import Untrusted
+from strata.data.storage import Storage
+from strata.data.tokenizer import from_info
 from train.checkpoint import META, SignedFiles, load_model_state, local_copy, model_config
 from train.committed import newest
 from train.model import GPT

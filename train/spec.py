@@ -13,11 +13,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from strata.dataset import DatasetError, TokenizerInfo, check_compatible, check_not_forgotten
-from strata.runlog import read_launches
-from strata.shell import log
-from strata.storage import Storage
-from strata.tokenizer import from_info
+from strata.accounting.runlog import read_launches
+from strata.commands.shell import log
+from strata.data.dataset import DatasetError, TokenizerInfo, check_compatible, check_not_forgotten
+from strata.data.storage import Storage
+from strata.data.tokenizer import from_info
 from train import mixture, pretrained
 from train.config import TrainConfig
 from train.data import Source

@@ -87,7 +87,7 @@ IGNORE = -1  # a target the loss leaves out: the padding of a dataset's last row
 
 def to_xy(batch: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T+1) packed rows to inputs and next-token targets, each (B, T). The pad value of the rows' type
-    (strata.dataset.pad_value), which fills the end of a padded row, is never a target (IGNORE) and as an
+    (strata.data.dataset.pad_value), which fills the end of a padded row, is never a target (IGNORE) and as an
     input reads as id 0 (after the row's last token: causal attention keeps it out of every real target)."""
     t = torch.from_numpy(batch.astype(np.int64))
     if device.type == "cuda":

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 
-from strata.storage import Storage
+from strata.data.storage import Storage
 
 TEMPLATE = ("EU AI Office, Template for the Public Summary of Training Content for general-purpose AI models "
             "(Article 53(1)(d) AI Act), version of 24 July 2025")
@@ -44,8 +44,8 @@ def _day(t: float | None) -> str | None:
 
 def summary(storage: Storage, spec: str, provider: str = "") -> dict:
     """The summary of model `spec` (RUN or RUN@STEP: its newest checkpoint, or the one at STEP)."""
-    from strata.dataset import DatasetError, history, resolve
-    from strata.runlog import read_launches
+    from strata.accounting.runlog import read_launches
+    from strata.data.dataset import DatasetError, history, resolve
     from train.checkpoint import read_meta
     from train.committed import newest
 

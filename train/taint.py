@@ -1,7 +1,7 @@
 """Tainted models: a run whose weights learned from documents a takedown removed (train/takedown.py).
 
 `strata takedown apply` marks each run that trained on a request's documents, from the first step that
-did: `runs/RUN/tainted/ID.json`, signed (strata.signing), holding the request's id, reason and that step.
+did: `runs/RUN/tainted/ID.json`, signed (strata.data.signing), holding the request's id, reason and that step.
 Every way a model leaves a run goes through `check`: sampling (train.sample), exporting (train.export),
 fine-tuning from it (`--init-from`, train.pretrained), continuing the run (train.trainer), and scoring,
 evaluating, generating and serving it (infer.model, for a run or for a directory exported from one). A
@@ -19,9 +19,9 @@ import os
 import sys
 import time
 
-from strata.shell import StrataError
-from strata.shell import log as _logger
-from strata.storage import exists, filesystem, join, list_dir, write_bytes_atomic
+from strata.commands.shell import StrataError
+from strata.commands.shell import log as _logger
+from strata.data.storage import exists, filesystem, join, list_dir, write_bytes_atomic
 
 DIR = "tainted"
 _log = _logger("takedown")
@@ -38,8 +38,8 @@ def canonical(body: dict) -> bytes:
 def write_signed(path: str, key: str, body: dict, exclusive: bool = False) -> bool:
     """`body` under `key`, with its signature, written whole (a reader sees the old file or the new one);
     `exclusive`: only where nothing is (False if something was)."""
-    from strata import signing
-    from strata.storage import create_exclusive
+    from strata.data import signing
+    from strata.data.storage import create_exclusive
 
     data = (json.dumps({key: body, **signing.signature(canonical(body))}, indent=2, sort_keys=True) + "\n").encode()
     if exclusive:
@@ -49,8 +49,8 @@ def write_signed(path: str, key: str, body: dict, exclusive: bool = False) -> bo
 
 
 def read_signed(path: str, key: str, what: str) -> dict:
-    """What `write_signed` wrote at `path`, its signature verified (strata.signing.Untrusted if not)."""
-    from strata import signing
+    """What `write_signed` wrote at `path`, its signature verified (strata.data.signing.Untrusted if not)."""
+    from strata.data import signing
 
     fs, p = filesystem(path)
     with fs.open_input_stream(p) as f:
@@ -73,7 +73,7 @@ def mark(run_dir: str, request: dict, from_step: int) -> str:
 
 
 def marks(run_dir: str) -> list[dict]:
-    """The run's taint marks, each verified; one that does not verify raises (strata.signing.Untrusted)."""
+    """The run's taint marks, each verified; one that does not verify raises (strata.data.signing.Untrusted)."""
     where = join(run_dir, DIR)
     if not exists(where):
         return []
@@ -82,7 +82,7 @@ def marks(run_dir: str) -> list[dict]:
         if not is_dir and name.endswith(".json") and not name.startswith("allowed-"):
             m = read_signed(join(where, name), "mark", "taint mark")
             if m.get("request") != name.removesuffix(".json") or not isinstance(m.get("from_step"), int):
-                from strata.signing import Untrusted
+                from strata.data.signing import Untrusted
 
                 raise Untrusted(f"taint mark {join(where, name)}: names request {m.get('request')!r}; refused")
             out.append(m)
@@ -141,7 +141,7 @@ def export_origin(meta: dict, storage) -> str:
 def check_export(directory: str, storage, what: str, allow: bool = False) -> list[dict]:
     """`check` for a directory exported from one of this root's runs (its strata.json names the checkpoint);
     a directory from elsewhere is no run's, and passes."""
-    from strata.storage import read_json
+    from strata.data.storage import read_json
 
     if not exists(join(directory, "strata.json")):
         return []

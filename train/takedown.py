@@ -8,7 +8,7 @@ own data order (train/lineage.py).
   input file with that digest under any path (every version's manifest), the documents lineage read from
   them, every document with the same exact key (the same text in other bytes), and with `--near` every
   document sharing a MinHash band with one of them (pipelines/near.py). The request is written to
-  `takedowns/ID.json`, signed (strata.signing), under an id no other request has.
+  `takedowns/ID.json`, signed (strata.data.signing), under an id no other request has.
 - `plan` finds, again, what is left: the datasets whose newest version holds the documents, the runs that
   trained on them from which step, their checkpoints, exports and uses, and the command for each.
 - `apply` forgets them in each such dataset (`python -m pipelines.datasets forget`, one commit under each
@@ -25,8 +25,8 @@ import shlex
 import sys
 import time
 
-from strata.shell import Command, Parser, StrataError
-from strata.storage import Storage, exists, join, list_dir
+from strata.commands.shell import Command, Parser, StrataError
+from strata.data.storage import Storage, exists, join, list_dir
 from train.lineage import documents
 from train.taint import read_signed, write_signed
 
@@ -38,8 +38,8 @@ class TakedownError(StrataError):
 
 
 def digest_of(path: str) -> str:
-    """A file's digest as tier 1 records its inputs' (strata.sources.path_digest)."""
-    from strata.digests import path_digest
+    """A file's digest as tier 1 records its inputs' (strata.data.sources.path_digest)."""
+    from strata.data.digests import path_digest
 
     try:
         return path_digest(path)
@@ -50,7 +50,7 @@ def digest_of(path: str) -> str:
 def copies(storage: Storage, digests: set[str]) -> list[dict]:
     """Every input file, under any path, of any version of any dataset, whose digest is one of `digests`:
     [{"path", "digest", "dataset", "version"}] (the version that consumed it)."""
-    from strata.dataset import DatasetError, history
+    from strata.data.dataset import DatasetError, history
 
     out = []
     for name, is_dir in sorted(list_dir(storage.datasets())):
@@ -74,7 +74,7 @@ def open_request(storage: Storage, *, reason: str, source: str | None = None, sh
     with the same exact key (the same text, up to case and spacing, in a file of other bytes), and, with
     `near`, every document sharing a MinHash band with one of them (pipelines/near.py, the window of each
     dataset's dedup index)."""
-    from strata.lineage import find_keys
+    from strata.data.lineage import find_keys
 
     if sum(x is not None for x in (source, sha256, doc_ids)) != 1:
         raise TakedownError("name what to take down: --source PATH, --sha256 HEX or --doc-ids FILE (one of them)")
@@ -138,7 +138,7 @@ def _near(storage: Storage, doc_ids: list[str]) -> list[str]:
 
 def read(storage: Storage, request_id: str) -> dict:
     """A request as `open` (and each later step) wrote it, its signature verified."""
-    from strata.storage import check_name
+    from strata.data.storage import check_name
 
     path = join(storage.root, DIR, f"{check_name(request_id, 'a takedown id')}.json")
     if not exists(path):
@@ -151,7 +151,7 @@ def read(storage: Storage, request_id: str) -> dict:
 
 def list_requests(storage: Storage) -> tuple[list[dict], list[dict]]:
     """Every request that verifies, and those refused ({"id", "refused": why}): one bad file hides no other."""
-    from strata.signing import Untrusted
+    from strata.data.signing import Untrusted
 
     out, refused = [], []
     for name, is_dir in sorted(list_dir(join(storage.root, DIR))):
@@ -169,8 +169,8 @@ def plan(storage: Storage, request: dict) -> dict:
     with its first such step, the checkpoints and exports made from then on and what used them (scoring,
     evaluation, generation, serving), and the sweeps that read those versions; each item with the one
     command that finishes it."""
-    from strata.dataset import DatasetError, resolve
-    from strata.records import list_records
+    from strata.accounting.records import list_records
+    from strata.data.dataset import DatasetError, resolve
 
     ids = [d["doc_id"] for d in request["documents"]]
     located = documents(storage, doc_ids=ids) if ids else {"versions": [], "runs": [], "sweeps": []}
@@ -287,7 +287,7 @@ def retraining(storage: Storage, request: dict) -> list[dict]:
     the first tainted step (`--init-from RUN@STEP`, for the steps it had left), or from scratch with its model
     and settings when it has none, on the newest version of each dataset it read, which no longer holds them
     (`apply` made it). [{"run", "from_step", "init_from", "dataset", "new_run", "command"}]."""
-    from strata.runlog import read_launches
+    from strata.accounting.runlog import read_launches
     from train.checkpoint import read_meta
     from train.committed import committed_checkpoints
     from train.config import TrainConfig
@@ -325,7 +325,7 @@ def _flags(cls: type, recorded: dict, skip: set[str]) -> list[str]:
     """The flags that give `cls`'s fields the recorded values that differ from its defaults."""
     import dataclasses
 
-    from strata.cli import flag_of
+    from strata.commands.cli import flag_of
 
     out = []
     for f in dataclasses.fields(cls):
@@ -368,7 +368,7 @@ def retrain(storage: Storage, request_id: str, *, start: bool = False) -> list[d
 def delete_tainted(storage: Storage, request_id: str) -> dict:
     """Delete every checkpoint and export a takedown tainted (from each marked run's first tainted step on):
     what is left of each run is what it learned before it met the documents. Recorded as a `deleted` event."""
-    from strata.storage import delete_dir
+    from strata.data.storage import delete_dir
     from train.lineage import made_after
 
     request = read(storage, request_id)

@@ -19,7 +19,7 @@ import math
 import numpy as np
 import torch
 
-from strata.runlog import TASK_EVAL
+from strata.accounting.runlog import TASK_EVAL
 from train.step import IGNORE
 
 
@@ -28,7 +28,7 @@ class TaskError(ValueError):
 
 
 def load_task(path: str) -> list[dict]:
-    from strata.storage import text_of
+    from strata.data.storage import text_of
 
     items = []
     try:
@@ -117,7 +117,7 @@ def evaluate_checkpoint(checkpoint: str, items: list[dict], step: int) -> dict:
     """An evaluation during training: acc and acc_norm of a committed checkpoint (a task on the cpu tier)."""
     import time
 
-    from strata.commit import failpoint
+    from strata.data.commit import failpoint
     from train.sample import load
 
     failpoint(f"task-eval:{step}")  # tests: the task dies here, as the out-of-memory killer would kill it
@@ -142,7 +142,7 @@ class TaskEvals:
     def __init__(self, run_dir: str, task: str, every: int, done_steps: set[int]):
         import threading
 
-        from strata.storage import basename
+        from strata.data.storage import basename
 
         self.run_dir, self.task, self.every = run_dir, task, every
         self.name = basename(task)
@@ -176,8 +176,8 @@ class TaskEvals:
 
         import ray
 
-        from strata import tiers
-        from strata.commit import FAILPOINT
+        from strata.cluster import tiers
+        from strata.data.commit import FAILPOINT
         from train.checkpoint import is_intact, registered_checkpoints
 
         with self.lock:
@@ -208,8 +208,8 @@ class TaskEvals:
     def _write(self, row: dict) -> None:
         import time
 
-        from strata.runlog import LOG
-        from strata.storage import append_jsonl, join
+        from strata.accounting.runlog import LOG
+        from strata.data.storage import append_jsonl, join
         from train.metrics import tensorboard_writer
 
         row = {"time": time.time(), **row}

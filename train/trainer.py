@@ -8,13 +8,13 @@ import threading
 import time
 from dataclasses import asdict, replace
 
-from strata import tiers
-from strata.connect import embedded
-from strata.dataset import DatasetError
-from strata.runlog import read_launches, read_log, record_launch
-from strata.shell import Job, StrataError
-from strata.shell import log as _logger
-from strata.storage import Storage, basename, exists, join, read_json
+from strata.accounting.runlog import read_launches, read_log, record_launch
+from strata.cluster import tiers
+from strata.cluster.connect import embedded
+from strata.commands.shell import Job, StrataError
+from strata.commands.shell import log as _logger
+from strata.data.dataset import DatasetError
+from strata.data.storage import Storage, basename, exists, join, read_json
 from train.checkpoint import read_meta
 from train.committed import fence, forget_missing, newest
 from train.config import TrainConfig, accumulation
@@ -85,7 +85,7 @@ def _run_leased(spec: RunSpec, *, run_name, run_dir, job: Job, workers, use_gpu,
                         "init_from": spec.init_from, "tokenizer": asdict(spec.tokenizer), "workers": workers,
                         "use_gpu": use_gpu, "cpus_per_worker": cpus_per_worker, "from_sweep": from_sweep, **size})
     record_launch(run_dir, len(launches), record)
-    from strata.openlineage import dataset
+    from strata.accounting.openlineage import dataset
 
     reads = [dataset(job.storage.dataset(s.name.partition("@")[0]), s.name.partition("@")[2]) for s in spec.sources]
     if spec.init_from:
@@ -159,7 +159,7 @@ def _trainer(spec: RunSpec, run_name, run_dir, job, workers, use_gpu, accelerato
 
 
 def _summary(spec: RunSpec, run_name, run_dir, started, result, workers, use_gpu, size) -> dict:
-    """This launch's figures, from the run's log (strata/runlog.py)."""
+    """This launch's figures, from the run's log (strata/accounting/runlog.py)."""
     history = read_log(run_dir)
     mine = read_log(run_dir, since=started)
     steps = mine.steps
@@ -189,7 +189,7 @@ def fit(trainer, progress: Progress):
 
     Ray Train installs its own SIGINT handler when `fit()` runs on the main thread (it aborts the run and
     exits 0 or 1, with a line of its own; `DataParallelTrainer._initialize_and_run_controller`), and not
-    on any other thread. So Ctrl-C stays the command's: a KeyboardInterrupt here, which `strata.shell`
+    on any other thread. So Ctrl-C stays the command's: a KeyboardInterrupt here, which `strata.commands.shell`
     turns into one line saying what was kept (tests/test_cli.py sends it)."""
     box: dict = {}
 

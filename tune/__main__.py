@@ -14,15 +14,15 @@ from __future__ import annotations
 import sys
 import time
 
-from strata.cli import add_config_arguments, finish, overrides
-from strata.cli import parser as cli_parser
-from strata.connect import connect_early
-from strata.dataset import DatasetError
-from strata.lease import LeaseBusy
-from strata.shell import Command
-from strata.shell import log as _logger
-from strata.signing import Untrusted
-from strata.storage import Storage, check_name
+from strata.cluster.connect import connect_early
+from strata.commands.cli import add_config_arguments, finish, overrides
+from strata.commands.cli import parser as cli_parser
+from strata.commands.shell import Command
+from strata.commands.shell import log as _logger
+from strata.data.dataset import DatasetError
+from strata.data.lease import LeaseBusy
+from strata.data.signing import Untrusted
+from strata.data.storage import Storage, check_name
 from train import mixture
 from tune.config import SweepConfig
 from tune.queued import SweepPartError

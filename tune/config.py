@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from strata.cli import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, check_fields
+from strata.commands.cli import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, check_fields
 
 
 @dataclass(frozen=True, kw_only=True)

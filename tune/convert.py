@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import sys
 
-from strata import signing
-from strata.cli import parser as cli_parser
-from strata.shell import StrataError
-from strata.signing import Untrusted
-from strata.storage import join, list_dir, read_bytes
+from strata.commands.cli import parser as cli_parser
+from strata.commands.shell import StrataError
+from strata.data import signing
+from strata.data.signing import Untrusted
+from strata.data.storage import join, list_dir, read_bytes
 
 
 def resign(sweep_dir: str, old: bytes) -> list[str]:

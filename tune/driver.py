@@ -19,11 +19,11 @@ import numpy as np
 from ray.tune import Callback
 from ray.tune.stopper import Stopper
 
-from strata import tiers
-from strata.procs import rss_mb
-from strata.shell import Job, StrataError
-from strata.shell import log as _logger
-from strata.storage import (
+from strata.cluster import tiers
+from strata.cluster.procs import rss_mb
+from strata.commands.shell import Job, StrataError
+from strata.commands.shell import log as _logger
+from strata.data.storage import (
     Storage,
     exists,
     join,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import io
 
-from strata.storage import join, write_bytes_atomic
+from strata.data.storage import join, write_bytes_atomic
 
 COLORS = {"completed": "tab:blue", "stopped early": "tab:orange", "error": "tab:red"}
 

@@ -35,8 +35,8 @@ from collections import deque
 
 import numpy as np
 
-from strata.shell import StrataError
-from strata.storage import JsonlWriter, join, list_dir, text_of, write_bytes_atomic
+from strata.commands.shell import StrataError
+from strata.data.storage import JsonlWriter, join, list_dir, text_of, write_bytes_atomic
 
 FLUSH_S, FLUSH_ROWS = 10.0, 2000
 GRACE, REDUCTION = 2, 2  # ASHA: first rung after 2 reports, keep the best half at each rung

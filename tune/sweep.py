@@ -31,9 +31,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from strata.connect import fetch_once
-from strata.rows import read_rows
-from strata.tokenizer import from_info
+from strata.cluster.connect import fetch_once
+from strata.data.rows import read_rows
+from strata.data.tokenizer import from_info
 from train.config import (
     MODEL_KEYS,
     TRAIN_KEYS,
@@ -77,7 +77,7 @@ def load_space(spec: str) -> dict:
     elif spec.endswith((".json", ".yaml", ".yml")):
         import yaml
 
-        from strata.storage import filesystem
+        from strata.data.storage import filesystem
 
         fs, path = filesystem(spec)
         try:

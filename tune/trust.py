@@ -4,9 +4,9 @@ checkpoint (its book of results and model state).
 `Tuner.restore` unpickles `tuner.pkl`, the newest `experiment_state-*.json`
 (cloudpickled trials and controller state) and the searcher's and
 callbacks' `*-state-*` files. strata signs each of them with
-`strata.signing`'s key as they are written, and checks every such file in
+`strata.data.signing`'s key as they are written, and checks every such file in
 the sweep directory before a resume, so a file planted in the storage root
-is refused before Tune reads it. Only a signing key verifies (strata.signing): state signed in the format
+is refused before Tune reads it. Only a signing key verifies (strata.data.signing): state signed in the format
 before 2026-12-04, without a key's fingerprint, is refused until `python -m tune.convert` re-signs it with
 the old secret the user names.
 
@@ -28,8 +28,8 @@ import os
 
 from ray.tune import Callback
 
-from strata.signing import Untrusted, check, key_id, sign, signature
-from strata.storage import join, list_dir, read_bytes, read_json, write_json_atomic
+from strata.data.signing import Untrusted, check, key_id, sign, signature
+from strata.data.storage import join, list_dir, read_bytes, read_json, write_json_atomic
 
 CONVERT = "re-sign it with `python -m tune.convert SWEEP_DIR --old-secret-file FILE`"
 TRIAL_SIGNED = "signed.json"  # in a trial's checkpoint: its files' SHA-256, bound to the trial, signed

@@ -16,9 +16,9 @@ def make_dataset(workdir: str, mb: float = 4.0, seq_len: int = 128) -> tuple[str
     """(storage root, dataset ref): `mb` MB of generated text preprocessed with the debug preset (bytes)."""
     from pipelines.config import debug
     from pipelines.driver import run
-    from strata.connect import shutdown
-    from strata.dataset import list_versions
-    from strata.storage import Storage
+    from strata.cluster.connect import shutdown
+    from strata.data.dataset import list_versions
+    from strata.data.storage import Storage
 
     storage = Storage(os.path.join(workdir, "storage"))
     name = f"bench-{int(mb * 1000)}kb-{seq_len}"
@@ -53,7 +53,7 @@ def debug_spec(storage_root: str, ref: str, batch_size: int, steps: int):
     resolves a launch, with this micro-batch and number of steps."""
     from dataclasses import replace
 
-    from strata.storage import Storage
+    from strata.data.storage import Storage
     from train.config import TRAIN_PRESETS
     from train.model import preset
     from train.spec import resolve

@@ -228,7 +228,7 @@ def fsdp_step_and_checkpoint(name: str, device, compile_model: bool, backend: st
     import torch
     import torch.distributed as dist
 
-    from strata import signing
+    from strata.data import signing
     from train.checkpoint import AsyncCheckpointer, load
     from train.step import train_step
 

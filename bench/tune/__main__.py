@@ -75,7 +75,7 @@ def overhead(trials: int, queued: bool, max_concurrent: int, root: str) -> dict:
     import ray
     from ray import tune
 
-    from strata.procs import rss_mb
+    from strata.cluster.procs import rss_mb
     from tune.config import SweepConfig
     from tune.driver import collect, fit, fit_queued, make_tuner
     from tune.sweep import load_space
@@ -104,7 +104,7 @@ def overhead(trials: int, queued: bool, max_concurrent: int, root: str) -> dict:
 def asha_vs_random(trials: int, root: str) -> dict:
     """The same seeded configs swept with ASHA and with no early stopping."""
     from bench.train.common import make_dataset
-    from strata.storage import Storage
+    from strata.data.storage import Storage
     from tune.config import SweepConfig
     from tune.driver import run
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="print a JSON result line before the last line")
     args = parser.parse_args(argv)
 
-    from strata.connect import connect
+    from strata.cluster.connect import connect
 
     connect()
     root = tempfile.mkdtemp(prefix="strata-bench-tune-")

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    from strata import tiers
+    from strata.cluster import tiers
     from tune.queued import read_results
 
     temp = tempfile.mkdtemp(prefix="bench-fleet-", dir="/tmp")

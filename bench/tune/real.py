@@ -37,7 +37,7 @@ def _plain(args: tuple) -> float:
     import torch
 
     torch.set_num_threads(1)
-    from strata.storage import Storage
+    from strata.data.storage import Storage
     from tune.config import SweepConfig
     from tune.driver import spec_for
     from tune.sweep import ModelFit, load_space
