@@ -486,9 +486,8 @@ def test_strata_submit_runs_infer_and_no_wait_says_how_to_follow(head, exported_
     assert out.returncode == 0, out.stderr[-3000:]
     follow = next(line for line in out.stderr.splitlines() if "follow it with: " in line)
     command = shlex.split(follow.split("follow it with: ", 1)[1].split("  (", 1)[0])
-    assert command[:4] == ["ray", "job", "logs", "--follow"]
-    logs = subprocess.run([os.path.join(BIN, "ray"), *command[1:]], env=env, capture_output=True, text=True,
-                          timeout=600)
+    assert command[:4] == [os.path.join(BIN, "ray"), "job", "logs", "--follow"]  # the venv's, runnable from any shell
+    logs = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert logs.returncode == 0 and "2 prompts" in logs.stdout + logs.stderr, logs.stdout[-2000:] + logs.stderr[-2000:]
     assert "joined Ray cluster at 127.0.0.1:" in logs.stdout + logs.stderr  # the head's loopback, nothing else
     done = Storage(storage_root).generations("submitted-gen")

@@ -294,10 +294,10 @@ def submit(kind: str, args: list[str], *, address: str, slot: str | None = None,
     if kind not in MODULES:
         raise ValueError(f"unknown job kind {kind!r}: one of {', '.join(MODULES)}")
     check_address(address, insecure_http, token_set=token()[0] is not None)
-    check_head(address)
     if working_dir:
         check_links(working_dir)
     root = job_storage(address, storage)
+    check_head(address)  # after every check that needs no network
     if slot:
         sub_id = sub_id or submission_id(kind, args, slot, at)
         if kind == "preprocess" and "--run-id" not in args:
