@@ -358,6 +358,9 @@ def test_a_run_that_lost_its_lease_commits_no_more_checkpoints(local_ray, datase
     taken_at = max(int(os.path.basename(c).split("-")[1]) for c in committed_checkpoints(run_dir))
     thread.join(timeout=300)
     assert isinstance(outcome.get("error"), LeaseLost), outcome
+    # Ray Train's controller may still be rewriting its record of checkpoints as the failed run ends (CI once
+    # read it in that moment and saw none): wait until it names some again, then check what it names.
+    wait_for(lambda: committed_checkpoints(run_dir), "the run's record of checkpoints, after it failed", timeout=60)
     committed = [int(os.path.basename(c).split("-")[1]) for c in committed_checkpoints(run_dir)]
     assert max(committed) == taken_at, (committed, taken_at)  # fenced: nothing the old holder handed over later
     # What the workers had staged for that refused handover is gone too (it was left in the temp dir).
