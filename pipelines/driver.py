@@ -390,7 +390,7 @@ class Preprocess:
         parent = {**p.manifest.quality, "scores": [p.file(f) for f in p.manifest.quality["scores"]]} \
             if p and p.manifest.quality else None
         self.quality = score(self.cfg.quality, self.model, [join(self.work, "docs", f) for f in self.docs_files()],
-                             exact=self.cfg.dedup.exact_dedup, parent=parent, out_dir=join(self.staging, "quality"),
+                             parent=parent, out_dir=join(self.staging, "quality"),
                              cpus=self.cpus, window=self.cfg.dedup.window_size())
         self.step("quality scores")
 

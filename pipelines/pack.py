@@ -123,9 +123,10 @@ class Outcomes:
 
 def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, seen: Outcomes, clock: StageClock,
                   contamination: dict | None = None, forget: dict | None = None, hasher: MinHasher | None = None,
-                  records: list | None = None) -> Iterator[tuple[str, str, np.ndarray | None]]:
-    """(doc_id, text, its MinHash band keys or None) of the unit's kept documents; every other record is counted
-    by reason in `seen`. A document the dataset's forget list names (its record key, its exact key: the same
+                  records: list | None = None) -> Iterator[tuple[str, str, np.ndarray | None, int]]:
+    """(doc_id, text, its MinHash band keys or None, its exact key) of the unit's kept documents; every other
+    record is counted by reason in `seen`. The exact key is computed once per document: dedup and lineage use
+    the one the forget list was checked with unless --pii changed the text. A document the dataset's forget list names (its record key, its exact key: the same
     text in a new copy, or one of its band keys: an edited copy) is filtered as `forgotten`. The band keys are
     computed only for a list with near keys, by its parameters; with `hasher` (the run's) when they match, and
     then handed on, so no document is signed twice. A kept web page's record (URL, date, content type, WARC
@@ -139,15 +140,17 @@ def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, seen: O
     for f in unit:
         for rec in read_file(f, rcfg):
             clock.lap("read")
-            status, reason, bands = rec["status"], rec["reason"], None
+            status, reason, bands, key = rec["status"], rec["reason"], None, None
             if status == "ok":
                 text = normalize(rec["text"], ccfg)
-                listed = forgotten is not None and (_listed(forgotten["keys"], rec["doc_id"], text) or near is not None
+                if forgotten is not None:
+                    key = exact_key(text)
+                listed = forgotten is not None and (_listed(forgotten["keys"], rec["doc_id"], key) or near is not None
                                                     and _holds(forgotten["near"], bands := near.band_keys(near.signature(text))))
                 reason = "forgotten" if listed else quality.url_reason(rec.get("meta")) or quality.reason(text)
                 status = "filtered" if reason else "kept"
                 if status == "kept" and (formatted := quality.formatted(text)) != text:  # --pii: replaced
-                    text, bands = formatted, None
+                    text, bands, key = formatted, None, None
                 if near is not hasher:
                     bands = None  # another hasher's (or of the text before --pii): the run signs the document
             clock.lap("clean")
@@ -155,7 +158,7 @@ def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, seen: O
                 seen.counts[("kept", "")] += 1
                 if records is not None and rec.get("meta"):
                     records.append((rec["doc_id"], json.dumps(rec["meta"], sort_keys=True)))
-                yield rec["doc_id"], text, bands
+                yield rec["doc_id"], text, bands, exact_key(text) if key is None else key
                 continue
             seen.counts[(status, reason)] += 1
             if len(examples := seen.samples[f"{status}:{reason}"]) < SAMPLES_PER_REASON:
@@ -164,9 +167,9 @@ def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, seen: O
     seen.tallies = quality.tallies()  # the language rule's and decontamination's, beside the statuses
 
 
-def _listed(keys: np.ndarray, doc_id: str, text: str) -> bool:
+def _listed(keys: np.ndarray, doc_id: str, exact: int) -> bool:
     """Whether a sorted forget list holds the record's key or its text's exact key."""
-    return _holds(keys, np.array([doc_key(doc_id), exact_key(text)], dtype=np.uint64))
+    return _holds(keys, np.array([doc_key(doc_id), exact], dtype=np.uint64))
 
 
 def _holds(keys: np.ndarray, wanted: np.ndarray) -> bool:
@@ -238,11 +241,11 @@ def _read_clean_sign(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, dcfg
     clock = StageClock()
     records: list = []
     with pq.ParquetWriter(path, schema, filesystem=fs) as writer:
-        for doc_id, text, bands in clean_records(unit, rcfg, ccfg, seen, clock, contamination, forget, hasher,
-                                                 records):
+        for doc_id, text, bands, key in clean_records(unit, rcfg, ccfg, seen, clock, contamination, forget, hasher,
+                                                      records):
             pending["doc_id"].append(doc_id)
             pending["doc"].append(hash64(doc_id))
-            pending["exact"].append(exact_key(text) if dcfg.exact_dedup else 0)
+            pending["exact"].append(key)  # pass 2's dedup (with --exact-dedup) and lineage read it
             pending["bands"].append(bands if bands is not None else hasher.band_keys(hasher.signature(text))
                                     if hasher else [0])
             pending["text"].append(text)
@@ -338,7 +341,8 @@ class DedupTokenizePack:
                                     self.contamination, self.forget, records=self.web_records)
             while chunk := list(islice(records, 1024)):
                 none = np.zeros(len(chunk), dtype=bool)
-                yield [c[0] for c in chunk], [c[1] for c in chunk], {"exact": none, "near": none}
+                yield [c[0] for c in chunk], [c[1] for c in chunk], {
+                    "exact": none, "near": none, "key": np.array([c[3] for c in chunk], dtype=np.uint64)}
             return
         fs, path = filesystem(join(self.work_dir, "docs", str(batch["docs_file"][0])))
         for chunk in pq.ParquetFile(fs.open_input_file(path)).iter_batches(batch_size=1024):
@@ -351,12 +355,10 @@ class DedupTokenizePack:
             clock.lap("dedup")
             yield ids, texts, {**dup, "doc": docs, "key": chunk.column("exact").to_numpy()}
 
-    def _low_quality(self, texts: list[str], keys: np.ndarray | None) -> np.ndarray:
-        """Which documents the quality scores drop (by exact key; computed here when dedup did not)."""
+    def _low_quality(self, keys: np.ndarray) -> np.ndarray:
+        """Which documents the quality scores drop (by exact key)."""
         if self.drop is None or not len(self.drop):
-            return np.zeros(len(texts), bool)
-        if keys is None or not self.dedup.exact_dedup:
-            keys = np.array([exact_key(t) for t in texts], dtype=np.uint64)
+            return np.zeros(len(keys), bool)
         return np.isin(keys.view(np.int64), self.drop)
 
     @profiled
@@ -382,7 +384,7 @@ class DedupTokenizePack:
         eot = np.array([self.tok.eot_id], dtype=np.uint32)
         tables, clock = [], StageClock()
         for ids, texts, dup in self._chunks(batch, seen, clock):
-            low = self._low_quality(texts, dup.get("key"))
+            low = self._low_quality(dup["key"])
             if low.any():  # counted filtered, not kept (pass 1 counted them kept) and never duplicates
                 seen.counts[("filtered", "quality")] += int(low.sum())
                 stats["kept"] -= int(low.sum())
@@ -414,13 +416,11 @@ class DedupTokenizePack:
             encoded = self.tok.encode_batch([texts[i] for i in keep])
             stats["tokenizer_checked"] += getattr(self.tok, "checked", 0) - checked
             clock.lap("tokenize")
-            exact_keys = dup.get("key") if self.dedup.exact_dedup else None
             for i, tokens in zip(keep, encoded, strict=True):
                 split = "validation" if validation_split(ids[i], self.split_seed, self.fraction) else "train"
                 streams[split] += [tokens, eot]
                 split_tokens[split] += len(tokens) + 1
-                runs[split].add(ids[i], int(exact_keys[i]) if exact_keys is not None else exact_key(texts[i]),
-                                len(tokens) + 1)
+                runs[split].add(ids[i], int(dup["key"][i]), len(tokens) + 1)
             for split, parts in streams.items():
                 flat = np.concatenate(parts)
                 n = len(flat) // self.row_len

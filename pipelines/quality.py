@@ -167,18 +167,15 @@ def write_scores(path: str, table: pa.Table) -> str:
     return path
 
 
-def _documents(batch: dict, *, cached: dict, exact: bool) -> pa.Table:
-    """One docs work file's documents, one row per distinct exact key with its `count`; `skip` when the
-    cache holds its score (then without its text)."""
+def _documents(batch: dict, *, cached: dict) -> pa.Table:
+    """One docs work file's documents, one row per distinct exact key (pass 1's) with its `count`; `skip` when
+    the cache holds its score (then without its text)."""
     import ray
 
-    from pipelines.dedup import exact_key
-
     fs, path = filesystem(str(batch["docs_file"][0]))
-    table = pq.read_table(fs.open_input_file(path), columns=["exact", "text"] if exact else ["text"])
+    table = pq.read_table(fs.open_input_file(path), columns=["exact", "text"])
     texts = table.column("text").to_pylist()
-    keys = (table.column("exact").to_numpy() if exact
-            else np.array([exact_key(t) for t in texts], dtype=np.uint64)).view(np.int64)
+    keys = table.column("exact").to_numpy().view(np.int64)
     unique, first, count = np.unique(keys, return_index=True, return_counts=True)
     skip = np.isin(unique, ray.get(cached["ref"]))
     return pa.table({"key": unique, "count": count, "skip": skip,
@@ -186,7 +183,7 @@ def _documents(batch: dict, *, cached: dict, exact: bool) -> pa.Table:
                                       pa.large_string())})
 
 
-def score(cfg: QualityConfig, model, docs_files: list[str], *, exact: bool, parent: dict | None,
+def score(cfg: QualityConfig, model, docs_files: list[str], *, parent: dict | None,
           out_dir: str, cpus: float, window: int | None = None) -> Decision:
     """Score the documents of `docs_files` (pass 1's work files) under `model` (infer.model.Model), reusing
     the cache that `parent` (the parent version's `quality`, paths whole) holds for the same model and
@@ -216,7 +213,7 @@ def score(cfg: QualityConfig, model, docs_files: list[str], *, exact: bool, pare
     _say(f"quality: scoring documents under {model.source} ({actors} actor(s); {len(cache_keys):,} scores cached)")
     ds = ray.data.from_items([{"docs_file": f} for f in docs_files], override_num_blocks=max(1, len(docs_files)))
     ds = ds.map_batches(_documents, batch_size=1, batch_format="numpy", label_selector=tiers.selector(tiers.Tier.CPU),
-                        fn_kwargs={"cached": {"ref": ray.put(cache_keys)}, "exact": exact})
+                        fn_kwargs={"cached": {"ref": ray.put(cache_keys)}})
     ds = scoring(ds, model, tier=tiers.Tier.CPU, actors=actors, stride=stride, batch_tokens=0, docs_per_batch=64)
     parts = [b for b in ds.select_columns(["key", "count", "skip", "tokens", "loss", "bpb", "unscored"])
              .iter_batches(batch_format="pyarrow", batch_size=None)]
