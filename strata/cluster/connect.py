@@ -119,6 +119,35 @@ _STARTED: set[str] = set()  # GCS addresses of the embedded Rays this process st
 API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"  # where Ray's state and job clients find the dashboard
 
 
+# Idle workers a node keeps, per CPU (Ray's default: one). A pass's actors count against the limit, so with
+# Ray's default the job's idle task workers were stopped while pass 2's actors ran, and the step after it waited
+# about 1 s for a new worker to start and import (measured on 2 cores: tier 1's tails task and pass 3).
+WORKERS_PER_CPU = 2
+
+
+def worker_pool_config(num_cpus: int | None = None) -> dict:
+    """The Ray system config strata starts a node with (an embedded Ray, `strata head start`)."""
+    return {"num_workers_soft_limit": WORKERS_PER_CPU * (num_cpus or os.cpu_count() or 1)}
+
+
+def warm_workers(modules: tuple[str, ...], count: int, **options) -> None:
+    """Start `count` of this job's workers (Ray `options`: where) importing `modules`, and return at once: on
+    a cluster this process joined, a job's workers start with its first tasks, so the first pass waited for
+    them; these start while the driver still plans. An embedded Ray's idle workers preload instead."""
+    import ray
+
+    task = ray.remote(_import_modules).options(num_cpus=0, **options)
+    for _ in range(count):
+        task.remote(modules)
+
+
+def _import_modules(modules: tuple[str, ...]) -> None:
+    import importlib
+
+    for name in modules:
+        importlib.import_module(name)
+
+
 _CALLERS: list[bool] = [False]  # whether the last connect() found a Ray its caller had connected
 
 
@@ -285,7 +314,8 @@ def connect(*, address: str | None = None, num_cpus: int | None = None,
                         log_to_driver=log_to_driver,
                         logging_level=logging.WARNING if quiet else logging.INFO,
                         _temp_dir=temp_dir,
-                        _system_config={"preload_python_modules": list(preload)} if preload else None,
+                        _system_config={**worker_pool_config(num_cpus),
+                                        **({"preload_python_modules": list(preload)} if preload else {})},
                     )
                 _STARTED.add(ray.get_runtime_context().gcs_address)
                 _EMBEDDED_TEMP[:] = [temp_dir]

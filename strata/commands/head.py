@@ -34,6 +34,7 @@ import urllib.error
 import urllib.request
 
 from strata.cluster import tiers
+from strata.cluster.connect import worker_pool_config
 from strata.cluster.procs import cmdline
 from strata.commands.shell import Command, Parser, StrataError, log
 
@@ -213,6 +214,7 @@ def start(*, port: int, dashboard_port: int, agent_port: int | None, client_port
            f"--labels={tiers.format_labels(tiers.local_node_labels())}", f"--temp-dir={temp}",
            f"--dashboard-agent-listen-port={ports['--agent-port (job agent)']}",
            f"--ray-client-server-port={client_port}", f"--metrics-export-port={ports['--metrics-port']}",
+           f"--system-config={json.dumps(worker_pool_config(num_cpus))}",
            *([f"--num-cpus={num_cpus}"] if num_cpus is not None else [])]
     logfile = os.path.join(temp, "strata-head.log")
     import subprocess
