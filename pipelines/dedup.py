@@ -198,7 +198,9 @@ class DedupIndex:
     memory grows with the new data, not with history. It builds itself from files (this run's work files and
     the segments), so a restarted actor (its node died) rebuilds the same index, and pass 2 goes on. The
     winner of a key is the earlier versions' entry with the smallest doc key if there is one (anything
-    already in the dataset wins), else this run's with the smallest doc key: the same input keeps the same
+    already in the dataset wins), else this run's first in input order (its file's place in the input, then
+    its position there; pipelines/pack.py `input_order`), as datatrove keeps a cluster's first copy and a reader
+    of the input would expect: the same input keeps the same
     documents, whatever the number of actors. Segments marked `against` are another dataset's
     (--dedup-against): they count as earlier, and `winners` says which keys they hold.
     """
@@ -209,19 +211,20 @@ class DedupIndex:
         self.tables: dict[str, dict[str, np.ndarray]] = {}
         parts = {t: [] for t in tables}
         for path in work_files:
-            t = _read(path, ["doc", "exact", "bands"])
-            docs = t.column("doc").to_numpy()
+            t = _read(path, ["doc", "exact", "bands", "order"])
+            docs, ranks = t.column("doc").to_numpy(), t.column("order").to_numpy()
             if "exact" in parts:
-                parts["exact"].append((t.column("exact").to_numpy(), docs))
+                parts["exact"].append((t.column("exact").to_numpy(), docs, ranks))
             if "band" in parts:
                 bands = t.column("bands").combine_chunks()
-                parts["band"].append((bands.flatten().to_numpy(), np.repeat(docs, bands.type.list_size)))
+                width = bands.type.list_size
+                parts["band"].append((bands.flatten().to_numpy(), np.repeat(docs, width), np.repeat(ranks, width)))
         for table, entries in parts.items():
-            keys, docs = (np.concatenate([e[i] for e in entries]).astype(np.uint64) if entries
-                          else np.zeros(0, np.uint64) for i in (0, 1))
+            keys, docs, ranks = (np.concatenate([e[i] for e in entries]).astype(np.uint64) if entries
+                                 else np.zeros(0, np.uint64) for i in (0, 1, 2))
             mine = self.owns(keys)
-            keys, docs = keys[mine], docs[mine]
-            order = np.lexsort((docs, keys))
+            keys, docs, ranks = keys[mine], docs[mine], ranks[mine]
+            order = np.lexsort((docs, ranks, keys))  # per key, the first document in input order
             keys, docs = keys[order], docs[order]
             first = np.ones(len(keys), dtype=bool)
             first[1:] = keys[1:] != keys[:-1]

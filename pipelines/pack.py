@@ -82,10 +82,27 @@ def _node() -> str:
 
 # ---------------------------------------------------------------- pass 1
 
+ORDER_POSITION_BITS = 40  # a record's position in its file (a byte offset, under 1 TiB); the file's place above
+
+
 def docs_schema(bands: int) -> pa.Schema:
     """A work file of kept documents with their dedup keys (the index is rebuilt from these)."""
     return pa.schema([("doc_id", pa.string()), ("doc", pa.uint64()), ("exact", pa.uint64()),
-                      ("bands", pa.list_(pa.uint64(), bands)), ("text", pa.large_string())])
+                      ("bands", pa.list_(pa.uint64(), bands)), ("text", pa.large_string()), ("order", pa.uint64())])
+
+
+def input_order(unit: list[dict]):
+    """A document's place in the run's input order, as one number (its file's place in the input, then its
+    record's position in the file): dedup keeps the first of a cluster's copies, as datatrove and a reader
+    of the input would."""
+    ordinal = {f["path"]: f.get("ordinal", 0) for f in unit}
+
+    def order(doc_id: str) -> int:
+        path, _, position = doc_id.rpartition(":")
+        at = min(int(position), (1 << ORDER_POSITION_BITS) - 1) if position.isdigit() else 0
+        return ordinal.get(path, 0) << ORDER_POSITION_BITS | at
+
+    return order
 
 
 class StageClock:
@@ -234,12 +251,13 @@ def _read_clean_sign(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, dcfg
         cols = [pa.array(pending["doc_id"], pa.string()), pa.array(pending["doc"], pa.uint64()),
                 pa.array(pending["exact"], pa.uint64()),
                 pa.FixedSizeListArray.from_arrays(pa.array(bands, pa.uint64()), n_bands),
-                pa.array(pending["text"], pa.large_string())]
+                pa.array(pending["text"], pa.large_string()), pa.array(pending["order"], pa.uint64())]
         writer.write_table(pa.Table.from_arrays(cols, schema=schema))
         return len(pending["doc"])
 
     clock = StageClock()
     records: list = []
+    order = input_order(unit)
     with pq.ParquetWriter(path, schema, filesystem=fs) as writer:
         for doc_id, text, bands, key in clean_records(unit, rcfg, ccfg, seen, clock, contamination, forget, hasher,
                                                       records):
@@ -249,6 +267,7 @@ def _read_clean_sign(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, dcfg
             pending["bands"].append(bands if bands is not None else hasher.band_keys(hasher.signature(text))
                                     if hasher else [0])
             pending["text"].append(text)
+            pending["order"].append(order(doc_id))
             kept_by_path[doc_path(doc_id)] += 1
             chars += len(text)
             clock.lap("sign")

@@ -160,8 +160,10 @@ def test_index_keeps_one_winner_per_key_and_earlier_versions_win(tmp_path):
     exact = [10, 10, 20, 30]
     docs = [5, 3, 7, 9]
     bands = pa.FixedSizeListArray.from_arrays(pa.array([1, 2, 1, 3, 4, 5, 6, 7], pa.uint64()), 2)
+    order = [0, 1, 2, 3]  # their places in the input
     pq.write_table(pa.Table.from_arrays([pa.array(["a", "b", "c", "d"]), pa.array(docs, pa.uint64()),
-                                         pa.array(exact, pa.uint64()), bands, pa.array(["t"] * 4, pa.large_string())],
+                                         pa.array(exact, pa.uint64()), bands, pa.array(["t"] * 4, pa.large_string()),
+                                         pa.array(order, pa.uint64())],
                                         schema=docs_schema(2)), tmp_path / "work.parquet")
     pq.write_table(pa.table({"key": pa.array([30], pa.uint64()), "doc": pa.array([99], pa.uint64())}),
                    tmp_path / "prior.parquet")  # an earlier version holds key 30
@@ -173,8 +175,9 @@ def test_index_keeps_one_winner_per_key_and_earlier_versions_win(tmp_path):
         mine = owner == s
         winner[mine], earlier[mine] = idx.winners("exact", np.array(exact, np.uint64)[mine])
     lost = earlier | (winner != np.array(docs, np.uint64))
-    assert lost.tolist() == [True, False, False, True]  # doc 3 beats doc 5; key 30 was taken earlier
-    assert winner[lost].tolist() == [3, 99] and earlier[lost].tolist() == [False, True]
+    # doc 5 beats doc 3, the smaller doc key: it comes first in the input; key 30 was taken earlier
+    assert lost.tolist() == [False, True, False, True]
+    assert winner[lost].tolist() == [5, 99] and earlier[lost].tolist() == [False, True]
     assert sum(i.sizes()["exact"] for i in shards) == 3 and sum(i.sizes()["band"] for i in shards) == 7
     saved = [i.save("exact", str(tmp_path / f"s{s}.parquet"))["rows"] for s, i in enumerate(shards)]
     assert sum(saved) == 2  # keys 10 and 20: 30 is an earlier version's
@@ -204,7 +207,8 @@ def test_the_index_holds_only_new_keys_and_compaction_keeps_its_segments_few(tmp
         work = tmp_path / f"work-{version}.parquet"
         pq.write_table(pa.Table.from_arrays([pa.array([str(d) for d in docs]), pa.array(docs), pa.array(keys),
                                              pa.FixedSizeListArray.from_arrays(pa.array(keys), 1),
-                                             pa.array([""] * len(keys), pa.large_string())], schema=docs_schema(1)), work)
+                                             pa.array([""] * len(keys), pa.large_string()), pa.array(docs)],
+                                            schema=docs_schema(1)), work)
         streamed.clear()
         actors = [DedupIndex(s, 3, [str(work)], {"exact": segments}, ("exact",)) for s in range(3)]
         assert sum(a.sizes()["exact"] for a in actors) == len(keys)  # this run's keys, not history's

@@ -489,3 +489,41 @@ def test_unit_tallies_add_field_by_field():
     assert docs.read == docs.kept + docs.filtered + docs.duplicate + docs.rejected == total.read()
     with pytest.raises(RuntimeError, match="does not balance"):  # a unit that lost a document is a bug
         accounting(total + Tally(kept=1))
+
+
+def test_dedup_keeps_the_first_copy_in_input_order(local_ray, tmp_path):
+    """Of a cluster of copies (exact, case and spacing, or near), the one kept is the first in the input: the
+    first file in the input's order, then the first record in it, as datatrove keeps a cluster's first copy.
+    Each of 24 clusters has its copies scattered over the files after the original's."""
+    import random
+
+    from pipelines.dedup import hash64
+
+    rng, words = random.Random(7), [f"w{i}" for i in range(800)]
+    originals = [" ".join(rng.choice(words) for _ in range(200)) for _ in range(24)]
+    lines: list[list[tuple[int, str]]] = [[], [], []]  # per file: (cluster, text)
+    for c, text in enumerate(originals):
+        near = text.split()
+        near[100] = "edited"
+        at = rng.randrange(2)
+        lines[at].append((c, text))  # the original, in an earlier file than any of its copies ...
+        for copy in (text, "  " + text.upper(), " ".join(near)):
+            lines[rng.randrange(at + 1, 3)].append((c, copy))
+    for f in lines:  # ... shuffled within its file, so it is first only by its file's place
+        rng.shuffle(f)
+    first: dict[int, str] = {}
+    for i, f in enumerate(lines):
+        path = tmp_path / "in" / f"part-{i}.jsonl"
+        path.parent.mkdir(exist_ok=True)
+        with open(path, "w") as out:
+            for c, text in f:
+                first.setdefault(c, f"{path}:{out.tell()}")  # the record's id: its file and byte offset
+                out.write(json.dumps({"text": text}) + "\n")
+    storage = Storage.from_env()
+    s = run(debug("first-copy", read={"inputs": (str(tmp_path / "in"),)}, dedup={"max_duplicate_fraction": 1}),
+            storage)
+    v = resolve(storage, f"first-copy@{s['version']}")
+    removed = pq.read_table(v.file(v.manifest.dedup["removed"])).to_pylist()
+    assert len(removed) == sum(map(len, lines)) - len(originals)  # every copy, and no original
+    assert not {r["doc_id"] for r in removed} & set(first.values())
+    assert {r["kept"] for r in removed} == {hash64(d) for d in first.values()}

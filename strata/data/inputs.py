@@ -143,6 +143,7 @@ def plan_units(files: list[dict], cfg: ReadConfig) -> list[list[dict]]:
     inside it, so ranges are read independently and every record exactly once.
     """
     total = sum(f["size"] for f in files)
+    files = [{**f, "ordinal": i} for i, f in enumerate(files)]  # its place in the input order (dedup keeps the first)
     unit = min(cfg.split_bytes, max(1 << 20, -(-total // UNITS_AT_LEAST)))
     units, current, size = [], [], 0
     for f in files:
