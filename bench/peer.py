@@ -389,8 +389,9 @@ def _web(a, head: dict, ratios: dict, results: dict) -> None:
           flush=True)
     print(f"     passed the filters (before dedup): strata {len(passed['strata']):,}, datatrove "
           f"{len(passed['datatrove']):,}, both {len(both):,} (agreement {filters:.1%}); dedup removed strata "
-          f"{len(passed['strata']) - len(mine):,}, datatrove {len(passed['datatrove']) - len(theirs):,}, each keeping "
-          "its own choice of a cluster's copies", flush=True)
+          f"{len(passed['strata']) - len(mine):,}, datatrove {len(passed['datatrove']) - len(theirs):,} (both keep a "
+          "cluster's first copy; they differ in which pairs their MinHash finds, and datatrove keeps one document per "
+          "connected cluster where strata keeps each document that is first in all its bands)", flush=True)
     print("     strata's reasons: " + ", ".join(f"{k} {v:,}" for k, v in sorted(s["reasons"].items())))
     if s["stages"]:
         print("     strata CPU s by stage: " + ", ".join(f"{k} {v:.1f}" for k, v in s["stages"].items()))
