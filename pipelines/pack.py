@@ -95,7 +95,8 @@ def input_order(unit: list[dict]):
     """A document's place in the run's input order, as one number (its file's place in the input, then its
     record's position in the file): dedup keeps the first of a cluster's copies, as datatrove and a reader
     of the input would."""
-    ordinal = {f["path"]: f.get("ordinal", 0) for f in unit}
+    most = (1 << (64 - ORDER_POSITION_BITS)) - 1  # files past the 16,777,215th share the last place
+    ordinal = {f["path"]: min(f.get("ordinal", 0), most) for f in unit}
 
     def order(doc_id: str) -> int:
         path, _, position = doc_id.rpartition(":")
@@ -143,11 +144,12 @@ def clean_records(unit: list[dict], rcfg: ReadConfig, ccfg: CleanConfig, seen: O
                   records: list | None = None) -> Iterator[tuple[str, str, np.ndarray | None, int]]:
     """(doc_id, text, its MinHash band keys or None, its exact key) of the unit's kept documents; every other
     record is counted by reason in `seen`. The exact key is computed once per document: dedup and lineage use
-    the one the forget list was checked with unless --pii changed the text. A document the dataset's forget list names (its record key, its exact key: the same
-    text in a new copy, or one of its band keys: an edited copy) is filtered as `forgotten`. The band keys are
-    computed only for a list with near keys, by its parameters; with `hasher` (the run's) when they match, and
-    then handed on, so no document is signed twice. A kept web page's record (URL, date, content type, WARC
-    record id) goes into `records` as (doc_id, its JSON), for lineage."""
+    the one the forget list was checked with unless --pii changed the text. A document the dataset's forget
+    list names (its record key, its exact key: the same text in a new copy, or one of its band keys: an edited
+    copy) is filtered as `forgotten`. The band keys are computed only for a list with near keys, by its
+    parameters; with `hasher` (the run's) when they match, and then handed on, so no document is signed twice.
+    A kept web page's record (URL, date, content type, WARC record id) goes into `records` as (doc_id, its
+    JSON), for lineage."""
     quality = QualityFilter(ccfg, evaluation_index(contamination))
     forgotten = fetch_once(forget["ref"]) if forget else None
     near = None
