@@ -81,6 +81,9 @@ def test_cluster_yaml_follows_our_rules(cluster):
 
     worker_start = next(c for c in cluster["worker_start_ray_commands"] if "ray start" in c)
     assert f"RAY_preload_python_modules={','.join(WORKER_MODULES)} " in worker_start, "workers preload tier 1's modules"
+    from strata.cluster.connect import WORKERS_PER_CPU
+
+    assert f"RAY_num_workers_soft_limit=$(({WORKERS_PER_CPU} * $(nproc))) " in worker_start, "idle workers outlive actors"
     head_start = next(c for c in cluster["head_start_ray_commands"] if "ray start" in c)
     host = re.search(r"--dashboard-host[= ](\S+)", head_start)
     assert host and host.group(1) in ("127.0.0.1", "localhost"), "the dashboard stays on the head's localhost"
@@ -328,6 +331,9 @@ def test_the_slurm_script_starts_the_same_cluster_as_cluster_yaml(cluster):
     assert "export RAY_AUTH_MODE=token" in text
     assert "RAY_AUTH_TOKEN_PATH:-$HOME/.strata/ray-token" in text
     assert f"export RAY_preload_python_modules={','.join(WORKER_MODULES)}" in text
+    from strata.cluster.connect import WORKERS_PER_CPU
+
+    assert f"export RAY_num_workers_soft_limit=$(({WORKERS_PER_CPU} * ${{SLURM_CPUS_ON_NODE:-$(nproc)}}))" in text
     head_line = next(c for c in cluster["head_start_ray_commands"] if "ray start" in c)
     worker_line = next(c for c in cluster["worker_start_ray_commands"] if "ray start" in c)
     assert "RAY_AUTH_TOKEN_PATH=~/.strata/ray-token" in head_line and "RAY_AUTH_MODE=token" in worker_line
