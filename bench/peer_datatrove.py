@@ -20,7 +20,7 @@ import os
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--workload", choices=["A", "B", "web"], required=True)
+    p.add_argument("--workload", choices=["A", "B", "web", "reseed"], required=True)
     p.add_argument("--input", required=True)
     p.add_argument("--tokenizer", required=True)
     p.add_argument("--out", required=True)
@@ -29,6 +29,7 @@ def main() -> None:
     p.add_argument("--ngrams", type=int, default=5)
     p.add_argument("--bands", type=int, default=14)
     p.add_argument("--rows", type=int, default=9)
+    p.add_argument("--seed", type=int, default=1, help="reseed: the MinHash seed")
     p.add_argument("--eos", default="<|endoftext|>")
     p.add_argument("--blocklist", help="web: the URL blocklist file (one domain a line)")
     p.add_argument("--lid-model", help="web: the fastText lid.176 model file (strata's, so both read the same)")
@@ -49,6 +50,9 @@ def main() -> None:
         return ex
 
     removed = []
+    if a.workload == "reseed":
+        print(json.dumps({"kept": reseeded(a, run)}))
+        return
     if a.workload == "web":
         kept, passed = web(a, run, tokenizer)
         print(json.dumps({"tokens": _tokens(a.out), "kept": kept, "passed": passed}))
@@ -157,13 +161,6 @@ def web(a, run, tokenizer) -> list[str]:
     language.model = LocalLID(a.lid_model, a.language_chars)
     bad = ("lorem ipsum", "javascript", "cookie policy", "terms of use", "privacy policy")
 
-    def keep_ids(data, rank: int = 0, world_size: int = 1):
-        os.makedirs(f"{a.out}/kept", exist_ok=True)
-        with open(f"{a.out}/kept/{rank:05d}.txt", "w") as f:
-            for doc in data:
-                f.write(doc.metadata["url"] + "\n")
-                yield doc
-
     cfg = MinhashConfig(n_grams=a.ngrams, num_buckets=a.bands, hashes_per_bucket=a.rows)
     tasks = len(glob.glob(f"{a.input}/*.warc.gz"))
     s1 = run([WarcReader(a.input, glob_pattern="*.warc.gz"), urls, Resiliparse(), language,
@@ -182,16 +179,58 @@ def web(a, run, tokenizer) -> list[str]:
     s4 = run([MinhashDedupCluster(input_folder=f"{a.out}/buckets", output_folder=f"{a.out}/remove", config=cfg)],
              1, "clusters", depends=s3)
     s5 = run([JsonlReader(f"{a.out}/filtered"), MinhashDedupFilter(input_folder=f"{a.out}/remove"), PIIFormatter(),
-              keep_ids, tokenizer()], tasks, "dedup-tokenize", depends=s4)
+              url_writer(f"{a.out}/kept"), tokenizer()], tasks, "dedup-tokenize", depends=s4)
     s5.run()
-    kept, passed = [], []
-    for path in glob.glob(f"{a.out}/kept/*.txt"):
-        with open(path) as f:
-            kept += f.read().split()
+    kept, passed = _urls(f"{a.out}/kept"), []
     for path in glob.glob(f"{a.out}/filtered/*.jsonl.gz"):  # what passed the filters, before MinHash
         with gzip.open(path, "rt") as f:
             passed += [json.loads(line)["metadata"]["url"] for line in f]
     return sorted(kept), sorted(passed)
+
+
+def url_writer(folder: str):
+    """A pipeline step that writes each document's URL to `folder`, a file per rank, and passes it on."""
+    def keep_urls(data, rank: int = 0, world_size: int = 1):
+        os.makedirs(folder, exist_ok=True)
+        with open(f"{folder}/{rank:05d}.txt", "w") as f:
+            for doc in data:
+                f.write(doc.metadata["url"] + "\n")
+                yield doc
+
+    return keep_urls
+
+
+def _urls(folder: str) -> list[str]:
+    urls = []
+    for path in glob.glob(f"{folder}/*.txt"):
+        with open(path) as f:
+            urls += f.read().split()
+    return sorted(urls)
+
+
+def reseeded(a, run) -> list[str]:
+    """datatrove's four MinHash stages alone, seeded with `--seed`, over the documents a web run passed
+    (`--input`: its `filtered` folder): the URLs they keep. Two seeds of one MinHash part ways on pairs near
+    the threshold, so their agreement is the most any two implementations can be expected to reach."""
+    from datatrove.pipeline.dedup import MinhashDedupSignature
+    from datatrove.pipeline.dedup.minhash import (
+        MinhashConfig,
+        MinhashDedupBuckets,
+        MinhashDedupCluster,
+        MinhashDedupFilter,
+    )
+    from datatrove.pipeline.readers import JsonlReader
+
+    cfg = MinhashConfig(n_grams=a.ngrams, num_buckets=a.bands, hashes_per_bucket=a.rows, seed=a.seed)
+    tasks = len(glob.glob(f"{a.input}/*.jsonl.gz"))
+    s1 = run([JsonlReader(a.input), MinhashDedupSignature(output_folder=f"{a.out}/sigs", config=cfg)], tasks, "signatures")
+    s2 = run([MinhashDedupBuckets(input_folder=f"{a.out}/sigs", output_folder=f"{a.out}/buckets", config=cfg)],
+             a.bands, "buckets", depends=s1)
+    s3 = run([MinhashDedupCluster(input_folder=f"{a.out}/buckets", output_folder=f"{a.out}/remove", config=cfg)],
+             1, "clusters", depends=s2)
+    run([JsonlReader(a.input), MinhashDedupFilter(input_folder=f"{a.out}/remove"), url_writer(f"{a.out}/kept")],
+        tasks, "filter", depends=s3).run()
+    return _urls(f"{a.out}/kept")
 
 
 if __name__ == "__main__":

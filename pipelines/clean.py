@@ -232,7 +232,7 @@ class _Doc:
 
     @functools.cached_property
     def mean_word_length(self) -> float:
-        return sum(len(w) for w in self.words) / (len(self.words) or 1)
+        return sum(map(len, self.words)) / (len(self.words) or 1)
 
     @functools.cached_property
     def ngrams(self) -> tuple[float, float]:
@@ -274,7 +274,7 @@ def build_rules(cfg: CleanConfig, contamination: dict | None = None) -> list[Rul
         ("gopher-mean-word-length", "min_mean_word_length", lambda d, v: d.mean_word_length < v),
         ("gopher-mean-word-length", "max_mean_word_length", lambda d, v: d.mean_word_length > v),
         ("gopher-alpha-words", "min_alpha_word_fraction",
-         lambda d, v: sum(1 for t in d.tokens if any(c.isalpha() for c in t)) / d.n < v),
+         lambda d, v: sum(1 for t in d.tokens if t.isalpha() or any(map(str.isalpha, t))) / d.n < v),
         ("gopher-symbol-ratio", "max_symbol_word_ratio",
          lambda d, v: max(d.text.count("#"), d.text.count("...") + d.text.count("…")) / d.n > v),
         ("gopher-top-2gram", "max_top_2gram_fraction", lambda d, v: d.ngrams[0] > v),

@@ -80,8 +80,8 @@ def debug(dataset: str, **stages: dict) -> PreprocessConfig:
 
 
 def web(dataset: str, **stages: dict) -> PreprocessConfig:
-    """Web text: Gopher/C4 quality rules, GPT-2 length rows."""
-    return _build(dataset, stages, clean=WEB, pack={"seq_len": 1024})
+    """Web text: Gopher/C4 quality rules, FineWeb's MinHash normalization, GPT-2 length rows."""
+    return _build(dataset, stages, clean=WEB, dedup={"shingle_normalize": True}, pack={"seq_len": 1024})
 
 
 PRESETS = {"debug": debug, "web": web}

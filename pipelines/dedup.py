@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 import zlib
 from dataclasses import dataclass, field
 
@@ -29,6 +30,9 @@ from strata.data.integrity import IntegrityError
 from strata.data.lineage import doc_key
 
 _WORD = re.compile(r"\w+", re.UNICODE)
+_PLAIN_WORD = re.compile(r"[^\W_]+", re.UNICODE)  # a word without underscores (they split it)
+_NUMBER = re.compile(r"\d+(?:[.,]\d+)?")
+NORMALIZE = "numbers-accents-underscores-v1"  # what `shingle_normalize` does, as a dataset's params name it
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -40,6 +44,10 @@ class DedupConfig:
     """Drop near duplicates found with MinHash + LSH."""
     shingle_words: int = 5
     """Words per shingle for MinHash."""
+    shingle_normalize: bool = False
+    """Normalize text before shingling as FineWeb's MinHash does (datatrove's defaults): each number (digits,
+    with a decimal part) becomes 0, accents are dropped and `_` splits words, so pages that differ only in
+    numbers (versions, dates, counts) are near duplicates. `--preset web` turns it on."""
     num_perm: int = 256
     """MinHash permutations (256: a sharper S-curve than 128, so one-word edits of 75-word documents are
     caught 99.7% of the time and pairs well below the threshold half as often, for 1.6x the signing CPU)."""
@@ -100,8 +108,9 @@ class DedupConfig:
     def params(self) -> dict:
         """What must match for an earlier version's near-dup state to be comparable."""
         b, r = self.lsh()
-        return {"shingle_words": self.shingle_words, "num_perm": self.num_perm, "bands": b, "rows": r,
-                "hash": "crc32-words/multiply-shift-v1"}
+        params = {"shingle_words": self.shingle_words, "num_perm": self.num_perm, "bands": b, "rows": r,
+                  "hash": "crc32-words/multiply-shift-v1"}
+        return {**params, "normalize": NORMALIZE} if self.shingle_normalize else params
 
 
 def collision_probability(similarity, bands: int, rows: int):
@@ -140,6 +149,7 @@ class MinHasher:
     def __init__(self, cfg: DedupConfig, seed: int = 1):
         rng = np.random.default_rng(seed)
         self.k = cfg.shingle_words
+        self.normalize = cfg.shingle_normalize
         self.params = cfg.params()  # what a forget list's near keys must have been made with to be comparable
         self.bands, self.rows = cfg.lsh()
         self.a = rng.integers(1, 2**63, cfg.num_perm, dtype=np.uint64) | np.uint64(1)  # odd multipliers
@@ -149,7 +159,7 @@ class MinHasher:
 
     def shingles(self, text: str) -> np.ndarray:
         """The uint64 hashes of the text's shingles of k consecutive words (a polynomial hash, mod 2^64)."""
-        words = np.array([zlib.crc32(w.encode()) for w in _WORD.findall(text.lower())] or [0], dtype=np.uint64)
+        words = np.array([zlib.crc32(w.encode()) for w in self.words(text)] or [0], dtype=np.uint64)
         n = max(1, len(words) - self.k + 1)
         pad = np.concatenate([words, np.zeros(self.k, dtype=np.uint64)])
         shingles = np.zeros(n, dtype=np.uint64)
@@ -157,6 +167,16 @@ class MinHasher:
             for j in range(self.k):
                 shingles += pad[j: j + n] * self.pow[j]
         return shingles
+
+    def words(self, text: str) -> list[str]:
+        """The words shingles are made of: lower case, and with `shingle_normalize` FineWeb's normalization."""
+        text = text.lower()
+        if not self.normalize:
+            return _WORD.findall(text)
+        text = _NUMBER.sub("0", text)
+        if not text.isascii():
+            text = "".join(c for c in unicodedata.normalize("NFD", text) if not unicodedata.combining(c))
+        return _PLAIN_WORD.findall(text)
 
     def signature(self, text: str) -> np.ndarray:
         """(num_perm,) uint32 MinHash of the text's word shingles (multiply-shift hashing)."""
@@ -185,8 +205,10 @@ def hasher_of(params: dict | None):
     not ones this code computes (another hash, or none recorded)."""
     if not params or params.get("hash") != DedupConfig().params()["hash"]:
         return None
+    if params.get("normalize") not in (None, NORMALIZE):
+        return None
     return MinHasher(DedupConfig(shingle_words=params["shingle_words"], num_perm=params["num_perm"],
-                                 bands=params["bands"], rows=params["rows"]))
+                                 bands=params["bands"], rows=params["rows"], shingle_normalize="normalize" in params))
 
 
 class DedupIndex:

@@ -151,6 +151,32 @@ def test_minhash_collides_for_near_duplicates_only():
     assert exact_key(a) == exact_key("  " + a.upper()) and exact_key(a) != exact_key(near)
 
 
+def test_shingle_normalize_makes_pages_differing_in_numbers_near_duplicates():
+    """FineWeb's normalization (the web preset's): numbers, accents and underscores do not tell pages apart; off,
+    a release note whose every line names its version is unlike the next release's."""
+    rng = random.Random(5)
+    lines = [f"{rng.choice(['Fixed', 'Added', 'Removed'])} {rng.choice(['the', 'a'])} {_doc(i, 6)} in release "
+             + "{v} on {d}, see issue {n}_{v}." for i in range(40)]
+    old = " ".join(line.format(v="2.3", d="2024-05-01", n=i * 7) for i, line in enumerate(lines))
+    new = " ".join(line.format(v="2.4", d="2024-06-11", n=i * 7 + 3) for i, line in enumerate(lines))
+    plain, normal = MinHasher(DedupConfig()), MinHasher(DedupConfig(shingle_normalize=True))
+
+    def shared_bands(h: MinHasher, a: str, b: str) -> int:
+        return int((h.band_keys(h.signature(a)) == h.band_keys(h.signature(b))).sum())
+
+    assert shared_bands(normal, old, new) == normal.bands  # the same words once numbers are 0
+    assert shared_bands(plain, old, new) == 0
+    assert normal.words("Café déjà_vu 10,5 v1.2.3") == ["cafe", "deja", "vu", "0", "v0", "0"]
+    assert plain.words("Café déjà_vu") == ["café", "déjà_vu"]
+    # A dataset's params name the normalization, so its index and a forget list's keys stay comparable.
+    from pipelines.config import web
+    from pipelines.dedup import hasher_of
+
+    params = web("w", read={"inputs": ("x",)}).dedup.params()
+    assert params != DedupConfig().params() and hasher_of(params).normalize and not hasher_of(DedupConfig().params()).normalize
+    assert hasher_of({**params, "normalize": "something-else"}) is None
+
+
 def test_index_keeps_one_winner_per_key_and_earlier_versions_win(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
