@@ -139,6 +139,21 @@ def test_a_warc_gives_its_html_pages_and_accounts_for_every_other_record(tmp_pat
                if r["reason"] != "truncated-record")
 
 
+def test_members_reads_members_larger_than_what_zlib_is_fed_at_a_time():
+    """Members are handed to zlib a slice at a time: ones many slices long (incompressible bytes), ones that
+    cross the reader's 1 MiB chunks, and small ones between, come back whole at their offsets."""
+    from strata.data.web import CHUNK, FEED, members
+
+    rng = random.Random(3)
+    payloads = [rng.randbytes(n) for n in (10, 3 * FEED + 17, 5, CHUNK + 1234, 0, 40_000)]
+    parts = [gzip.compress(p) for p in payloads]
+    offsets = [sum(map(len, parts[:i])) for i in range(len(parts))]
+    got = list(members(io.BytesIO(b"".join(parts)), 1 << 30))
+    assert [o for o, _ in got] == offsets and [b for _, b in got] == payloads
+    assert [r for _, r in members(io.BytesIO(b"".join(parts)), 2 * FEED)][1:4] == [
+        "record-too-large", payloads[2], "record-too-large"]  # over the limit: named, and the next read on
+
+
 @pytest.mark.parametrize("extractor", ["resiliparse", "trafilatura"])
 def test_extraction_keeps_the_article_and_drops_the_boilerplate(tmp_path, extractor):
     pages, truth = {}, {}

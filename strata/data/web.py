@@ -27,6 +27,7 @@ WARC_LIBRARIES = ("fastwarc", "warcio")
 EXTRACTORS = ("resiliparse", "trafilatura")
 GZIP_MAGIC = b"\x1f\x8b\x08"
 CHUNK = 1 << 20
+FEED = 64 << 10  # compressed bytes handed to zlib at a time (a crawl's record: a few KB compressed)
 
 
 def members(stream, limit: int) -> Iterator[tuple[int, bytes | str]]:
@@ -66,7 +67,8 @@ def members(stream, limit: int) -> Iterator[tuple[int, bytes | str]]:
                 if fed >= len(buf) and not fill():
                     reason = "truncated-record"  # the file ends inside the member
                     break
-                pending, fed = bytes(buf[fed:]), len(buf)
+                pending = bytes(buf[fed: fed + FEED])  # a slice, not the whole buffer: members are small
+                fed += len(pending)
             try:
                 piece = d.decompress(pending, CHUNK)
             except zlib.error:
