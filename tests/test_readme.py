@@ -123,7 +123,8 @@ def test_every_flag_the_readme_names_is_a_flag_of_a_command():
                                            ("train.sample",), ("train.export",), ("tune",), ("infer",), ("strata", "submit"),
                                            ("strata", "report"), ("strata", "plan"), ("strata", "demo"),
                                            ("strata", "keys", "trust"), ("train.convert",), ("tune.convert",),
-                                           ("bench",), ("bench.peer",), ("bench.lid",), ("bench.scale",), ("bench.train.gpu",)))
+                                           ("bench",), ("bench.peer",), ("bench.lid",), ("bench.scale",), ("bench.lineage_cost",),
+                                           ("bench.train.gpu",)))
     with open(os.path.join(REPO, "bench", "train", "gpu.sh")) as f:  # its own flag, --smoke, in its usage lines
         known += "\n".join(line for line in f if line.startswith("#   bench/train/gpu.sh"))
     # ray's, pip's, make's, git's, kubectl's, sbatch's, guidellm's and mkdocs' own flags, which the README quotes from their docs
