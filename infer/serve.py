@@ -110,7 +110,7 @@ def serve_models(specs: dict[str, str], cfg: ServeConfig, storage, name: str, *,
     import ray
 
     from infer.model import check
-    from strata.commands.shell import Job, StrataError, Terminated
+    from strata.commands.shell import Job, StrataError
     from strata.commands.shell import log as _logger
     from strata.data.storage import join, text_of
 
@@ -169,27 +169,28 @@ def serve_models(specs: dict[str, str], cfg: ServeConfig, storage, name: str, *,
             say(f"serving {shown} at http://{host}:{port}/v1 on the {cfg.tier} tier ({how}); Ctrl-C stops")
             # Replica-seconds: each interval at the count of running replicas seen at its start, the last
             # (cut short by the stop) included.
-            replica_s, polled, running = 0.0, time.time(), _replicas()
+            replica_s, polled, stop = 0.0, time.time(), _StopSignal()
+            running = _replicas()
+            while not stop.wait(1.0):
+                now = time.time()
+                replica_s += (now - polled) * running
+                polled, running = now, _replicas()
+            replica_s += (time.time() - polled) * running
+            stopped_by = stop.name
+            _hold_signals(say)
+            say(f"stopping ({stopped_by}): draining requests in flight")
+            serve.delete(APP)  # each ingress replica drains, then leaves its ledger to the tally
+            figures = _figures()
             try:
-                while True:
-                    time.sleep(1.0)
-                    now = time.time()
-                    replica_s += (now - polled) * running
-                    polled, running = now, _replicas()
-            except KeyboardInterrupt as e:
-                replica_s += (time.time() - polled) * running
-                stopped_by = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
-                _hold_signals(say)
-                say(f"stopping ({stopped_by}): draining requests in flight")
-                serve.delete(APP)  # each ingress replica drains, then leaves its ledger to the tally
-                figures = _figures()
-                asyncio.run_coroutine_threadsafe(serve.shutdown_async(), loop).result()
-                loop.call_soon_threadsafe(loop.stop)
-                seconds = time.time() - started
-                tokens = figures.get("prompt_tokens", 0) + figures.get("completion_tokens", 0)
-                figures.update({"models": len(specs), "seconds": round(seconds, 3), "stopped_by": stopped_by,
-                                "replica_hours": round(replica_s / 3600, 6),
-                                "requests_per_s": figures.get("requests", 0) / max(seconds, 1e-9)})
+                asyncio.run_coroutine_threadsafe(serve.shutdown_async(), loop).result(timeout=SHUTDOWN_S)
+            except TimeoutError:
+                say(f"Ray Serve did not shut down in {SHUTDOWN_S} s: the record is written without waiting longer")
+            loop.call_soon_threadsafe(loop.stop)
+            seconds = time.time() - started
+            tokens = figures.get("prompt_tokens", 0) + figures.get("completion_tokens", 0)
+            figures.update({"models": len(specs), "seconds": round(seconds, 3), "stopped_by": stopped_by,
+                            "replica_hours": round(replica_s / 3600, 6),
+                            "requests_per_s": figures.get("requests", 0) / max(seconds, 1e-9)})
         nodes = [n["NodeID"] for n in tiers.nodes_of(cfg.tier, ray.nodes())]
         cost = job.finish(beside=join(out, "record.json"), work_nodes=nodes, figures=figures)
     per_million = cost["cost"] / tokens * 1e6 if tokens and cost["cost"] is not None else None
@@ -259,6 +260,32 @@ def _ingress_line(mode: str, why: str, proxy_port: int | None) -> str:
     if mode == "ha-proxy":
         return "through Ray's HAProxy on every interface"
     return f"through Serve's proxy: {why}" if why != "asked" else "through Serve's proxy"
+
+
+SHUTDOWN_S = 120  # the most a stop waits for Serve's own shutdown once the app is deleted
+
+
+class _StopSignal:
+    """SIGINT (Ctrl-C) and SIGTERM, from now on, set this instead of raising KeyboardInterrupt in whatever the
+    main thread runs: the serving loop asks Ray Serve for its status every second, and an interrupt raised
+    inside that call can leave the driver's Ray connection mid-call, so that the stop after it never ends."""
+
+    def __init__(self):
+        import signal
+
+        self.event, self.name = threading.Event(), "SIGINT"
+
+        def handler(signum, frame):
+            self.name = signal.Signals(signum).name
+            self.event.set()
+
+        if threading.current_thread() is threading.main_thread():  # only there can a handler be set
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, handler)
+
+    def wait(self, seconds: float) -> bool:
+        """Whether a stop signal came, waiting up to `seconds` for one."""
+        return self.event.wait(seconds)
 
 
 def _hold_signals(say) -> None:

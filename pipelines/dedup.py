@@ -32,6 +32,7 @@ from strata.data.lineage import doc_key
 _WORD = re.compile(r"\w+", re.UNICODE)
 _PLAIN_WORD = re.compile(r"[^\W_]+", re.UNICODE)  # a word without underscores (they split it)
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)?")
+_MARKS = None  # combining marks (regex's \p{Mn}), compiled when first needed
 NORMALIZE = "numbers-accents-underscores-v1"  # what `shingle_normalize` does, as a dataset's params name it
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -174,8 +175,13 @@ class MinHasher:
         if not self.normalize:
             return _WORD.findall(text)
         text = _NUMBER.sub("0", text)
-        if not text.isascii():
-            text = "".join(c for c in unicodedata.normalize("NFD", text) if not unicodedata.combining(c))
+        if not text.isascii():  # accents: decomposed, then their marks dropped (regex's \p{Mn}: in C, not a loop)
+            global _MARKS
+            if _MARKS is None:
+                import regex
+
+                _MARKS = regex.compile(r"\p{Mn}+")
+            text = _MARKS.sub("", unicodedata.normalize("NFD", text))
         return _PLAIN_WORD.findall(text)
 
     def signature(self, text: str) -> np.ndarray:

@@ -119,7 +119,11 @@ class Server:
             os.killpg(self.proc.pid, sig)  # it leads its group (start_new_session)
         else:
             self.proc.send_signal(sig)
-        out, _ = self.proc.communicate(timeout=timeout)
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()  # it did not stop: the test fails, and leaves no server behind
+            raise
         lines = [line for line in out.strip().splitlines() if line.startswith("{")]
         return self.proc.returncode, json.loads(lines[-1]) if lines else None
 
