@@ -169,7 +169,7 @@ def serve_models(specs: dict[str, str], cfg: ServeConfig, storage, name: str, *,
             say(f"serving {shown} at http://{host}:{port}/v1 on the {cfg.tier} tier ({how}); Ctrl-C stops")
             # Replica-seconds: each interval at the count of running replicas seen at its start, the last
             # (cut short by the stop) included.
-            replica_s, polled, stop = 0.0, time.time(), _StopSignal()
+            replica_s, polled, stop = 0.0, time.time(), _StopSignal(say)
             running = _replicas()
             while not stop.wait(1.0):
                 now = time.time()
@@ -177,7 +177,6 @@ def serve_models(specs: dict[str, str], cfg: ServeConfig, storage, name: str, *,
                 polled, running = now, _replicas()
             replica_s += (time.time() - polled) * running
             stopped_by = stop.name
-            _hold_signals(say)
             say(f"stopping ({stopped_by}): draining requests in flight")
             serve.delete(APP)  # each ingress replica drains, then leaves its ledger to the tally
             figures = _figures()
@@ -268,14 +267,19 @@ SHUTDOWN_S = 120  # the most a stop waits for Serve's own shutdown once the app 
 class _StopSignal:
     """SIGINT (Ctrl-C) and SIGTERM, from now on, set this instead of raising KeyboardInterrupt in whatever the
     main thread runs: the serving loop asks Ray Serve for its status every second, and an interrupt raised
-    inside that call can leave the driver's Ray connection mid-call, so that the stop after it never ends."""
+    inside that call can leave the driver's Ray connection mid-call, so that the stop after it never ends.
+    A second one, while the server drains (a terminal's group, a runtime that sends it again), is told to
+    wait instead of cutting the drain and the record short."""
 
-    def __init__(self):
+    def __init__(self, say):
         import signal
 
         self.event, self.name = threading.Event(), "SIGINT"
 
         def handler(signum, frame):
+            if self.event.is_set():
+                say(f"already stopping ({signal.Signals(signum).name}): the record is being written")
+                return
             self.name = signal.Signals(signum).name
             self.event.set()
 
@@ -286,18 +290,6 @@ class _StopSignal:
     def wait(self, seconds: float) -> bool:
         """Whether a stop signal came, waiting up to `seconds` for one."""
         return self.event.wait(seconds)
-
-
-def _hold_signals(say) -> None:
-    """While the server drains: a second Ctrl-C or SIGTERM (a terminal's group, a runtime that sends it
-    again) is told to wait instead of cutting the drain and the record short."""
-    import signal
-
-    def again(signum, frame):
-        say(f"already stopping ({signal.Signals(signum).name}): the record is being written")
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, again)
 
 
 def _warm(specs: dict[str, str], cfg: ServeConfig, loop: asyncio.AbstractEventLoop) -> None:
